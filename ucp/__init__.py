@@ -1,0 +1,1 @@
+"""ucp: universal checkpoints for DeepSpeed ZeRO."""

@@ -1,0 +1,73 @@
+"""Start N local ranks of :mod:`ucp.harness.worker` with the environment torch.distributed expects."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ucp.harness.spec import RunSpec
+
+__all__ = ["RankFailure", "free_port", "run_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A rank exited non-zero; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLike | None = None) -> None:
+    """Run ``spec`` on ``spec.dp`` local processes and wait for all of them.
+
+    Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DeepSpeed runs on
+    its CPU accelerator with the gloo backend. Raises RankFailure naming the first rank that failed.
+    """
+    if not spec.port:
+        spec.port = free_port()
+    logs = Path(log_dir or tempfile.mkdtemp(prefix="ucp-ranks-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(spec.dp):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.dp),
+            LOCAL_WORLD_SIZE=str(spec.dp),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(spec.port),
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+            PYTHONWARNINGS="ignore",
+        )
+        log = open(logs / f"rank{rank}.log", "w")
+        cmd = [sys.executable, "-m", "ucp.harness.worker", spec.to_json()]
+        procs.append((rank, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    failed = []
+    try:
+        for rank, proc, log in procs:
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = "timeout"
+            log.close()
+            if code != 0:
+                failed.append((rank, code))
+    finally:
+        for _, proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed:
+        rank, code = failed[0]
+        tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-4000:]
+        raise RankFailure(f"rank {rank} exited with {code} (logs in {logs}):\n{tail}")

@@ -1,0 +1,76 @@
+"""The description of one DeepSpeed run: plain dataclasses that travel to each rank as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["LoadSpec", "ModelSpec", "RunSpec", "OPTIMIZERS"]
+
+#: Optimizers the harness can build, named as ucp's flavours name them (plus the AdamW variant).
+OPTIMIZERS = ("torch-adamw", "torch-adam", "ds-fused-adam", "ds-cpu-adam")
+
+
+@dataclass
+class ModelSpec:
+    """A small language model with every feature a checkpoint can carry.
+
+    Sizes are deliberately odd so that no parameter divides evenly by common DP sizes: every
+    partition has padding. ``layers`` x ``hidden``^2 sets the bulk; the largest parameter is
+    max(vocab x hidden, hidden x ffn).
+    """
+
+    vocab: int = 37
+    hidden: int = 10
+    ffn: int = 23
+    layers: int = 2
+    tied: bool = True  # lm head shares the embedding weight
+    frozen: bool = True  # one frozen projection (requires_grad=False)
+    buffers: bool = True  # a persistent buffer that training updates, and a non-persistent one
+
+
+@dataclass
+class LoadSpec:
+    """How a run starts from an earlier state before training."""
+
+    path: str
+    kind: str = "native"  # native | ds-universal | ucp (ucp.restore into the live engine)
+    tag: str | None = None
+    load_optimizer_states: bool = True
+
+
+@dataclass
+class RunSpec:
+    """One distributed run: build an engine, maybe load, train, maybe save, maybe record."""
+
+    dp: int = 2
+    stage: int = 3
+    dtype: str = "bf16"  # fp32 | bf16
+    optimizer: str = "torch-adamw"
+    offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
+    sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)
+    param_groups: int = 2  # 1: one group; 2: decay / no-decay with their own lr; 3: + a group for the head
+    lr: float = 1e-2
+    scheduler: bool = True
+    model: ModelSpec = field(default_factory=ModelSpec)
+    global_batch: int = 12  # divisible by every DP size the tests use
+    seq: int = 8
+    seed: int = 1234
+    data_seed: int = 99
+    steps: int = 3
+    first_step: int = 0  # index of the first batch, so a resumed run sees the batches it would have seen
+    load: LoadSpec | None = None
+    save_dir: str | None = None
+    save_tag: str | None = None
+    record: str | None = None  # rank 0 writes what the live engine holds here (torch.save)
+    port: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        raw = json.loads(text)
+        raw["model"] = ModelSpec(**raw["model"])
+        raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
+        return cls(**raw)

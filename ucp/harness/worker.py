@@ -1,0 +1,144 @@
+"""One rank of a harness run: ``python -m ucp.harness.worker SPEC_JSON`` (started by run_ranks)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
+from ucp.harness.spec import RunSpec
+
+
+def lr_decay(step: int) -> float:
+    """The harness's lr schedule: a module-level function so the scheduler state pickles cleanly."""
+    return 1.0 / (1.0 + 0.05 * step)
+
+
+def _make_optimizer(spec: RunSpec, groups: list[dict]):
+    betas = (0.9, 0.95)
+    if spec.optimizer == "torch-adamw":
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=betas)
+    if spec.optimizer == "torch-adam":
+        return torch.optim.Adam(groups, lr=spec.lr, betas=betas, weight_decay=0.0)
+    if spec.optimizer == "ds-fused-adam":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=spec.lr, betas=betas, adam_w_mode=True)
+    if spec.optimizer == "ds-cpu-adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=spec.lr, betas=betas, adamw_mode=True)
+    raise SystemExit(f"unknown optimizer {spec.optimizer}")
+
+
+def _ds_config(spec: RunSpec) -> dict:
+    zero: dict = {"stage": spec.stage}
+    if spec.stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    if spec.sub_group_size:
+        zero["sub_group_size"] = spec.sub_group_size
+    if spec.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config: dict = {
+        "train_micro_batch_size_per_gpu": spec.global_batch // spec.dp,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if spec.load is not None and spec.load.kind == "ds-universal":
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
+    """Gather what the live engine holds (collectives: every rank takes part) and let rank 0 save it."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict = {"losses": losses, "params": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
+    names = []
+    seen: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.append(name)
+        if id(param) in seen:
+            continue
+        seen[id(param)] = name
+        if param.requires_grad:
+            out["params"][name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state = safe_get_full_optimizer_state(param, key)
+                out[key][name] = None if state is None else state.detach().float().cpu().clone()
+        params = [param] if hasattr(param, "ds_id") else []
+        with deepspeed.zero.GatheredParameters(params):
+            out["module"][name] = param.detach().cpu().clone()
+    out["names"] = names
+    out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
+    out["buffers"] = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}
+    base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    out["state_steps"] = [
+        (float(s["step"]) if torch.is_tensor(s.get("step")) else s.get("step")) for s in base.state.values()
+    ]
+    out["state_step_types"] = [type(s.get("step")).__name__ for s in base.state.values()]
+    out["counters"] = {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+    }
+    out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    out["lrs"] = [g["lr"] for g in base.param_groups]
+    if engine.global_rank == 0:
+        torch.save(out, spec.record)
+
+
+def main(argv: list[str]) -> None:
+    spec = RunSpec.from_json(argv[0])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(spec.seed)
+    model = TinyLM(spec.model)
+    groups = build_param_groups(model, spec.param_groups, spec.lr)
+    optimizer = _make_optimizer(spec, groups)
+    scheduler = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay)) if spec.scheduler else None
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(spec)
+    )
+    if spec.load is not None:
+        if spec.load.kind == "ucp":
+            import ucp
+
+            ucp.restore(engine, spec.load.path, load_optimizer_states=spec.load.load_optimizer_states)
+        else:
+            path, _ = engine.load_checkpoint(
+                spec.load.path, tag=spec.load.tag, load_optimizer_states=spec.load.load_optimizer_states
+            )
+            if path is None:
+                raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
+    rank = engine.global_rank
+    losses = []
+    for step in range(spec.first_step, spec.first_step + spec.steps):
+        tokens = batch_for_step(
+            step, seed=spec.data_seed, global_batch=spec.global_batch, seq=spec.seq,
+            vocab=spec.model.vocab, rank=rank, dp=spec.dp,
+        )
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / spec.dp)
+    if spec.save_dir:
+        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
+    if spec.record:
+        _record(engine, model, spec, losses)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
