@@ -1,0 +1,42 @@
+"""The errors ucp raises for expected failures: bad input, broken files, refused configs.
+
+The CLI prints ``str(err)`` as one line and exits non-zero; anything that is not a UcpError is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UcpError", "InputError", "CorruptFileError", "UnsafeFileError", "ChecksumError", "ConfigError",
+           "OutputExistsError"]
+
+
+class UcpError(Exception):
+    """An expected failure with a message fit for one line of output."""
+
+    exit_code = 2
+
+
+class InputError(UcpError):
+    """The input is not what it claims to be: missing files, mismatched ranks, unsupported layout."""
+
+
+class CorruptFileError(InputError):
+    """A file is truncated, not a torch checkpoint, or its contents contradict its metadata."""
+
+
+class UnsafeFileError(InputError):
+    """A pickle asks for a global outside the allow-list; it is refused, never executed."""
+
+
+class ChecksumError(UcpError):
+    """A universal directory's file does not match the checksum its manifest records."""
+
+    exit_code = 1
+
+
+class ConfigError(UcpError):
+    """A migration config or a set of options is invalid; the message lists every problem found."""
+
+
+class OutputExistsError(UcpError):
+    """The output path exists and ``overwrite`` was not given."""

@@ -1,0 +1,154 @@
+"""Pure partition maths: which rank holds which elements of which parameter. No I/O, no torch.
+
+ZeRO-3 partitions every parameter on its own: rank r holds elements
+``[r*P, min((r+1)*P, numel))`` of the flattened parameter, where ``P = ceil(numel / dp)``, padded
+with zeros to P. Each rank concatenates its partitions, parameter by parameter in param-group
+order, into flat "sub-group" buffers; a new sub-group starts once the running partition size
+reaches ``sub_group_size`` (DeepSpeed 0.19.8, ``_create_fp16_sub_groups``).
+
+ZeRO-1/2 flatten a whole param group first, pad the flat buffer to a multiple of the alignment
+(``2 * dp`` elements for 16-bit training, ``dp`` otherwise... see :func:`zero12_padded_numel`),
+and cut it into ``dp`` equal partitions; a parameter can straddle ranks and the padding sits at the
+end, where it can cover whole trailing ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = [
+    "ceil_div",
+    "zero3_partition_size",
+    "zero3_rank_span",
+    "zero3_sub_groups",
+    "Zero3Slot",
+    "Zero3Layout",
+    "zero3_layout",
+    "Span",
+    "zero12_padded_numel",
+    "zero12_partition_size",
+    "zero12_param_spans",
+]
+
+
+def ceil_div(a: int, b: int) -> int:
+    if b <= 0:
+        raise ValueError(f"divisor must be positive, got {b}")
+    return -(-a // b)
+
+
+def zero3_partition_size(numel: int, dp: int) -> int:
+    """Elements each of ``dp`` ranks holds for one ZeRO-3 parameter, padding included."""
+    return ceil_div(numel, dp)
+
+
+def zero3_rank_span(numel: int, dp: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the real (unpadded) elements of the flattened parameter that ``rank`` holds."""
+    size = zero3_partition_size(numel, dp)
+    start = min(rank * size, numel)
+    return start, min(start + size, numel)
+
+
+def zero3_sub_groups(partition_sizes: Sequence[int], sub_group_size: int | None) -> list[list[int]]:
+    """Split one param group's parameters (given by partition size) into sub-groups, as indices.
+
+    Mirrors DeepSpeed: a sub-group closes once its running size reaches ``sub_group_size`` or at
+    the group's last parameter; the whole group is one sub-group when it fits.
+    """
+    total = sum(partition_sizes)
+    if not partition_sizes:
+        return []
+    if sub_group_size is None or sub_group_size >= total:
+        return [list(range(len(partition_sizes)))]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    running = 0
+    for index, size in enumerate(partition_sizes):
+        current.append(index)
+        running += size
+        if running >= sub_group_size or index == len(partition_sizes) - 1:
+            groups.append(current)
+            current, running = [], 0
+    return groups
+
+
+@dataclass(frozen=True)
+class Zero3Slot:
+    """Where one parameter's partition sits in every rank's flat sub-group buffer."""
+
+    group: int  # param group index
+    sub_group: int  # global sub-group index (the optimizer state key)
+    offset: int  # element offset inside the sub-group's flat buffer
+    size: int  # partition size (padding included)
+    numel: int  # real elements of the whole parameter
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """The flat layout of a ZeRO-3 run at one DP size: slots per parameter, sizes per sub-group."""
+
+    dp: int
+    slots: tuple[tuple[Zero3Slot, ...], ...]  # [param group][param]
+    sub_group_numel: tuple[int, ...]  # per global sub-group, per rank
+    sub_group_of_group: tuple[int, ...]  # param group of each sub-group
+
+    def sub_groups_in(self, group: int) -> list[int]:
+        return [i for i, g in enumerate(self.sub_group_of_group) if g == group]
+
+
+def zero3_layout(numels: Sequence[Sequence[int]], dp: int, sub_group_size: int | None) -> Zero3Layout:
+    """The layout DeepSpeed builds for param groups with these parameter sizes at this DP size."""
+    if dp <= 0:
+        raise ValueError(f"dp must be positive, got {dp}")
+    slots: list[tuple[Zero3Slot, ...]] = []
+    sub_numel: list[int] = []
+    sub_group_of_group: list[int] = []
+    for group, group_numels in enumerate(numels):
+        sizes = [zero3_partition_size(n, dp) for n in group_numels]
+        group_slots: list[Zero3Slot | None] = [None] * len(sizes)
+        for members in zero3_sub_groups(sizes, sub_group_size):
+            sub = len(sub_numel)
+            offset = 0
+            for index in members:
+                group_slots[index] = Zero3Slot(group, sub, offset, sizes[index], group_numels[index])
+                offset += sizes[index]
+            sub_numel.append(offset)
+            sub_group_of_group.append(group)
+        slots.append(tuple(s for s in group_slots if s is not None))
+    return Zero3Layout(dp, tuple(slots), tuple(sub_numel), tuple(sub_group_of_group))
+
+
+@dataclass(frozen=True)
+class Span:
+    """A run of elements of one parameter held by one rank's flat partition."""
+
+    rank: int
+    param_start: int  # offset into the flattened parameter
+    partition_start: int  # offset into that rank's partition
+    length: int
+
+
+def zero12_padded_numel(group_numel: int, dp: int, alignment: int) -> int:
+    """Flat group size after DeepSpeed pads it so that it splits evenly and aligned across ``dp``."""
+    unit = alignment * dp
+    return ceil_div(group_numel, unit) * unit if group_numel else 0
+
+
+def zero12_partition_size(group_numel: int, dp: int, alignment: int) -> int:
+    return zero12_padded_numel(group_numel, dp, alignment) // dp
+
+
+def zero12_param_spans(param_offset: int, numel: int, partition_size: int, dp: int) -> list[Span]:
+    """Cut the parameter at ``[param_offset, param_offset+numel)`` of a flat group into per-rank spans."""
+    spans: list[Span] = []
+    position = param_offset
+    end = param_offset + numel
+    while position < end:
+        rank = position // partition_size
+        if rank >= dp:
+            raise ValueError(f"element {position} lies past {dp} partitions of {partition_size}")
+        stop = min(end, (rank + 1) * partition_size)
+        spans.append(Span(rank, position - param_offset, position - rank * partition_size, stop - position))
+        position = stop
+    return spans

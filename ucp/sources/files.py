@@ -1,0 +1,117 @@
+"""Finding a DeepSpeed checkpoint's files and checking that they form one whole checkpoint."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucp.errors import InputError
+
+__all__ = ["CheckpointFiles", "find_checkpoint", "resolve_tag_dir"]
+
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The rank files of one tag folder, indexed [mp rank][dp rank]."""
+
+    tag_dir: Path
+    tag: str
+    stage3: bool  # per-rank model states (ZeRO-3) rather than one per mp rank
+    bf16_prefix: bool
+    optim: tuple[tuple[Path, ...], ...]
+    model: tuple[tuple[Path, ...], ...]  # ZeRO-3: [mp][dp]; ZeRO-1/2: [mp][0]
+
+    @property
+    def dp(self) -> int:
+        return len(self.optim[0])
+
+    @property
+    def mp(self) -> int:
+        return len(self.optim)
+
+
+def resolve_tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
+    """SRC may be the folder holding ``latest`` or a tag folder inside it."""
+    if not src.exists():
+        raise InputError(f"{src} does not exist")
+    if not src.is_dir():
+        raise InputError(f"{src} is not a folder; give the checkpoint folder (the one holding 'latest') or a tag folder")
+    if tag is not None:
+        tag_dir = src / tag
+        if not tag_dir.is_dir():
+            if src.name == tag:
+                return src, tag
+            raise InputError(f"tag {tag!r} not found in {src}")
+        return tag_dir, tag
+    latest = src / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        if not name or "/" in name or name in (".", ".."):
+            raise InputError(f"{latest} names {name!r}, which is not a tag folder")
+        if not (src / name).is_dir():
+            raise InputError(f"{latest} names tag {name!r} but {src / name} does not exist")
+        return src / name, name
+    if any(src.glob("*_optim_states.pt")) or any(src.glob("*_model_states.pt")):
+        return src, src.name
+    raise InputError(f"{src} holds no DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files")
+
+
+def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path) -> tuple[tuple[Path, ...], ...]:
+    mps = sorted({mp for mp, _ in found})
+    if mps != list(range(len(mps))):
+        raise InputError(f"{tag_dir}: {what} files cover mp ranks {mps}; expected 0..{len(mps) - 1}")
+    rows = []
+    for mp in mps:
+        dps = sorted(dp for m, dp in found if m == mp)
+        if dps != list(range(len(dps))):
+            missing = sorted(set(range(max(dps) + 1)) - set(dps))
+            raise InputError(f"{tag_dir}: {what} file for dp rank {missing[0]} (mp rank {mp}) is missing")
+        rows.append(tuple(found[(mp, dp)] for dp in dps))
+    if len({len(r) for r in rows}) != 1:
+        raise InputError(f"{tag_dir}: mp ranks hold different numbers of {what} files")
+    return tuple(rows)
+
+
+def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
+    """Index the rank files of a DeepSpeed ZeRO checkpoint and refuse incomplete or mixed sets."""
+    tag_dir, tag = resolve_tag_dir(Path(src), tag)
+    optim: dict[tuple[int, int], Path] = {}
+    z3_model: dict[tuple[int, int], Path] = {}
+    model: dict[tuple[int, int], Path] = {}
+    prefixes: set[bool] = set()
+    for path in tag_dir.iterdir():
+        if m := _OPTIM.match(path.name):
+            key = (int(m.group(3)), int(m.group(2)))
+            if key in optim:
+                raise InputError(f"{tag_dir}: both bf16_ and plain optim files exist for dp rank {key[1]}")
+            optim[key] = path
+            prefixes.add(bool(m.group(1)))
+        elif m := _Z3_MODEL.match(path.name):
+            z3_model[(int(m.group(2)), int(m.group(1)))] = path
+        elif m := _MODEL.match(path.name):
+            model[(int(m.group(1)), 0)] = path
+    if not optim:
+        raise InputError(f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without "
+                         "optimizer state)")
+    if len(prefixes) > 1:
+        raise InputError(f"{tag_dir} mixes bf16_ and plain optim files: two runs were saved into one tag")
+    optim_grid = _grid(optim, "optim", tag_dir)
+    if z3_model:
+        model_grid = _grid(z3_model, "model", tag_dir)
+        if len(model_grid) != len(optim_grid) or len(model_grid[0]) != len(optim_grid[0]):
+            raise InputError(f"{tag_dir}: {sum(map(len, model_grid))} model files but "
+                             f"{sum(map(len, optim_grid))} optim files")
+        stage3 = True
+    elif model:
+        model_grid = _grid(model, "model", tag_dir)
+        if len(model_grid) != len(optim_grid):
+            raise InputError(f"{tag_dir}: model files for {len(model_grid)} mp ranks, optim for {len(optim_grid)}")
+        stage3 = False
+    else:
+        raise InputError(f"{tag_dir} has optim files but no *_model_states.pt")
+    return CheckpointFiles(tag_dir, tag, stage3, prefixes.pop(), optim_grid, model_grid)
