@@ -1,1 +1,40 @@
-"""ucp: universal checkpoints for DeepSpeed ZeRO."""
+"""ucp: universal checkpoints for DeepSpeed ZeRO.
+
+Read ZeRO shards into a per-parameter universal directory, and restore it at any DP size, ZeRO
+stage and optimizer flavour: into a live engine, a plain torch model, or a native checkpoint that
+stock DeepSpeed loads. Importing ucp never imports deepspeed.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ucp.convert import load_optimizer_moments, to_universal  # noqa: E402
+from ucp.errors import UcpError  # noqa: E402
+from ucp.sources import open_reader  # noqa: E402
+from ucp.universal import open_universal  # noqa: E402
+
+
+def restore(engine, universal_dir, **kwargs):  # type: ignore[no-untyped-def]
+    """Restore a universal directory into a live DeepSpeed engine (see ucp.targets.engine.restore)."""
+    from ucp.targets.engine import restore as _restore
+
+    return _restore(engine, universal_dir, **kwargs)
+
+
+def restore_torch(model, optimizer, universal_dir, **kwargs):  # type: ignore[no-untyped-def]
+    """Restore into a plain torch model and optimizer (see ucp.targets.torch.restore_torch)."""
+    from ucp.targets.torch import restore_torch as _restore_torch
+
+    return _restore_torch(model, optimizer, universal_dir, **kwargs)
+
+
+def write_native(source, out, **kwargs):  # type: ignore[no-untyped-def]
+    """Write a native ZeRO checkpoint for a new DP size (see ucp.targets.native.write_native)."""
+    from ucp.targets.native import write_native as _write_native
+
+    return _write_native(source, out, **kwargs)
+
+
+__all__ = ["__version__", "UcpError", "to_universal", "open_universal", "open_reader", "load_optimizer_moments",
+           "restore", "restore_torch", "write_native"]

@@ -1,0 +1,5 @@
+"""Targets: write a reader's state somewhere a training run can use it.
+
+native (per-rank ZeRO files for stock DeepSpeed), engine (a live DeepSpeed engine), torch (a plain
+model and optimizer), export (consolidated weights). Each takes any :class:`ucp.records.Reader`.
+"""

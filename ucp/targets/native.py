@@ -1,0 +1,273 @@
+"""Universal (or any reader) -> a native ZeRO checkpoint that stock DeepSpeed loads at DP=N.
+
+Call order: :func:`plan_native` fixes every choice (DP, stage, flavour, dtype, sub-groups, step)
+as plain data and checks it; :func:`write_native` reads each parameter once, scatters it into every
+rank's flat buffers, and writes ``OUT/latest`` plus ``OUT/<tag>/`` atomically. A new engine then
+loads it with a plain ``engine.load_checkpoint(OUT)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp import flavors, torchfile
+from ucp.atomic import staged_output
+from ucp.errors import ConfigError, InputError
+from ucp.partition import Zero3Layout, zero3_layout, zero3_partition_size, zero3_rank_span
+from ucp.records import DTYPES, Facts, ParamMeta, ParamState, Reader, torch_dtype
+from ucp.sources import open_reader
+from ucp.universal import default_workers, parallel_map
+
+__all__ = ["NativePlan", "plan_native", "write_native", "DS_DEFAULT_SUB_GROUP_SIZE"]
+
+logger = logging.getLogger(__name__)
+
+#: DeepSpeed's default ``zero_optimization.sub_group_size`` (0.19.8).
+DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+
+
+@dataclass
+class NativePlan:
+    """Every decision of a native write, as data: what ``ucp restore --dry-run`` would show."""
+
+    dp: int
+    stage: int
+    flavour: flavors.Flavour
+    dtype: str
+    tag: str
+    sub_group_size: int
+    step: int | None  # the step written for every optimized parameter (None: each keeps its own)
+    reset_moments: bool
+    group_names: list[list[str]]
+    layout: Zero3Layout | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_native(facts: Facts, *, dp: int, stage: int = 3, optimizer: str | None = None, dtype: str | None = None,
+                tag: str | None = None, sub_group_size: int | None = None, step: int | str | None = "keep") -> NativePlan:
+    """Check the options against the checkpoint and fix every choice of the write."""
+    problems = []
+    if not isinstance(dp, int) or dp < 1:
+        problems.append(f"--dp must be a positive integer, got {dp!r}")
+    if stage not in (1, 2, 3):
+        problems.append(f"--stage must be 1, 2 or 3, got {stage!r}")
+    dtype = dtype or facts.info.dtype
+    if dtype not in DTYPES:
+        problems.append(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    name = optimizer or facts.flavour
+    if name is None:
+        problems.append("the source's optimizer flavour is unknown; name it with --optimizer "
+                        f"({', '.join(flavors.FLAVOURS)})")
+    elif name not in flavors.FLAVOURS:
+        problems.append(f"unknown optimizer flavour {name!r}; choose one of {', '.join(flavors.FLAVOURS)}")
+    reset = step == "reset"
+    if step in (None, "keep"):
+        fixed = None
+    elif reset:
+        fixed = 0
+    elif isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        fixed = step
+    else:
+        problems.append(f"step must be 'keep', 'reset' or a non-negative integer, got {step!r}")
+        fixed = None
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if sub_group_size is not None and sub_group_size < 1:
+        raise ConfigError(f"sub_group_size must be positive, got {sub_group_size}")
+    size = sub_group_size or facts.info.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE
+    group_names = [list(g.params) for g in facts.groups]
+    plan = NativePlan(dp=dp, stage=stage, flavour=flavors.get(name), dtype=dtype,
+                      tag=tag or f"global_step{facts.info.global_steps}", sub_group_size=size, step=fixed,
+                      reset_moments=reset, group_names=group_names)
+    if stage == 3:
+        numels = [[facts.param(n).numel for n in names] for names in group_names]
+        plan.layout = zero3_layout(numels, dp, size)
+    if name != facts.flavour and facts.flavour is not None:
+        plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
+    if "/" in plan.tag or plan.tag in ("", ".", ".."):
+        raise ConfigError(f"tag {plan.tag!r} is not a folder name")
+    return plan
+
+
+def _rank_optim_name(plan: NativePlan, rank: int) -> str:
+    prefix = "bf16_" if plan.dtype == "bf16" else ""
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, *, dp: int, stage: int = 3,
+                 optimizer: str | None = None, dtype: str | None = None, tag: str | None = None,
+                 sub_group_size: int | None = None, step: int | str | None = "keep", overwrite: bool = False,
+                 workers: int | None = None) -> NativePlan:
+    """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of DP size ``dp``."""
+    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
+    try:
+        plan = plan_native(reader.facts, dp=dp, stage=stage, optimizer=optimizer, dtype=dtype, tag=tag,
+                           sub_group_size=sub_group_size, step=step)
+        if plan.stage != 3:
+            from ucp.targets.native12 import write_native12
+
+            with staged_output(out, overwrite=overwrite) as root:
+                write_native12(reader, plan, root / plan.tag, workers or default_workers())
+                (root / "latest").write_text(plan.tag)
+            return plan
+        with staged_output(out, overwrite=overwrite) as root:
+            tag_dir = root / plan.tag
+            tag_dir.mkdir()
+            _write_zero3(reader, plan, tag_dir, workers or default_workers())
+            (root / "latest").write_text(plan.tag)
+        logger.info("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, out)
+        return plan
+    finally:
+        if reader is not source:
+            reader.close()
+
+
+def param_step(plan: NativePlan, state: ParamState) -> int:
+    """The step a target writes for one parameter under the plan."""
+    if plan.step is not None:
+        return plan.step
+    return int(state.step or 0)
+
+
+def lp_placeholder(dtype: str) -> torch.Tensor:
+    """ZeRO-3 model-states files hold an empty tensor where each partitioned parameter goes."""
+    return torch.empty(0, dtype=torch_dtype(dtype))
+
+
+def model_states(reader: Reader, plan: NativePlan, *, extra: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a model-states file every stage shares (engine counters, scheduler, buffers)."""
+    facts = reader.facts
+    extras = reader.extras()
+    info = facts.info
+    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for meta in facts.params:
+        module[meta.name] = lp_placeholder(plan.dtype)
+    for alias in facts.tied:
+        module[alias] = lp_placeholder(plan.dtype)
+    buffers = reader.buffers()
+    module.update(buffers)
+    states: dict[str, Any] = {
+        "module": module,
+        "buffer_names": list(facts.buffer_names),
+        "optimizer": None,
+        "lr_scheduler": extras.get("lr_scheduler"),
+        "data_sampler": extras.get("data_sampler"),
+        "random_ltd": extras.get("random_ltd"),
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": info.skipped_steps,
+        "global_steps": info.global_steps,
+        "global_samples": info.global_samples if info.global_samples is not None else 0,
+        "dp_world_size": plan.dp,
+        "mp_world_size": info.mp_world_size,
+        "ds_config": info.ds_config,
+        "ds_version": info.ds_version,
+    }
+    states.update(extra)
+    states.update(extras.get("client_state") or {})
+    return states
+
+
+def zero_block(reader: Reader, plan: NativePlan) -> dict[str, Any]:
+    """The ZeRO wrapper fields shared by every rank's optim file."""
+    extras = reader.extras()
+    scaler = extras.get("loss_scaler")
+    if scaler is None or plan.dtype != reader.facts.info.dtype:
+        scaler = torchfile.LossScaler(cur_scale=1.0, dynamic=False)
+    return {
+        "zero_stage": torchfile.ZeroStageEnum(plan.stage),
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": bool(extras.get("dynamic_loss_scale") or False) and plan.dtype == "fp16",
+        "overflow": False,
+    }
+
+
+def optimizer_groups(reader: Reader, plan: NativePlan, members: list[list[int]], steps: list[int]) -> list[dict]:
+    """The wrapped optimizer's param groups: target-flavour keys, each group's own hyperparameters."""
+    groups = []
+    for g, meta in enumerate(reader.facts.groups):
+        group = plan.flavour.make_group(meta.hyper, steps[g])
+        group["params"] = members[g]
+        groups.append(group)
+    return groups
+
+
+def _write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -> None:
+    facts = reader.facts
+    layout = plan.layout
+    assert layout is not None
+    dp = plan.dp
+    subs = len(layout.sub_group_numel)
+    flat = [[torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel] for _ in range(dp)]
+    avg = [[torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel] for _ in range(dp)]
+    avg_sq = [[torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel] for _ in range(dp)]
+    sub_steps: list[set[int]] = [set() for _ in range(subs)]
+    slots = {name: layout.slots[g][i] for g, names in enumerate(plan.group_names) for i, name in enumerate(names)}
+    optimized = [facts.param(n) for names in plan.group_names for n in names]
+
+    def scatter(meta: ParamMeta) -> None:
+        state = reader.read(meta.name, moments=not plan.reset_moments)
+        slot = slots[meta.name]
+        sources = [(flat, state.fp32)]
+        if not plan.reset_moments:
+            if state.exp_avg is None:
+                raise InputError(f"{meta.name} has no optimizer moments in the source; use step: reset")
+            sources += [(avg, state.exp_avg), (avg_sq, state.exp_avg_sq)]
+        for buffers, tensor in sources:
+            values = tensor.reshape(-1)
+            for rank in range(dp):
+                start, end = zero3_rank_span(slot.numel, dp, rank)
+                if end > start:
+                    buffers[rank][slot.sub_group].narrow(0, slot.offset, end - start).copy_(values[start:end])
+        sub_steps[slot.sub_group].add(param_step(plan, state))
+
+    for _ in parallel_map(scatter, optimized, workers, desc="restore"):
+        pass
+    steps_by_sub = []
+    for sub, seen in enumerate(sub_steps):
+        if len(seen) > 1:
+            # one flat sub-group takes one step count; parameters that disagree cannot share it
+            raise InputError(f"parameters sharing sub-group {sub} have different steps {sorted(seen)}; "
+                             "pass an explicit step")
+        steps_by_sub.append(seen.pop() if seen else 0)
+    group_steps = [max((steps_by_sub[s] for s in layout.sub_groups_in(g)), default=0)
+                   for g in range(len(plan.group_names))]
+    members = [layout.sub_groups_in(g) for g in range(len(plan.group_names))]
+
+    frozen = [m for m in facts.params if m.frozen]
+    frozen_full = {m.name: reader.read(m.name, moments=False).fp32.reshape(-1) for m in frozen}
+    param_shapes = [OrderedDict() for _ in range(subs)]
+    for g, names in enumerate(plan.group_names):
+        for name in names:
+            param_shapes[slots[name].sub_group][name] = torch.Size(facts.param(name).shape)
+    lp = torch_dtype(plan.dtype)
+    block = zero_block(reader, plan)
+    for rank in range(dp):
+        fragments = OrderedDict()
+        for meta in frozen:
+            size = zero3_partition_size(meta.numel, dp)
+            start, end = zero3_rank_span(meta.numel, dp, rank)
+            fragment = torch.zeros(size, dtype=lp)
+            fragment[: end - start].copy_(frozen_full[meta.name][start:end])
+            fragments[meta.name] = fragment
+        states = model_states(reader, plan, extra={
+            "param_shapes": param_shapes,
+            "frozen_param_shapes": OrderedDict((m.name, torch.Size(m.shape)) for m in frozen),
+            "shared_params": dict(facts.tied),
+            "frozen_param_fragments": fragments,
+        })
+        torchfile.save(states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        state = {}
+        if not plan.reset_moments or plan.step:
+            for sub in range(subs):
+                state[sub] = plan.flavour.make_state(avg[rank][sub], avg_sq[rank][sub], steps_by_sub[sub])
+        inner = {"state": state, "param_groups": optimizer_groups(reader, plan, members, group_steps)}
+        optim = {**block, "partition_count": dp, "optimizer_state_dict": inner, "fp32_flat_groups": flat[rank]}
+        torchfile.save({"optimizer_state_dict": optim, "ds_config": facts.info.ds_config,
+                        "ds_version": facts.info.ds_version}, tag_dir / _rank_optim_name(plan, rank))

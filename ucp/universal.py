@@ -1,0 +1,362 @@
+"""The universal directory: one folder per parameter, a manifest, atomic commit, checksums.
+
+Layout (docs/format.md has the full spec)::
+
+    OUT/ucp.json                              manifest, written last: its presence means OUT is whole
+    OUT/zero/<folder>/fp32.pt                 {"param": fp32 tensor in the parameter's real shape}
+    OUT/zero/<folder>/exp_avg.pt, exp_avg_sq.pt   (optimized parameters only)
+    OUT/zero/<folder>/step.pt                 0-dim float32 tensor: updates applied to this parameter
+    OUT/state.pt                              buffers, lr scheduler, client state, loss scaler
+    OUT/zero/optimizer_state.pt, OUT/*model_states.pt, OUT/latest_universal
+                                              what DeepSpeed's own ``load_universal`` reads
+
+``<folder>`` is the parameter name when that is a safe folder name (so DeepSpeed's loader finds
+it), else a reversible percent-encoding; ucp.json maps names to folders either way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from ucp import __version__, torchfile
+from ucp.atomic import checksum, staged_output
+from ucp.errors import ChecksumError, CorruptFileError, InputError
+from ucp.flavors import Hyper
+from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "folder_for", "write_universal", "open_universal",
+           "UniversalReader", "default_workers", "parallel_map"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "ucp-universal"
+FORMAT_VERSION = 1
+MANIFEST = "ucp.json"
+STATE_FILE = "state.pt"
+_SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_MAX_FOLDER = 200
+
+
+def folder_for(name: str) -> str:
+    """A folder name for a parameter: the name itself when safe, else percent-encoded (reversible)."""
+    if not name or "\x00" in name:
+        raise InputError(f"parameter name {name!r} is empty or holds a NUL byte")
+    if _SAFE.match(name) and len(name) <= _MAX_FOLDER and name not in (".", ".."):
+        return name
+    encoded = "".join(c if (c.isascii() and (c.isalnum() or c in "_.-")) else
+                      "".join(f"%{b:02X}" for b in c.encode()) for c in name)
+    if encoded.startswith("."):
+        encoded = "%2E" + encoded[1:]
+    if len(encoded) > _MAX_FOLDER:
+        import hashlib
+
+        encoded = encoded[:150] + "%~" + hashlib.sha1(name.encode()).hexdigest()
+    return encoded
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int, *, desc: str = "",
+                 total: int | None = None) -> Iterator[Any]:
+    """Map in a thread pool, in order, keeping at most ``2 x workers`` items in flight (bounded memory)."""
+    items = list(items)
+    bar = _progress(total if total is not None else len(items), desc)
+    try:
+        if workers <= 1:
+            for item in items:
+                yield fn(item)
+                bar.update(1)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            pending = []
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.pop(0).result()
+                    bar.update(1)
+            for future in pending:
+                yield future.result()
+                bar.update(1)
+    finally:
+        bar.close()
+
+
+def _progress(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="param", disable=None, leave=False)
+    except ImportError:  # tqdm is optional
+        class _Null:
+            def update(self, n: int) -> None: ...
+            def close(self) -> None: ...
+        return _Null()
+
+
+# -- manifest ---------------------------------------------------------------------------------
+@dataclass
+class FileEntry:
+    bytes: int
+    crc32: str
+
+
+@dataclass
+class ParamEntry:
+    name: str
+    folder: str
+    shape: list[int]
+    dtype: str
+    group: int | None
+    frozen: bool
+    step: int | None
+    files: dict[str, FileEntry] = field(default_factory=dict)
+
+    def meta(self) -> ParamMeta:
+        return ParamMeta(self.name, tuple(self.shape), self.dtype, self.group, self.frozen)
+
+
+def _manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, FileEntry]) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"ucp {__version__}",
+        "checksum": "crc32",
+        "source": asdict(facts.info),
+        "optimizer": {"flavour": facts.flavour, "adam_w_mode": facts.adam_w_mode, "step": facts.step},
+        "warnings": list(facts.warnings),
+        "param_groups": [
+            {"index": g.index, "hyperparameters": g.hyper.to_json(), "raw": g.raw, "step": g.step, "params": g.params}
+            for g in facts.groups
+        ],
+        "params": [asdict(p) for p in params],
+        "tied": dict(facts.tied),
+        "buffers": list(facts.buffer_names),
+        "files": {name: asdict(entry) for name, entry in files.items()},
+    }
+
+
+def _facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry], dict[str, FileEntry]]:
+    try:
+        info = SourceInfo(**raw["source"])
+        params = [
+            ParamEntry(**{**p, "files": {k: FileEntry(**v) for k, v in p.get("files", {}).items()}})
+            for p in raw["params"]
+        ]
+        groups = [
+            GroupMeta(index=g["index"], hyper=Hyper.from_json(g["hyperparameters"]), raw=dict(g.get("raw", {})),
+                      params=list(g["params"]), step=g.get("step"))
+            for g in raw["param_groups"]
+        ]
+        opt = raw.get("optimizer", {})
+        facts = Facts(
+            info=info, flavour=opt.get("flavour"), adam_w_mode=opt.get("adam_w_mode"), step=opt.get("step"),
+            groups=groups, params=[p.meta() for p in params], tied=dict(raw.get("tied", {})),
+            buffer_names=list(raw.get("buffers", [])), warnings=list(raw.get("warnings", [])),
+        )
+        files = {k: FileEntry(**v) for k, v in raw.get("files", {}).items()}
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptFileError(f"{MANIFEST} is malformed: {type(err).__name__}: {err}") from None
+    return facts, params, files
+
+
+# -- writing ----------------------------------------------------------------------------------
+def _save(obj: Any, path: Path) -> FileEntry:
+    torchfile.save(obj, path)
+    return FileEntry(bytes=path.stat().st_size, crc32=checksum(path))
+
+
+def _write_param(root: Path, meta: ParamMeta, state: ParamState) -> ParamEntry:
+    if tuple(state.fp32.shape) != meta.shape:
+        raise InputError(f"{meta.name}: source gave shape {tuple(state.fp32.shape)}, expected {meta.shape}")
+    folder = folder_for(meta.name)
+    target = root / "zero" / folder
+    target.mkdir(parents=True, exist_ok=False)
+    entry = ParamEntry(meta.name, folder, list(meta.shape), meta.dtype, meta.group, meta.frozen, state.step)
+    entry.files["fp32.pt"] = _save({"param": state.fp32}, target / "fp32.pt")
+    if not meta.frozen and state.exp_avg is not None:
+        entry.files["exp_avg.pt"] = _save({"param": state.exp_avg}, target / "exp_avg.pt")
+        entry.files["exp_avg_sq.pt"] = _save({"param": state.exp_avg_sq}, target / "exp_avg_sq.pt")
+    if not meta.frozen and state.step is not None:
+        entry.files["step.pt"] = _save(torch.tensor(float(state.step), dtype=torch.float32), target / "step.pt")
+    return entry
+
+
+def _ds_compat_files(root: Path, facts: Facts, extras: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]) -> None:
+    """What DeepSpeed's ``load_universal`` reads besides the per-parameter folders."""
+    info = facts.info
+    group_dicts = []
+    for g in facts.groups:
+        raw = {k: (tuple(v) if k == "betas" else v) for k, v in g.raw.items()}
+        raw.setdefault("lr", g.hyper.lr)
+        raw["params"] = []
+        group_dicts.append(raw)
+    step = torch.tensor(float(facts.step or 0), dtype=torch.float32)
+    inner = {"state": {0: {"step": step}}, "param_groups": group_dicts}
+    optim = {
+        "zero_stage": torchfile.ZeroStageEnum(info.zero_stage),
+        "loss_scaler": extras.get("loss_scaler") or torchfile.LossScaler(cur_scale=1.0, dynamic=False),
+        "dynamic_loss_scale": bool(extras.get("dynamic_loss_scale") or False),
+        "overflow": bool(extras.get("overflow") or False),
+        "partition_count": info.dp_world_size,
+        "optimizer_state_dict": inner,
+        "param_groups": group_dicts,
+    }
+    torchfile.save(optim, root / "zero" / "optimizer_state.pt")
+    model_states = {
+        "module": dict(buffers),
+        "buffer_names": list(facts.buffer_names),
+        "optimizer": None,
+        "param_shapes": None,
+        "lr_scheduler": extras.get("lr_scheduler"),
+        "data_sampler": extras.get("data_sampler"),
+        "random_ltd": extras.get("random_ltd"),
+        "global_steps": info.global_steps,
+        "global_samples": info.global_samples if info.global_samples is not None else 0,
+        "skipped_steps": info.skipped_steps,
+        "dp_world_size": info.dp_world_size,
+        "mp_world_size": info.mp_world_size,
+        "ds_config": info.ds_config,
+        "ds_version": info.ds_version,
+        **dict(extras.get("client_state") or {}),
+    }
+    torchfile.save(model_states, root / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    torchfile.save(model_states, root / "mp_rank_00_model_states.pt")
+    # engine.load_checkpoint(OUT) with load_universal reads the tag from this file; "." is OUT itself
+    (root / "latest_universal").write_text(".")
+
+
+def write_universal(reader: Reader, out: str | os.PathLike, *, overwrite: bool = False,
+                    workers: int | None = None, names: Iterable[str] | None = None,
+                    transform: Callable[[ParamMeta, ParamState], ParamState] | None = None) -> dict[str, Any]:
+    """Stream every parameter of ``reader`` into a universal directory at ``out``; returns the manifest.
+
+    Memory stays near ``2 x workers`` parameters. ``names`` limits the parameters written (the
+    distributed mode splits them across ranks); ``transform`` may edit a state on its way through.
+    """
+    facts = reader.facts
+    workers = workers or default_workers()
+    wanted = facts.params if names is None else [facts.param(n) for n in names]
+    with staged_output(out, overwrite=overwrite) as root:
+        (root / "zero").mkdir()
+
+        def one(meta: ParamMeta) -> ParamEntry:
+            state = reader.read(meta.name)
+            if transform is not None:
+                state = transform(meta, state)
+            return _write_param(root, meta, state)
+
+        entries = list(parallel_map(one, wanted, workers, desc="to-universal"))
+        manifest = finish_universal(root, facts, entries, reader.extras(), reader.buffers())
+    return manifest
+
+
+def finish_universal(root: Path, facts: Facts, entries: list[ParamEntry], extras: Mapping[str, Any],
+                     buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Write the shared state and, last, the manifest of a universal directory being built at root."""
+    files = {STATE_FILE: _save({"buffers": dict(buffers), **dict(extras)}, root / STATE_FILE)}
+    _ds_compat_files(root, facts, extras, buffers)
+    manifest = _manifest_json(facts, entries, files)
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, root / MANIFEST)
+    return manifest
+
+
+# -- reading ----------------------------------------------------------------------------------
+class UniversalReader:
+    """A universal directory as a :class:`ucp.records.Reader`, loading one parameter at a time."""
+
+    def __init__(self, path: Path, *, verify: bool = True) -> None:
+        self.path = path
+        self.verify = verify
+        manifest_path = path / MANIFEST
+        try:
+            raw = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"{path} is not a universal directory: {MANIFEST} is missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CorruptFileError(f"{manifest_path} is not valid JSON: {err}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise InputError(f"{manifest_path} is not a ucp manifest")
+        version = raw.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
+        self.manifest = raw
+        self.facts, entries, self._files = _facts_from_manifest(raw)
+        self._entries = {e.name: e for e in entries}
+        root = (path / "zero").resolve()
+        for entry in entries:
+            folder = (root / entry.folder).resolve()
+            if folder.parent != root or entry.folder in ("", ".", "..") or "/" in entry.folder:
+                raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
+
+    def file_path(self, name: str, key: str) -> Path:
+        return self.path / "zero" / self._entries[name].folder / key
+
+    def _load(self, path: Path, entry: FileEntry | None) -> Any:
+        if entry is None:
+            raise CorruptFileError(f"{MANIFEST} lists no checksum for {path}")
+        if not path.is_file():
+            raise CorruptFileError(f"{path} is missing from the universal directory")
+        if self.verify:
+            size = path.stat().st_size
+            if size != entry.bytes or checksum(path) != entry.crc32:
+                raise ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is "
+                                    "corrupt")
+        return torchfile.load(path)
+
+    def _tensor(self, name: str, key: str) -> torch.Tensor:
+        entry = self._entries[name]
+        obj = self._load(self.file_path(name, key), entry.files.get(key))
+        tensor = obj.get("param") if isinstance(obj, Mapping) else obj
+        if not torch.is_tensor(tensor):
+            raise CorruptFileError(f"{self.file_path(name, key)} holds no tensor under 'param'")
+        if tuple(tensor.shape) != tuple(entry.shape):
+            if tensor.numel() != entry.meta().numel:
+                raise CorruptFileError(f"{self.file_path(name, key)} has shape {tuple(tensor.shape)}, manifest says "
+                                       f"{tuple(entry.shape)}")
+            tensor = tensor.reshape(entry.shape)
+        return tensor.float() if tensor.dtype != torch.float32 else tensor
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise InputError(f"parameter {name!r} is not in {self.path}")
+        fp32 = self._tensor(name, "fp32.pt")
+        if entry.frozen or not moments or "exp_avg.pt" not in entry.files:
+            return ParamState(fp32=fp32, step=entry.step)
+        return ParamState(fp32=fp32, exp_avg=self._tensor(name, "exp_avg.pt"),
+                          exp_avg_sq=self._tensor(name, "exp_avg_sq.pt"), step=entry.step)
+
+    def _state(self) -> Mapping[str, Any]:
+        if not hasattr(self, "_state_cache"):
+            self._state_cache = self._load(self.path / STATE_FILE, self._files.get(STATE_FILE))
+        return self._state_cache
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self._state().get("buffers") or {})
+
+    def extras(self) -> dict[str, Any]:
+        return {k: v for k, v in self._state().items() if k != "buffers"}
+
+    def entries(self) -> list[ParamEntry]:
+        return list(self._entries.values())
+
+    def close(self) -> None:
+        pass
+
+
+def open_universal(path: str | os.PathLike, *, verify: bool = True) -> UniversalReader:
+    """Open a universal directory for lazy, per-parameter access (checksums checked on each read)."""
+    return UniversalReader(Path(path), verify=verify)
