@@ -335,7 +335,9 @@ def run_measured(tool: str, round_: int, jobs: list[tuple[list[str], dict[str, s
     if failed:
         first = failed[0]
         why = f"timed out after {cfg.timeout_s:.0f} s" if timed_out.is_set() else f"exit code {codes[first]}"
-        error = f"{why}; tail of {logs[first]}:\n{_tail(logs[first])}"
+        tail = _tail(logs[first])
+        last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "(empty log)")
+        error = f"{why}: {last} [log: {logs[first]}]\n{tail}"
     return Sample(tool=tool, round=round_, ok=not failed, wall_s=wall, maxrss_kib=max(rss), rank_maxrss_kib=rss,
                   tree_rss_peak_kib=sampler.peak_kib if sampler is not None else None,
                   returncode=codes[failed[0]] if failed else 0, error=error, log=str(logs[0]))

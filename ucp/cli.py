@@ -1,0 +1,195 @@
+"""The ``ucp`` command: argparse verbs mapped onto the Python API, nothing more.
+
+Expected failures (UcpError) print one line to stderr and exit non-zero; ``--debug`` keeps the
+traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ucp.errors import UcpError
+
+__all__ = ["main", "build_parser"]
+
+logger = logging.getLogger("ucp")
+FLAVOUR_NAMES = ("torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _cmd_to_universal(args: argparse.Namespace) -> int:
+    if args.distributed:
+        from ucp.distributed import to_universal_distributed
+
+        to_universal_distributed(args.src, args.out, tag=args.tag, optimizer=args.optimizer,
+                                 workers=args.workers, overwrite=args.overwrite)
+        return 0
+    from ucp.convert import to_universal
+
+    manifest = to_universal(args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers,
+                            overwrite=args.overwrite)
+    print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    from ucp.targets.native import write_native
+
+    step: int | str = args.step
+    if isinstance(step, str) and step.isdigit():
+        step = int(step)
+    plan = write_native(args.universal, args.out, dp=args.dp, stage=args.stage, optimizer=args.optimizer,
+                        dtype=args.dtype, tag=args.tag, sub_group_size=args.sub_group_size, step=step,
+                        overwrite=args.overwrite, workers=args.workers)
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp} ({plan.flavour.name}, {plan.dtype}) to "
+          f"{args.out}/{plan.tag}", file=sys.stderr)
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ucp.inspect import format_report, inspect_path
+
+    report = inspect_path(args.path, tag=args.tag, optimizer=args.optimizer)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ucp.verify import verify_model, verify_universal
+
+    if args.model:
+        result = verify_model(args.source, args.model, tag=args.tag)
+    elif args.universal:
+        result = verify_universal(args.source, args.universal, tag=args.tag)
+    else:
+        raise UcpError("verify needs UNIVERSAL (to compare against SOURCE) or --model MODULE:CALLABLE")
+    print(result.message)
+    return 0 if result.ok else 1
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ucp.targets.export import export
+
+    written = export(args.src, args.out, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                     tag=args.tag, overwrite=args.overwrite)
+    print(f"wrote {len(written)} file(s) to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_migrate(args: argparse.Namespace) -> int:
+    from ucp.migrate import run_migration
+
+    print(run_migration(args.config, dry_run=args.dry_run, overwrite=args.overwrite))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ucp.harness.demo import run_demo
+
+    return run_demo(args.workdir, source_dp=args.source_dp, target_dp=args.target_dp)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed ZeRO.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO checkpoint -> universal directory")
+    p.add_argument("src", help="checkpoint folder (holding 'latest') or a tag folder")
+    p.add_argument("out", help="universal directory to create")
+    p.add_argument("--tag", help="tag folder to read (default: the one 'latest' names)")
+    p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the source's optimizer, when detection cannot tell")
+    p.add_argument("--workers", type=_positive, help="parallel workers (default: CPU count, at most 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--distributed", action="store_true",
+                   help="split the work across torch.distributed ranks (launch with torchrun)")
+    p.set_defaults(func=_cmd_to_universal)
+
+    p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size")
+    p.add_argument("universal", help="universal directory (or a DeepSpeed checkpoint)")
+    p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
+    p.add_argument("--dp", type=_positive, required=True, help="data-parallel size of the new run")
+    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage of the new run (default 3)")
+    p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="optimizer of the new run (default: the source's)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
+    p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
+    p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")
+    p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
+    p.add_argument("--workers", type=_positive)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_restore)
+
+    p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tag")
+    p.add_argument("--optimizer", choices=FLAVOUR_NAMES)
+    p.set_defaults(func=_cmd_inspect)
+
+    p = verbs.add_parser("verify", help="check a universal directory against its source, or a model against a checkpoint")
+    p.add_argument("source", help="DeepSpeed checkpoint (or universal directory with --model)")
+    p.add_argument("universal", nargs="?", help="universal directory to compare bit for bit")
+    p.add_argument("--model", help="MODULE:CALLABLE building the model whose names/shapes/order to check")
+    p.add_argument("--tag")
+    p.set_defaults(func=_cmd_verify)
+
+    p = verbs.add_parser("export", help="consolidated weights (safetensors or torch)")
+    p.add_argument("src", help="universal directory or DeepSpeed checkpoint")
+    p.add_argument("out", help="output file (model.safetensors / pytorch_model.bin) or folder when sharded")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: the model's dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="shard above this size, e.g. 500MB, 5GB (default 5GB)")
+    p.add_argument("--tag")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_export)
+
+    p = verbs.add_parser("migrate", help="run a YAML migration (read, transform, restore, export)")
+    p.add_argument("config", help="migration YAML")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_migrate)
+
+    p = verbs.add_parser("demo", help="train a tiny model with real DeepSpeed, convert, restore at another DP, compare")
+    p.add_argument("--workdir", default="ucp-demo", help="folder for the demo's checkpoints (default ./ucp-demo)")
+    p.add_argument("--source-dp", type=_positive, default=4)
+    p.add_argument("--target-dp", type=_positive, default=2)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except UcpError as err:
+        if args.debug:
+            raise
+        print(f"ucp: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("ucp: interrupted; nothing was left half-written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
