@@ -6,6 +6,7 @@ spec, so changing a spec rebuilds only that fixture. ``UCP_TEST_CACHE`` moves th
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -55,12 +56,15 @@ def build(**fields: Any) -> Built:
     spec = RunSpec(**fields)
     folder = cache_root() / f"{spec.stage}-{spec.dtype}-dp{spec.dp}-{spec.optimizer}-{_key(spec)}"
     done = folder / "DONE"
-    if not done.exists():
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
-        run_ranks(spec, log_dir=folder / "logs")
-        done.write_text("ok")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per fixture, even across test processes
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
+            run_ranks(spec, log_dir=folder / "logs")
+            done.write_text("ok")
     spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
     return Built(folder / "ckpt", folder / "record.pt", spec)
 
