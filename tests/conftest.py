@@ -1,26 +1,62 @@
-"""Shared fixtures: real DeepSpeed checkpoints (cached) and the native-resume references."""
+"""Shared fixtures: real DeepSpeed checkpoints (cached on disk) and their native-resume references."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from dsfixtures import Built, build  # noqa: E402
+from dsfixtures import Built, build, resume  # noqa: E402
+
+from ucp.harness import LoadSpec  # noqa: E402
+
+#: The source checkpoints of the suite: ZeRO-3 across DP 1-4, fp32/bf16, three optimizers,
+#: one to three param groups, several sub-groups, frozen + tied params and buffers in every one.
+SOURCES: dict[str, dict[str, Any]] = {
+    "z3-fp32-dp1-adamw": dict(dp=1, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=1),
+    "z3-bf16-dp2-adamw": dict(dp=2, stage=3, dtype="bf16", optimizer="torch-adamw", sub_group_size=60),
+    "z3-fp32-dp2-adamw": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-adamw", sub_group_size=60),
+    "z3-fp32-dp3-adamw": dict(dp=3, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=3,
+                              sub_group_size=100),
+    "z3-fp32-dp4-adam": dict(dp=4, stage=3, dtype="fp32", optimizer="torch-adam", sub_group_size=40),
+    "z3-bf16-dp4-fused": dict(dp=4, stage=3, dtype="bf16", optimizer="ds-fused-adam", sub_group_size=60),
+    "z3-bf16-dp2-cpuadam": dict(dp=2, stage=3, dtype="bf16", optimizer="ds-cpu-adam", offload=True,
+                                param_groups=3),
+}
 
 
 @pytest.fixture(scope="session")
-def z3_bf16_dp2() -> Built:
-    """ZeRO-3, bf16, DP=2, torch AdamW, two param groups, several sub-groups, frozen + tied + buffers."""
-    return build(dp=2, stage=3, dtype="bf16", optimizer="torch-adamw", sub_group_size=60)
+def source() -> Callable[[str], Built]:
+    """source(name) -> a cached real checkpoint from SOURCES."""
+    return lambda name: build(**SOURCES[name])
 
 
 @pytest.fixture(scope="session")
-def z3_fp32_dp3() -> Built:
-    """ZeRO-3, fp32, DP=3, torch AdamW, three param groups."""
-    return build(dp=3, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=3, sub_group_size=100)
+def native_resume(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Built], dict[str, Any]]:
+    """The reference: DeepSpeed's own resume of a checkpoint at its own DP size, 3 more steps."""
+    cache: dict[str, dict[str, Any]] = {}
+    work = tmp_path_factory.mktemp("native")
+
+    def get(base: Built) -> dict[str, Any]:
+        key = str(base.path)
+        if key not in cache:
+            cache[key] = resume(base, LoadSpec(str(base.path)), name=f"native{len(cache)}", work=work)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def z3_bf16_dp2(source: Callable[[str], Built]) -> Built:
+    return source("z3-bf16-dp2-adamw")
+
+
+@pytest.fixture(scope="session")
+def z3_fp32_dp3(source: Callable[[str], Built]) -> Built:
+    return source("z3-fp32-dp3-adamw")

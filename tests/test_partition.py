@@ -1,0 +1,65 @@
+"""The partition maths on its own: tables from real DeepSpeed layouts, and properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from ucp.partition import (zero3_layout, zero3_partition_size, zero3_rank_span, zero3_sub_groups,
+                           zero12_padded_numel, zero12_param_spans)
+
+
+@pytest.mark.parametrize("numel, dp, expected", [(66, 2, 33), (42, 2, 21), (7, 2, 4), (49, 2, 25), (7, 4, 2),
+                                                 (1, 4, 1), (12, 3, 4), (13, 3, 5)])
+def test_zero3_partition_size_is_ceil_split(numel, dp, expected):
+    assert zero3_partition_size(numel, dp) == expected
+
+
+@pytest.mark.parametrize("numel, dp, rank, span", [(7, 2, 0, (0, 4)), (7, 2, 1, (4, 7)), (1, 4, 0, (0, 1)),
+                                                   (1, 4, 3, (1, 1)), (10, 4, 3, (9, 10)), (9, 4, 3, (9, 9))])
+def test_zero3_rank_span_table(numel, dp, rank, span):
+    assert zero3_rank_span(numel, dp, rank) == span
+
+
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_zero3_spans_tile_the_parameter_exactly_once(numel, dp):
+    covered = []
+    for rank in range(dp):
+        start, end = zero3_rank_span(numel, dp, rank)
+        assert 0 <= end - start <= zero3_partition_size(numel, dp)
+        covered.extend(range(start, end))
+    assert covered == list(range(numel))
+
+
+def test_sub_groups_close_when_running_size_reaches_limit():
+    # seen in a real DeepSpeed 0.19.8 run: sub_group_size=50, partitions 33 and 21 close a sub-group together
+    assert zero3_sub_groups([33, 21, 4], 50) == [[0, 1], [2]]
+    assert zero3_sub_groups([33, 21, 4], None) == [[0, 1, 2]]
+    assert zero3_sub_groups([33, 21, 4], 58) == [[0, 1, 2]]
+    assert zero3_sub_groups([60, 1, 1], 10) == [[0], [1, 2]]
+    assert zero3_sub_groups([], 10) == []
+
+
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=30), st.integers(1, 2000))
+def test_sub_groups_keep_order_and_every_member(sizes, limit):
+    groups = zero3_sub_groups(sizes, limit)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+    for g in groups[:-1]:
+        assert sum(sizes[i] for i in g) >= limit
+
+
+def test_layout_offsets_are_cumulative_partitions_per_sub_group():
+    layout = zero3_layout([[66, 42], [7]], dp=2, sub_group_size=50)
+    assert layout.sub_group_numel == (54, 4)
+    assert layout.sub_group_of_group == (0, 1)
+    assert [(s.sub_group, s.offset, s.size) for s in layout.slots[0]] == [(0, 0, 33), (0, 33, 21)]
+    assert [(s.sub_group, s.offset, s.size) for s in layout.slots[1]] == [(1, 0, 4)]
+
+
+@given(st.integers(1, 5000), st.integers(1, 16), st.integers(1, 8))
+def test_zero12_spans_cover_parameter_in_order(numel, dp, alignment):
+    total = zero12_padded_numel(numel + 3, dp, alignment)
+    assert total % (dp * alignment) == 0 and total >= numel + 3
+    spans = zero12_param_spans(3, numel, total // dp, dp)
+    assert sum(s.length for s in spans) == numel
+    assert [s.param_start for s in spans] == sorted(s.param_start for s in spans)

@@ -1,0 +1,102 @@
+"""to-universal on real DeepSpeed ZeRO-3 checkpoints: every tensor equals the live engine's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checks import assert_reader_matches_record
+from conftest import SOURCES
+from dsfixtures import resume
+
+import ucp
+from ucp.harness import LoadSpec
+from ucp.sources import open_reader
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_to_universal_equals_live_engine_bit_for_bit(source, name, tmp_path):
+    built = source(name)
+    record = built.record
+    out = tmp_path / "universal"
+    manifest = ucp.to_universal(built.path, out)
+    assert (out / "ucp.json").is_file() and json.loads((out / "ucp.json").read_text()) == manifest
+    reader = ucp.open_universal(out)
+    assert_reader_matches_record(reader, record)
+    # the same facts straight from the shards, without the universal directory
+    assert_reader_matches_record(open_reader(built.path), record)
+
+
+@pytest.mark.parametrize("name, flavour", [("z3-bf16-dp2-adamw", "torch-adam"), ("z3-bf16-dp4-fused", "ds-fused-adam"),
+                                           ("z3-bf16-dp2-cpuadam", "ds-cpu-adam")])
+def test_manifest_records_source_facts_and_flavour(source, name, flavour, tmp_path):
+    built = source(name)
+    manifest = ucp.to_universal(built.path, tmp_path / "u")
+    spec = built.spec
+    assert manifest["format_version"] == 1
+    src = manifest["source"]
+    assert (src["zero_stage"], src["dp_world_size"], src["dtype"]) == (3, spec.dp, spec.dtype)
+    assert src["global_steps"] == spec.steps and src["ds_version"]
+    assert manifest["optimizer"]["flavour"] == flavour and manifest["optimizer"]["step"] == spec.steps
+    groups = manifest["param_groups"]
+    assert len(groups) == spec.param_groups
+    names = [p["name"] for p in manifest["params"]]
+    assert sorted(n for g in groups for n in g["params"]) == sorted(p["name"] for p in manifest["params"]
+                                                                  if not p["frozen"])
+    frozen = [p for p in manifest["params"] if p["frozen"]]
+    assert [p["name"] for p in frozen] == ["proj.weight", "proj.bias"] and all(p["group"] is None for p in frozen)
+    assert "head.weight" not in names and manifest["tied"] == {"head.weight": "embed.weight"}
+    for p in manifest["params"]:
+        expected = {"fp32.pt"} if p["frozen"] else {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"}
+        assert set(p["files"]) == expected and all(len(f["crc32"]) == 8 for f in p["files"].values())
+    if flavour == "ds-fused-adam":
+        assert any("stale" in w for w in manifest["warnings"]), manifest["warnings"]
+
+
+def test_per_parameter_files_follow_deepspeeds_universal_layout(z3_bf16_dp2, tmp_path):
+    out = tmp_path / "u"
+    ucp.to_universal(z3_bf16_dp2.path, out)
+    record = z3_bf16_dp2.record
+    fp32 = torch.load(out / "zero" / "embed.weight" / "fp32.pt", weights_only=True)
+    assert set(fp32) == {"param"} and torch.equal(fp32["param"], record["params"]["embed.weight"])
+    step = torch.load(out / "zero" / "embed.weight" / "step.pt", weights_only=True)
+    assert float(step) == z3_bf16_dp2.spec.steps
+    assert not (out / "zero" / "head.weight").exists()
+
+
+def test_tag_folder_and_explicit_tag_read_the_same_checkpoint(z3_bf16_dp2, tmp_path):
+    a = ucp.to_universal(z3_bf16_dp2.tag_dir, tmp_path / "a")
+    b = ucp.to_universal(z3_bf16_dp2.path, tmp_path / "b", tag=z3_bf16_dp2.tag_dir.name)
+    assert [p["files"] for p in a["params"]] == [p["files"] for p in b["params"]]
+
+
+def test_load_optimizer_moments_returns_full_states_straight_from_shards(z3_fp32_dp3):
+    moments = ucp.load_optimizer_moments(z3_fp32_dp3.path)
+    record = z3_fp32_dp3.record
+    for name, value in record["params"].items():
+        assert torch.equal(moments[name]["fp32"], value)
+        assert torch.equal(moments[name]["exp_avg"], record["exp_avg"][name])
+        assert torch.equal(moments[name]["exp_avg_sq"], record["exp_avg_sq"][name])
+        assert moments[name]["step"] == z3_fp32_dp3.spec.steps
+    assert set(moments["proj.weight"]) == {"fp32"}
+
+
+def test_deepspeeds_own_load_universal_loads_the_output(z3_bf16_dp2, tmp_path):
+    out = tmp_path / "u"
+    ucp.to_universal(z3_bf16_dp2.path, out)
+    # DeepSpeed 0.19.8's ZeRO-3 universal loader: engine.load_checkpoint(OUT) with load_universal=True
+    after = resume(z3_bf16_dp2, LoadSpec(str(out), kind="ds-universal"), steps=0, name="ds_uc", work=tmp_path)
+    record = z3_bf16_dp2.record
+    for name, value in record["params"].items():
+        assert torch.equal(after["params"][name], value), name
+        assert torch.equal(after["exp_avg"][name], record["exp_avg"][name]), name
+
+
+def test_reading_does_not_import_deepspeed(z3_bf16_dp2, tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, ucp; ucp.to_universal(sys.argv[1], sys.argv[2]); "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
+    subprocess.run([sys.executable, "-c", code, str(z3_bf16_dp2.path), str(tmp_path / "u")], check=True)

@@ -1,0 +1,225 @@
+"""ucp verify: a universal directory equals its source bit for bit; a model fits a checkpoint's layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucp import torchfile
+from ucp.atomic import checksum
+from ucp.cli import main
+from ucp.convert import to_universal
+from ucp.errors import InputError
+from ucp.verify import first_difference, verify_model, verify_universal
+
+PARAM = "blocks.0.0.weight"
+
+
+@pytest.fixture(scope="module")
+def bf16_universal(z3_bf16_dp2, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("verify") / "universal"
+    to_universal(z3_bf16_dp2.path, out)
+    return out
+
+
+@pytest.fixture()
+def copy(bf16_universal, tmp_path) -> Path:
+    out = tmp_path / "universal"
+    shutil.copytree(bf16_universal, out)
+    return out
+
+
+def _fix_checksum(root: Path, name: str, key: str) -> None:
+    manifest = json.loads((root / "ucp.json").read_text())
+    entry = next(p for p in manifest["params"] if p["name"] == name)
+    path = root / "zero" / entry["folder"] / key
+    entry["files"][key] = {"bytes": path.stat().st_size, "crc32": checksum(path)}
+    (root / "ucp.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _nudge_one_exp_avg(root: Path, index: int) -> tuple[float, float]:
+    """Change one element of one exp_avg file to the next float up; return (old, new)."""
+    path = root / "zero" / PARAM / "exp_avg.pt"
+    obj = torchfile.load(path)
+    flat = obj["param"].view(-1)
+    old = flat[index].item()
+    flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf")))
+    torchfile.save(obj, path)
+    return old, flat[index].item()
+
+
+def test_verify_passes_a_fresh_conversion_bf16_dp2(z3_bf16_dp2, bf16_universal):
+    result = verify_universal(z3_bf16_dp2.path, bf16_universal)
+    assert result.ok, result.message
+    assert result.message.startswith("OK: 13 parameters")
+
+
+def test_verify_passes_a_fresh_conversion_fp32_dp3(z3_fp32_dp3, tmp_path):
+    to_universal(z3_fp32_dp3.path, tmp_path / "u")
+    assert verify_universal(z3_fp32_dp3.path, tmp_path / "u", tag="global_step3").ok
+
+
+def test_verify_catches_one_changed_exp_avg_value_with_its_checksum_fixed(z3_bf16_dp2, copy):
+    old, new = _nudge_one_exp_avg(copy, 37)
+    _fix_checksum(copy, PARAM, "exp_avg.pt")
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert not result.ok
+    assert result.message.startswith(f"MISMATCH: {PARAM} exp_avg: first of 1 differing elements at index [3, 7] "
+                                     "(flat 37)")
+    assert f"source {old!r} (0x" in result.message and f"universal {new!r} (0x" in result.message
+
+
+def test_verify_catches_one_changed_exp_avg_value_with_a_stale_checksum(z3_bf16_dp2, copy):
+    _nudge_one_exp_avg(copy, 0)
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert not result.ok
+    assert PARAM in result.message and "exp_avg.pt does not match its checksum" in result.message
+
+
+def test_verify_catches_a_changed_step_file(z3_bf16_dp2, copy):
+    path = copy / "zero" / "norm.bias" / "step.pt"
+    torchfile.save(torch.tensor(4.0), path)
+    assert "step.pt does not match its checksum" in verify_universal(z3_bf16_dp2.path, copy).message
+    _fix_checksum(copy, "norm.bias", "step.pt")
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert not result.ok and result.message == "MISMATCH: norm.bias step: step.pt holds 4.0, source step is 3"
+
+
+def test_verify_catches_a_changed_frozen_weight_and_a_missing_file(z3_bf16_dp2, copy):
+    path = copy / "zero" / "proj.bias" / "fp32.pt"
+    obj = torchfile.load(path)
+    obj["param"][9] = -obj["param"][9]
+    torchfile.save(obj, path)
+    _fix_checksum(copy, "proj.bias", "fp32.pt")
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert result.message.startswith("MISMATCH: proj.bias fp32: first of 1 differing elements at index [9]")
+    (copy / "zero" / "blocks.1.0.bias" / "exp_avg_sq.pt").unlink()
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert not result.ok and "blocks.1.0.bias" in result.message and "exp_avg_sq.pt is missing" in result.message
+
+
+def test_verify_catches_a_changed_buffer(z3_bf16_dp2, copy):
+    state = torchfile.load(copy / "state.pt")
+    state["buffers"]["calls"][1] += 1
+    torchfile.save(state, copy / "state.pt")
+    assert "state.pt does not match its checksum" in verify_universal(z3_bf16_dp2.path, copy).message
+    manifest = json.loads((copy / "ucp.json").read_text())
+    manifest["files"]["state.pt"] = {"bytes": (copy / "state.pt").stat().st_size, "crc32": checksum(copy / "state.pt")}
+    (copy / "ucp.json").write_text(json.dumps(manifest))
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert result.message.startswith("MISMATCH: buffer calls: first of 1 differing elements at index [1]")
+
+
+def test_verify_fails_on_a_damaged_manifest(z3_bf16_dp2, copy):
+    manifest = json.loads((copy / "ucp.json").read_text())
+    del manifest["params"][0]["folder"]
+    (copy / "ucp.json").write_text(json.dumps(manifest))
+    result = verify_universal(z3_bf16_dp2.path, copy)
+    assert not result.ok and "ucp.json is malformed" in result.message
+
+
+def test_verify_compares_bits_not_values():
+    assert first_difference(torch.tensor([0.0]), torch.tensor([-0.0])) is not None
+    nan = torch.tensor([float("nan")])
+    assert first_difference(nan, nan.clone()) is None
+    assert first_difference(torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)).startswith("dtype")
+
+
+def test_verify_cli_exit_codes(z3_bf16_dp2, bf16_universal, copy, tmp_path, capsys):
+    assert main(["verify", str(z3_bf16_dp2.path), str(bf16_universal)]) == 0
+    assert capsys.readouterr().out.startswith("OK:")
+    _nudge_one_exp_avg(copy, 5)
+    assert main(["verify", str(z3_bf16_dp2.path), str(copy)]) == 1
+    assert PARAM in capsys.readouterr().out
+    assert main(["verify", str(z3_bf16_dp2.path), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ucp: error:") and len(err.strip().splitlines()) == 1
+    assert main(["verify", str(z3_bf16_dp2.path)]) == 2
+    assert "needs UNIVERSAL" in capsys.readouterr().err
+
+
+def test_verify_cli_in_a_subprocess(z3_bf16_dp2, bf16_universal, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "ucp", "verify", str(z3_bf16_dp2.path), str(bf16_universal)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK:"), ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "ucp", "verify", str(tmp_path), str(bf16_universal)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().startswith("ucp: error:") and len(bad.stderr.strip().splitlines()) == 1
+
+
+# -- verify --model ---------------------------------------------------------------------------
+MODELS = textwrap.dedent('''
+    from ucp.harness.model import TinyLM
+    from ucp.harness.spec import ModelSpec
+
+    def build():
+        return TinyLM(ModelSpec())
+
+    def untied():
+        return TinyLM(ModelSpec(tied=False))
+
+    def wider():
+        return TinyLM(ModelSpec(ffn=24))
+
+    def unfrozen():
+        model = TinyLM(ModelSpec())
+        model.proj.requires_grad_(True)
+        return model
+
+    def norm_first():
+        model = TinyLM(ModelSpec())
+        children = dict(model._modules)
+        model._modules.clear()
+        for name in ("embed", "norm", "blocks", "proj", "head"):
+            model._modules[name] = children[name]
+        return model
+
+    def not_a_model():
+        return 42
+''')
+
+
+@pytest.fixture()
+def models(tmp_path, monkeypatch) -> str:
+    (tmp_path / "ucp_test_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "ucp_test_models", raising=False)
+    return "ucp_test_models"
+
+
+def test_verify_model_accepts_the_model_that_wrote_the_checkpoint(z3_bf16_dp2, models, bf16_universal):
+    result = verify_model(z3_bf16_dp2.path, f"{models}:build")
+    assert result.ok and "13 parameters (2 frozen) in 2 groups, 1 tied" in result.message
+    assert verify_model(bf16_universal, f"{models}.py:build").ok  # a file path works too
+    assert verify_model(z3_bf16_dp2.path, f"{models}:build", tag="global_step3").ok
+
+
+@pytest.mark.parametrize("builder, expected", [
+    ("untied", "MISMATCH: model parameter 'head.weight' holds its own data, but the checkpoint ties it to "
+               "'embed.weight'"),
+    ("wider", "MISMATCH: blocks.0.0.weight: model shape [24, 10], checkpoint shape [23, 10]"),
+    ("unfrozen", "MISMATCH: proj.weight: trainable in the model, frozen in the checkpoint"),
+    ("norm_first", "MISMATCH: param group 1: order differs at position 0: the checkpoint stores 'blocks.0.0.bias', "
+                   "the model has 'norm.weight' there"),
+])
+def test_verify_model_names_the_first_mismatch(z3_bf16_dp2, models, builder, expected):
+    result = verify_model(z3_bf16_dp2.path, f"{models}:{builder}")
+    assert not result.ok and result.message.startswith(expected), result.message
+
+
+def test_verify_model_bad_spec_is_an_input_error(z3_bf16_dp2, models, capsys):
+    for spec, words in [("nocolon", "MODULE:CALLABLE"), (f"{models}:missing", "has no attribute"),
+                        ("no_such_module_xyz:build", "cannot import"), (f"{models}:not_a_model", "not a torch.nn")]:
+        with pytest.raises(InputError, match=words):
+            verify_model(z3_bf16_dp2.path, spec)
+    assert main(["verify", str(z3_bf16_dp2.path), "--model", f"{models}:wider"]) == 1
+    assert "model shape [24, 10]" in capsys.readouterr().out
+    assert main(["verify", str(z3_bf16_dp2.path), "--model", f"{models}:missing"]) == 2

@@ -1,0 +1,260 @@
+"""Consolidated weights: a checkpoint's parameters and buffers as safetensors or a torch state dict.
+
+Call order: :func:`export` opens a reader, :func:`plan_shards` splits the tensors into shards from
+the facts alone (sizes are known before any tensor is read), then each shard is filled by reading
+its parameters, written, and dropped, so memory stays near one shard. Output follows the Hugging
+Face layout: one ``model.safetensors`` / ``pytorch_model.bin``, or numbered shards plus an index
+(``*.index.json`` with ``metadata.total_size`` and ``weight_map``).
+
+Weights are the fp32 masters cast to the export dtype (default: each parameter's dtype in the
+model), which is exactly what the engine computes with. Tied aliases: safetensors refuses shared
+tensors, so only the owner is stored and the aliases are listed in the metadata (``ucp_tied``);
+a torch export stores the same tensor object under both names, in the owner's shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ucp.atomic import PARTIAL_MARK, staged_output
+from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
+from ucp.records import DTYPES, Reader, torch_dtype
+from ucp.sources import open_reader
+from ucp.universal import default_workers, parallel_map
+
+__all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
+
+logger = logging.getLogger(__name__)
+
+#: format -> (single file name, shard stem, suffix)
+FORMATS = {"safetensors": ("model.safetensors", "model", ".safetensors"),
+           "torch": ("pytorch_model.bin", "pytorch_model", ".bin")}
+_FILE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
+#: metadata key (safetensors header and index ``metadata``) listing tied aliases: alias -> owner
+TIED_KEY = "ucp_tied"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``500MB`` (decimal units, as Hugging Face reads them), ``1.5GiB`` (binary), or an int."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = _SIZE.match(str(size))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _UNITS:
+            raise ConfigError(f"max shard size {size!r} is not a size like 500MB, 5GB or 1.5GiB")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"max shard size {size!r} must be at least one byte")
+    return value
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Split (name, bytes) in order into shards of at most ``max_bytes``; a bigger tensor gets its own."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One stored tensor: a parameter (read lazily) or a buffer (already in memory)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    buffer: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _items(reader: Reader, dtype: str | None) -> list[_Item]:
+    """Parameters as the model held them (or cast to ``dtype``); floating buffers cast only when asked."""
+    items = []
+    for meta in reader.facts.params:
+        name = dtype or meta.dtype
+        if name not in DTYPES:
+            raise InputError(f"{meta.name} has model dtype {name!r}; export it with --dtype fp32, bf16 or fp16")
+        items.append(_Item(meta.name, meta.shape, torch_dtype(name)))
+    for name, tensor in reader.buffers().items():
+        cast = dtype is not None and tensor.is_floating_point()
+        tensor = tensor.to(torch_dtype(dtype)) if cast else tensor
+        items.append(_Item(name, tuple(tensor.shape), tensor.dtype, tensor.contiguous()))
+    return items
+
+
+def _resolve_out(out: Path, fmt: str) -> tuple[Path, str | None]:
+    """(folder to stage, file name) for a file OUT; (folder, None) for a folder OUT."""
+    if out.suffix in _FILE_SUFFIXES[fmt]:
+        return out, out.name
+    other = [s for f, suffixes in _FILE_SUFFIXES.items() if f != fmt for s in suffixes]
+    if out.suffix in other:
+        raise ConfigError(f"{out} ends in {out.suffix}, which does not fit --format {fmt}")
+    return out, None
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, fmt: str, tied: Mapping[str, str]) -> None:
+    if fmt == "torch":
+        torch.save(tensors, path)
+        return
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt"}
+    if tied:
+        metadata[TIED_KEY] = json.dumps(dict(tied), sort_keys=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _require_safetensors() -> None:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise UcpError("--format safetensors needs the safetensors package: pip install safetensors "
+                       "(or pip install 'ucp[export]'), or export with --format torch") from None
+
+
+def export(src: str | os.PathLike | Reader, out: str | os.PathLike, *, format: str = "safetensors",
+           dtype: str | None = None, max_shard_size: int | str = "5GB", tag: str | None = None,
+           overwrite: bool = False, workers: int | None = None) -> list[Path]:
+    """Write consolidated weights of ``src`` to ``out``; returns the files written (index last).
+
+    ``out`` ending in ``.safetensors`` / ``.bin`` names one file (refused if it needs shards);
+    any other ``out`` is a folder that gets the single file or the shards and their index.
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    max_bytes = parse_size(max_shard_size)
+    if format == "safetensors":
+        _require_safetensors()
+    out = Path(out).absolute()
+    target, file_name = _resolve_out(out, format)
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
+    reader = open_reader(src, tag=tag) if isinstance(src, (str, os.PathLike)) else src
+    try:
+        return _export(reader, target, file_name, format, dtype, max_bytes, overwrite, workers or default_workers())
+    finally:
+        if reader is not src:
+            reader.close()
+
+
+def _export(reader: Reader, out: Path, file_name: str | None, fmt: str, dtype: str | None, max_bytes: int,
+            overwrite: bool, workers: int) -> list[Path]:
+    facts = reader.facts
+    for alias, owner in facts.tied.items():
+        if owner not in {p.name for p in facts.params}:
+            raise InputError(f"tied alias {alias!r} points at {owner!r}, which is not a parameter of the checkpoint")
+    items = _items(reader, dtype)
+    by_name = {item.name: item for item in items}
+    shards = plan_shards([(item.name, item.nbytes) for item in items], max_bytes)
+    if file_name is not None and len(shards) > 1:
+        raise ConfigError(f"the export needs {len(shards)} shards of at most {max_bytes:,} bytes; give a folder as "
+                          f"OUT instead of the file {out.name}, or raise --max-shard-size")
+    single, stem, suffix = FORMATS[fmt]
+    names = ([file_name or single] if len(shards) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))])
+    aliases_of: dict[str, list[str]] = {}
+    for alias, owner in facts.tied.items():
+        aliases_of.setdefault(owner, []).append(alias)
+
+    def load(name: str) -> tuple[str, torch.Tensor]:
+        item = by_name[name]
+        if item.buffer is not None:
+            return name, item.buffer
+        fp32 = reader.read(name, moments=False).fp32
+        return name, fp32.to(item.dtype).contiguous()
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    with _staged(out, file_name, overwrite) as stage:
+        for shard, file in zip(shards, names):
+            tensors: dict[str, torch.Tensor] = {}
+            tied: dict[str, str] = {}
+            for name, tensor in parallel_map(load, shard, workers, desc=f"export {file}"):
+                tensors[name] = tensor
+                weight_map[name] = file
+                total += tensor.numel() * tensor.element_size()
+                for alias in aliases_of.get(name, []):
+                    tied[alias] = name
+                    if fmt == "torch":  # the same object: torch.save keeps one storage for both names
+                        tensors[alias] = tensor
+                        weight_map[alias] = file
+            _save_shard(tensors, stage / file, fmt, tied)
+            logger.info("wrote %s (%d tensors)", file, len(tensors))
+            del tensors
+        written = [out / file for file in names] if file_name is None else [out]
+        if len(shards) > 1:
+            index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            if facts.tied:
+                index["metadata"][TIED_KEY] = dict(facts.tied)
+            index_name = f"{single}.index.json"
+            (stage / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+            written.append(out / index_name)
+    return written
+
+
+class _staged:
+    """A folder OUT goes through :func:`ucp.atomic.staged_output`; a file OUT is written beside
+    itself under a temporary name and renamed into place, so a failure leaves no half file."""
+
+    def __init__(self, out: Path, file_name: str | None, overwrite: bool) -> None:
+        self.out, self.file_name, self.overwrite = out, file_name, overwrite
+
+    def __enter__(self) -> Path:
+        if self.file_name is None:
+            self._ctx = staged_output(self.out, overwrite=self.overwrite)
+            return self._ctx.__enter__()
+        if self.out.exists() and (not self.overwrite or self.out.is_dir()):
+            raise OutputExistsError(f"{self.out} already exists" + ("" if self.overwrite else
+                                                                     "; pass --overwrite to replace it"))
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UcpError(f"cannot create {self.out.parent}: {err.strerror}") from None
+        # the name ucp.atomic recognises as a leftover, so a later run for OUT clears it after a kill
+        self._stage = self.out.parent / f".{self.out.name}{PARTIAL_MARK}{secrets.token_hex(4)}-{os.getpid()}"
+        self._stage.mkdir()
+        return self._stage
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
+        if self.file_name is None:
+            return bool(self._ctx.__exit__(kind, err, tb))
+        try:
+            if kind is None:
+                staged = self._stage / self.file_name
+                with open(staged, "rb") as handle:
+                    os.fsync(handle.fileno())
+                os.replace(staged, self.out)
+        finally:
+            shutil.rmtree(self._stage, ignore_errors=True)
+        return False
