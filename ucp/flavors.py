@@ -26,7 +26,7 @@ import torch
 
 from ucp.errors import InputError
 
-__all__ = ["Hyper", "Flavour", "FLAVOURS", "get", "detect", "Detection"]
+__all__ = ["Hyper", "Flavour", "FLAVOURS", "get", "detect", "detect_live", "Detection", "hyper_from_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,21 @@ class Flavour:
         state["exp_avg"] = exp_avg
         state["exp_avg_sq"] = exp_avg_sq
         return state
+
+    def update_group(self, live: dict[str, Any], hyper: Hyper, step: int) -> dict[str, Any]:
+        """A live optimizer's group with the checkpoint's hyperparameters; its own switches
+        (foreach, fused, capturable, ...) stay as the new run set them."""
+        group = {k: v for k, v in live.items() if k != "params"}
+        group.update(lr=hyper.lr, betas=tuple(hyper.betas), eps=hyper.eps, weight_decay=hyper.weight_decay)
+        if "amsgrad" in group:
+            group["amsgrad"] = hyper.amsgrad
+        if "bias_correction" in group:
+            group["bias_correction"] = hyper.bias_correction
+        if self.step_in_group:
+            current = group.get("step")
+            group["step"] = (torch.full_like(current, step) if torch.is_tensor(current) else int(step))
+        group.update({k: v for k, v in hyper.extra.items() if k not in group or k == "initial_lr"})
+        return group
 
     def make_group(self, hyper: Hyper, step: int) -> dict[str, Any]:
         """A param group (without ``params``) as this optimizer writes it in its state_dict."""
@@ -214,3 +229,19 @@ def detect(optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | No
     if not states:
         return Detection(None, cfg_adam_w, "the optimizer has taken no step yet")
     return Detection(None, cfg_adam_w, "no step found where any known Adam keeps it")
+
+
+def detect_live(optimizer: Any) -> Flavour:
+    """The flavour of a live optimizer object (the base optimizer inside a DeepSpeed engine)."""
+    cls = type(optimizer)
+    module = cls.__module__
+    if module.startswith("apex.") and cls.__name__ == "FusedAdam":
+        return FLAVOURS["apex-fused-adam"]
+    if module.startswith("deepspeed.ops.adam") and cls.__name__ == "FusedAdam":
+        return FLAVOURS["ds-fused-adam"]
+    if module.startswith("deepspeed.ops.adam") and "CPUAdam" in cls.__name__:
+        return FLAVOURS["ds-cpu-adam"]
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        return FLAVOURS["torch-adam"]
+    raise InputError(f"cannot tell where {cls.__module__}.{cls.__name__} keeps its step; pass optimizer= one of "
+                     f"{', '.join(FLAVOURS)}")

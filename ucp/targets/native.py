@@ -21,9 +21,10 @@ from ucp import flavors, torchfile
 from ucp.atomic import staged_output
 from ucp.errors import ConfigError, InputError
 from ucp.partition import Zero3Layout, zero3_layout, zero3_partition_size, zero3_rank_span
-from ucp.records import DTYPES, Facts, ParamMeta, ParamState, Reader, torch_dtype
+from ucp.records import DTYPES, Facts, ParamState, Reader, torch_dtype
 from ucp.sources import open_reader
-from ucp.universal import default_workers, parallel_map
+from ucp.targets.zero3 import fill_ranks, optim_block, sub_group_steps
+from ucp.universal import default_workers
 
 __all__ = ["NativePlan", "plan_native", "write_native", "DS_DEFAULT_SUB_GROUP_SIZE"]
 
@@ -203,57 +204,27 @@ def _write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
     layout = plan.layout
     assert layout is not None
     dp = plan.dp
-    subs = len(layout.sub_group_numel)
-    flat = [[torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel] for _ in range(dp)]
-    avg = [[torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel] for _ in range(dp)]
-    avg_sq = [[torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel] for _ in range(dp)]
-    sub_steps: list[set[int]] = [set() for _ in range(subs)]
-    slots = {name: layout.slots[g][i] for g, names in enumerate(plan.group_names) for i, name in enumerate(names)}
-    optimized = [facts.param(n) for names in plan.group_names for n in names]
-
-    def scatter(meta: ParamMeta) -> None:
-        state = reader.read(meta.name, moments=not plan.reset_moments)
-        slot = slots[meta.name]
-        sources = [(flat, state.fp32)]
-        if not plan.reset_moments:
-            if state.exp_avg is None:
-                raise InputError(f"{meta.name} has no optimizer moments in the source; use step: reset")
-            sources += [(avg, state.exp_avg), (avg_sq, state.exp_avg_sq)]
-        for buffers, tensor in sources:
-            values = tensor.reshape(-1)
-            for rank in range(dp):
-                start, end = zero3_rank_span(slot.numel, dp, rank)
-                if end > start:
-                    buffers[rank][slot.sub_group].narrow(0, slot.offset, end - start).copy_(values[start:end])
-        sub_steps[slot.sub_group].add(param_step(plan, state))
-
-    for _ in parallel_map(scatter, optimized, workers, desc="restore"):
-        pass
-    steps_by_sub = []
-    for sub, seen in enumerate(sub_steps):
-        if len(seen) > 1:
-            # one flat sub-group takes one step count; parameters that disagree cannot share it
-            raise InputError(f"parameters sharing sub-group {sub} have different steps {sorted(seen)}; "
-                             "pass an explicit step")
-        steps_by_sub.append(seen.pop() if seen else 0)
-    group_steps = [max((steps_by_sub[s] for s in layout.sub_groups_in(g)), default=0)
-                   for g in range(len(plan.group_names))]
+    moments = not plan.reset_moments
+    ranks, seen = fill_ranks(reader, layout, plan.group_names, range(dp), moments=moments, workers=workers,
+                             step_of=lambda state: param_step(plan, state))
+    steps = sub_group_steps(seen)
     members = [layout.sub_groups_in(g) for g in range(len(plan.group_names))]
+    group_steps = [max((steps[s] for s in subs), default=0) for subs in members]
+    groups = optimizer_groups(reader, plan, members, group_steps)
 
     frozen = [m for m in facts.params if m.frozen]
     frozen_full = {m.name: reader.read(m.name, moments=False).fp32.reshape(-1) for m in frozen}
-    param_shapes = [OrderedDict() for _ in range(subs)]
+    param_shapes: list[OrderedDict] = [OrderedDict() for _ in layout.sub_group_numel]
     for g, names in enumerate(plan.group_names):
-        for name in names:
-            param_shapes[slots[name].sub_group][name] = torch.Size(facts.param(name).shape)
+        for i, name in enumerate(names):
+            param_shapes[layout.slots[g][i].sub_group][name] = torch.Size(facts.param(name).shape)
     lp = torch_dtype(plan.dtype)
-    block = zero_block(reader, plan)
+    wrapper = zero_block(reader, plan)
     for rank in range(dp):
         fragments = OrderedDict()
         for meta in frozen:
-            size = zero3_partition_size(meta.numel, dp)
             start, end = zero3_rank_span(meta.numel, dp, rank)
-            fragment = torch.zeros(size, dtype=lp)
+            fragment = torch.zeros(zero3_partition_size(meta.numel, dp), dtype=lp)
             fragment[: end - start].copy_(frozen_full[meta.name][start:end])
             fragments[meta.name] = fragment
         states = model_states(reader, plan, extra={
@@ -263,11 +234,7 @@ def _write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
             "frozen_param_fragments": fragments,
         })
         torchfile.save(states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
-        state = {}
-        if not plan.reset_moments or plan.step:
-            for sub in range(subs):
-                state[sub] = plan.flavour.make_state(avg[rank][sub], avg_sq[rank][sub], steps_by_sub[sub])
-        inner = {"state": state, "param_groups": optimizer_groups(reader, plan, members, group_steps)}
-        optim = {**block, "partition_count": dp, "optimizer_state_dict": inner, "fp32_flat_groups": flat[rank]}
-        torchfile.save({"optimizer_state_dict": optim, "ds_config": facts.info.ds_config,
+        block = optim_block(wrapper=wrapper, flavour=plan.flavour, buffers=ranks.pop(rank), steps=steps,
+                            groups=groups, dp=dp, moments=moments or bool(plan.step))
+        torchfile.save({"optimizer_state_dict": block, "ds_config": facts.info.ds_config,
                         "ds_version": facts.info.ds_version}, tag_dir / _rank_optim_name(plan, rank))

@@ -1,0 +1,79 @@
+"""Universal -> a plain PyTorch model and optimizer (no DeepSpeed at all).
+
+Weights come from the fp32 masters (cast to each parameter's dtype), moments and steps go into
+``optimizer.state[param]`` where the optimizer's flavour reads them, and each param group takes the
+hyperparameters of the checkpoint group that holds its members.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ucp import flavors
+from ucp.errors import InputError
+from ucp.records import Reader
+from ucp.sources import open_reader
+from ucp.targets.engine import match_groups
+
+__all__ = ["restore_torch"]
+
+
+def restore_torch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  universal_dir: str | os.PathLike | Reader, *, flavour: str | None = None,
+                  scheduler: Any = None, strict: bool = True) -> dict[str, Any]:
+    """Load weights, buffers, optimizer state and (optionally) an lr scheduler; returns client state."""
+    reader = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
+    try:
+        facts = reader.facts
+        params = dict(model.named_parameters())  # tied aliases collapse to their owner
+        expected = {m.name for m in facts.params}
+        if strict and set(params) != expected:
+            extra, lost = sorted(set(params) - expected), sorted(expected - set(params))
+            raise InputError(f"parameters differ: model has {extra[:3]} not in the checkpoint, checkpoint has "
+                             f"{lost[:3]} not in the model; pass strict=False to restore the common ones")
+        names_of = {id(p): n for n, p in params.items()}
+        live_members = [[names_of[id(p)] for p in g["params"] if id(p) in names_of]
+                        for g in (optimizer.param_groups if optimizer else [])]
+        matched = match_groups(reader, live_members, strict=strict) if optimizer else []
+        kind = flavors.get(flavour) if flavour else flavors.detect_live(optimizer) if optimizer else None
+        for name, param in params.items():
+            if name not in expected:
+                continue
+            state = reader.read(name, moments=optimizer is not None)
+            with torch.no_grad():
+                param.copy_(state.fp32.to(param.dtype))
+            if optimizer is not None and kind is not None and state.exp_avg is not None and param.requires_grad:
+                new = kind.make_state(state.exp_avg.to(param.device), state.exp_avg_sq.to(param.device),
+                                      int(state.step or 0))
+                if torch.is_tensor(new.get("step")) and _on_device(optimizer, param):
+                    new["step"] = new["step"].to(param.device)
+                optimizer.state[param] = new
+        for g, group in enumerate(optimizer.param_groups if optimizer else []):
+            source = matched[g]
+            if source is None:
+                continue
+            meta = facts.groups[source]
+            group.update({k: v for k, v in kind.update_group(group, meta.hyper, int(meta.step or 0)).items()
+                          if k != "params"})
+        buffers = reader.buffers()
+        for name, buf in model.named_buffers():
+            if name in buffers:
+                buf.copy_(buffers[name].to(buf.dtype))
+        extras = reader.extras()
+        if scheduler is not None and extras.get("lr_scheduler") is not None:
+            scheduler.load_state_dict(extras["lr_scheduler"])
+        return dict(extras.get("client_state") or {})
+    finally:
+        if reader is not universal_dir:
+            reader.close()
+
+
+def _on_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """torch Adam keeps the step on the parameter's device when capturable or fused."""
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return bool(group.get("capturable") or group.get("fused"))
+    return False
