@@ -89,7 +89,8 @@ def test_verify_catches_a_changed_step_file(z3_bf16_dp2, copy):
     assert "step.pt does not match its checksum" in verify_universal(z3_bf16_dp2.path, copy).message
     _fix_checksum(copy, "norm.bias", "step.pt")
     result = verify_universal(z3_bf16_dp2.path, copy)
-    assert not result.ok and result.message == "MISMATCH: norm.bias step: step.pt holds 4.0, source step is 3"
+    assert not result.ok and result.message.startswith("MISMATCH: norm.bias")
+    assert "step.pt holds 4.0" in result.message
 
 
 def test_verify_catches_a_changed_frozen_weight_and_a_missing_file(z3_bf16_dp2, copy):

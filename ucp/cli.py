@@ -73,6 +73,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ucp.verify import verify_model, verify_universal
 
+    if args.model and args.universal:
+        raise UcpError("give either UNIVERSAL or --model, not both")
     if args.model:
         result = verify_model(args.source, args.model, tag=args.tag)
     elif args.universal:

@@ -205,6 +205,9 @@ def detect(optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | No
     """Tell the flavour from a (base) optimizer state dict: where the step lives and its type."""
     _, cfg_adam_w, offload = _ds_config_optimizer(ds_config)
     groups = list(optimizer_state.get("param_groups") or [])
+    decoupled = {bool(g["decoupled_weight_decay"]) for g in groups if "decoupled_weight_decay" in g}
+    if len(decoupled) == 1:  # torch >= 2.4 writes it: AdamW True, Adam False
+        cfg_adam_w = decoupled.pop()
     states = list((optimizer_state.get("state") or {}).values())
     if override is not None:
         return Detection(get(override), cfg_adam_w, "given by the user")

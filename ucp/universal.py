@@ -322,12 +322,22 @@ class UniversalReader:
         tensor = obj.get("param") if isinstance(obj, Mapping) else obj
         if not torch.is_tensor(tensor):
             raise CorruptFileError(f"{self.file_path(name, key)} holds no tensor under 'param'")
-        if tuple(tensor.shape) != tuple(entry.shape):
-            if tensor.numel() != entry.meta().numel:
-                raise CorruptFileError(f"{self.file_path(name, key)} has shape {tuple(tensor.shape)}, manifest says "
-                                       f"{tuple(entry.shape)}")
-            tensor = tensor.reshape(entry.shape)
-        return tensor.float() if tensor.dtype != torch.float32 else tensor
+        if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != torch.float32:
+            raise CorruptFileError(f"{self.file_path(name, key)} holds a {str(tensor.dtype).replace('torch.', '')} "
+                                   f"tensor of shape {tuple(tensor.shape)}; {MANIFEST} says float32 "
+                                   f"{tuple(entry.shape)}")
+        return tensor
+
+    def _step(self, name: str) -> int | None:
+        """The step from step.pt (what DeepSpeed's loader reads), checked against the manifest."""
+        entry = self._entries[name]
+        if "step.pt" not in entry.files:
+            return entry.step
+        raw = self._load(self.file_path(name, "step.pt"), entry.files["step.pt"])
+        value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
+        if not isinstance(value, (int, float)) or value != entry.step:
+            raise CorruptFileError(f"{self.file_path(name, 'step.pt')} holds {value!r}; {MANIFEST} says {entry.step}")
+        return int(value)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         entry = self._entries.get(name)
@@ -337,7 +347,7 @@ class UniversalReader:
         if entry.frozen or not moments or "exp_avg.pt" not in entry.files:
             return ParamState(fp32=fp32, step=entry.step)
         return ParamState(fp32=fp32, exp_avg=self._tensor(name, "exp_avg.pt"),
-                          exp_avg_sq=self._tensor(name, "exp_avg_sq.pt"), step=entry.step)
+                          exp_avg_sq=self._tensor(name, "exp_avg_sq.pt"), step=self._step(name))
 
     def _state(self) -> Mapping[str, Any]:
         if not hasattr(self, "_state_cache"):

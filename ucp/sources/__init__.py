@@ -35,6 +35,8 @@ def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | No
         from ucp.sources.zero3 import Zero3Source
 
         return Zero3Source(files, optimizer=optimizer)
-    from ucp.sources.zero12 import Zero12Source
-
+    try:
+        from ucp.sources.zero12 import Zero12Source
+    except ImportError:
+        raise InputError(f"{files.tag_dir} is a ZeRO-1/2 checkpoint; this ucp reads ZeRO-3 only") from None
     return Zero12Source(files, optimizer=optimizer)
