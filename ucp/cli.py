@@ -41,7 +41,7 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
     from ucp.convert import to_universal
 
     manifest = to_universal(args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, fsync=args.fsync)
     print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
     return 0
 
@@ -54,7 +54,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         step = int(step)
     plan = write_native(args.universal, args.out, dp=args.dp, stage=args.stage, optimizer=args.optimizer,
                         dtype=args.dtype, tag=args.tag, sub_group_size=args.sub_group_size, step=step,
-                        overwrite=args.overwrite, workers=args.workers)
+                        overwrite=args.overwrite, workers=args.workers, fsync=args.fsync)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp} ({plan.flavour.name}, {plan.dtype}) to "
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the source's optimizer, when detection cannot tell")
     p.add_argument("--workers", type=_positive, help="parallel workers (default: CPU count, at most 8)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
     p.add_argument("--distributed", action="store_true",
                    help="split the work across torch.distributed ranks (launch with torchrun)")
     p.set_defaults(func=_cmd_to_universal)
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
     p.add_argument("--workers", type=_positive)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
     p.set_defaults(func=_cmd_restore)
 
     p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")

@@ -16,15 +16,17 @@ logger = logging.getLogger(__name__)
 
 
 def to_universal(src: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
-                 optimizer: str | None = None, workers: int | None = None, overwrite: bool = False) -> dict[str, Any]:
+                 optimizer: str | None = None, workers: int | None = None, overwrite: bool = False,
+                 fsync: bool = False) -> dict[str, Any]:
     """Convert a DeepSpeed ZeRO checkpoint (folder with ``latest`` or a tag folder) into ``out``.
 
     Returns the manifest written to ``out/ucp.json``. ``optimizer`` names the flavour outright when
-    detection cannot tell (e.g. a checkpoint saved before the first step).
+    detection cannot tell (e.g. a checkpoint saved before the first step). ``fsync`` flushes the
+    output to disk before it is published (survives power loss, not just a killed process).
     """
     reader = open_reader(src, tag=tag, optimizer=optimizer)
     try:
-        manifest = write_universal(reader, out, overwrite=overwrite, workers=workers)
+        manifest = write_universal(reader, out, overwrite=overwrite, workers=workers, fsync=fsync)
     finally:
         reader.close()
     logger.info("wrote %d parameters to %s", len(manifest["params"]), out)

@@ -32,8 +32,10 @@ from ucp.atomic import checksum, staged_output
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.flavors import Hyper
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo
+from ucp.tensorfile import write_torch_file
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "folder_for", "write_universal", "open_universal",
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "folder_for", "write_universal", "write_params",
+           "finish_universal", "ParamEntry", "open_universal",
            "UniversalReader", "default_workers", "parallel_map"]
 
 logger = logging.getLogger(__name__)
@@ -172,8 +174,15 @@ def _facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry
 
 # -- writing ----------------------------------------------------------------------------------
 def _save(obj: Any, path: Path) -> FileEntry:
+    """Objects that may hold DeepSpeed stand-ins (scheduler, loss scaler, client state)."""
     torchfile.save(obj, path)
     return FileEntry(bytes=path.stat().st_size, crc32=checksum(path))
+
+
+def _save_tensor(obj: Any, path: Path) -> FileEntry:
+    """Per-parameter files: one pass over the bytes, deterministic output, checksum for free."""
+    written = write_torch_file(obj, path)
+    return FileEntry(bytes=written.bytes, crc32=written.crc32)
 
 
 def _write_param(root: Path, meta: ParamMeta, state: ParamState) -> ParamEntry:
@@ -183,12 +192,13 @@ def _write_param(root: Path, meta: ParamMeta, state: ParamState) -> ParamEntry:
     target = root / "zero" / folder
     target.mkdir(parents=True, exist_ok=False)
     entry = ParamEntry(meta.name, folder, list(meta.shape), meta.dtype, meta.group, meta.frozen, state.step)
-    entry.files["fp32.pt"] = _save({"param": state.fp32}, target / "fp32.pt")
+    entry.files["fp32.pt"] = _save_tensor({"param": state.fp32}, target / "fp32.pt")
     if not meta.frozen and state.exp_avg is not None:
-        entry.files["exp_avg.pt"] = _save({"param": state.exp_avg}, target / "exp_avg.pt")
-        entry.files["exp_avg_sq.pt"] = _save({"param": state.exp_avg_sq}, target / "exp_avg_sq.pt")
+        entry.files["exp_avg.pt"] = _save_tensor({"param": state.exp_avg}, target / "exp_avg.pt")
+        entry.files["exp_avg_sq.pt"] = _save_tensor({"param": state.exp_avg_sq}, target / "exp_avg_sq.pt")
     if not meta.frozen and state.step is not None:
-        entry.files["step.pt"] = _save(torch.tensor(float(state.step), dtype=torch.float32), target / "step.pt")
+        entry.files["step.pt"] = _save_tensor(torch.tensor(float(state.step), dtype=torch.float32),
+                                              target / "step.pt")
     return entry
 
 
@@ -236,28 +246,30 @@ def _ds_compat_files(root: Path, facts: Facts, extras: Mapping[str, Any], buffer
     (root / "latest_universal").write_text(".")
 
 
+def write_params(reader: Reader, root: Path, metas: list[ParamMeta], workers: int,
+                 transform: Callable[[ParamMeta, ParamState], ParamState] | None = None) -> list[ParamEntry]:
+    """Write the per-parameter folders of ``metas`` under ``root/zero``; returns their manifest entries."""
+    def one(meta: ParamMeta) -> ParamEntry:
+        state = reader.read(meta.name)
+        if transform is not None:
+            state = transform(meta, state)
+        return _write_param(root, meta, state)
+
+    return list(parallel_map(one, metas, workers, desc="to-universal"))
+
+
 def write_universal(reader: Reader, out: str | os.PathLike, *, overwrite: bool = False,
-                    workers: int | None = None, names: Iterable[str] | None = None,
+                    workers: int | None = None, fsync: bool = False,
                     transform: Callable[[ParamMeta, ParamState], ParamState] | None = None) -> dict[str, Any]:
     """Stream every parameter of ``reader`` into a universal directory at ``out``; returns the manifest.
 
-    Memory stays near ``2 x workers`` parameters. ``names`` limits the parameters written (the
-    distributed mode splits them across ranks); ``transform`` may edit a state on its way through.
+    Memory stays near ``2 x workers`` parameters; ``transform`` may edit a state on its way through.
+    OUT appears whole or not at all; ``fsync`` also makes it survive a power loss.
     """
-    facts = reader.facts
-    workers = workers or default_workers()
-    wanted = facts.params if names is None else [facts.param(n) for n in names]
-    with staged_output(out, overwrite=overwrite) as root:
+    with staged_output(out, overwrite=overwrite, durable=fsync) as root:
         (root / "zero").mkdir()
-
-        def one(meta: ParamMeta) -> ParamEntry:
-            state = reader.read(meta.name)
-            if transform is not None:
-                state = transform(meta, state)
-            return _write_param(root, meta, state)
-
-        entries = list(parallel_map(one, wanted, workers, desc="to-universal"))
-        manifest = finish_universal(root, facts, entries, reader.extras(), reader.buffers())
+        entries = write_params(reader, root, reader.facts.params, workers or default_workers(), transform)
+        manifest = finish_universal(root, reader.facts, entries, reader.extras(), reader.buffers())
     return manifest
 
 

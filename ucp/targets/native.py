@@ -105,7 +105,7 @@ def _rank_optim_name(plan: NativePlan, rank: int) -> str:
 def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, *, dp: int, stage: int = 3,
                  optimizer: str | None = None, dtype: str | None = None, tag: str | None = None,
                  sub_group_size: int | None = None, step: int | str | None = "keep", overwrite: bool = False,
-                 workers: int | None = None) -> NativePlan:
+                 workers: int | None = None, fsync: bool = False) -> NativePlan:
     """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of DP size ``dp``."""
     reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
     try:
@@ -114,11 +114,11 @@ def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, *, 
         if plan.stage != 3:
             from ucp.targets.native12 import write_native12
 
-            with staged_output(out, overwrite=overwrite) as root:
+            with staged_output(out, overwrite=overwrite, durable=fsync) as root:
                 write_native12(reader, plan, root / plan.tag, workers or default_workers())
                 (root / "latest").write_text(plan.tag)
             return plan
-        with staged_output(out, overwrite=overwrite) as root:
+        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
             tag_dir = root / plan.tag
             tag_dir.mkdir()
             _write_zero3(reader, plan, tag_dir, workers or default_workers())
