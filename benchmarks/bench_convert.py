@@ -71,12 +71,16 @@ MB = 1_000_000  # sizes are decimal megabytes, as `ls -l` bytes / 1e6
 BYTES_PER_PARAM = 12  # ZeRO-3 bf16 optimizer shards: fp32 master + exp_avg + exp_avg_sq
 PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 
-#: Ratio targets for docs/performance.md: (name, numerator, denominator, target, meaning).
+#: Ratio targets for docs/performance.md: (name, numerator, denominator, target, checked, meaning).
+#: The CPU-time rows are not what the targets are defined on, but they survive a busy machine far better
+#: than wall time does (user+sys of the child and every descendant it waited for, from wait4).
 TARGETS = (
-    ("time", "ucp-to-universal", "ds-to-universal", 0.25, "whole-process wall time, ucp / ds_to_universal"),
-    ("work", "ucp-work", "ds-work", 0.10, "wall minus bare import of the heavy library, ucp / ds_to_universal"),
-    ("rss", "ucp-rss", "ds-rss", 0.50, "peak RSS (wait4 ru_maxrss), ucp / ds_to_universal"),
-    ("vs-cp", "ucp-work", "cp", 3.0, "ucp work / `cp -r` of the shard folder"),
+    ("time", "ucp-to-universal", "ds-to-universal", 0.25, True, "whole-process wall time, ucp / ds_to_universal"),
+    ("work", "ucp-work", "ds-work", 0.10, True, "wall minus bare import of the heavy library, ucp / ds_to_universal"),
+    ("rss", "ucp-rss", "ds-rss", 0.50, True, "peak RSS (wait4 ru_maxrss), ucp / ds_to_universal"),
+    ("vs-cp", "ucp-work", "cp", 3.0, True, "ucp work / `cp -r` of the shard folder"),
+    ("cpu-time", "ucp-cpu", "ds-cpu", 0.25, False, "CPU time (user+sys, whole tree), ucp / ds_to_universal"),
+    ("cpu-work", "ucp-cpu-work", "ds-cpu-work", 0.10, False, "CPU time minus the bare import's, ucp / ds"),
 )
 
 
@@ -135,6 +139,7 @@ class Sample:
     ok: bool
     wall_s: float
     maxrss_kib: int  # wait4 ru_maxrss; for ranks the max over ranks
+    cpu_s: float = 0.0  # user+sys over every process started and the descendants each waited for
     rank_maxrss_kib: list[int] = field(default_factory=list)  # one per process started (ranks)
     tree_rss_peak_kib: int | None = None  # sampled sum of RSS over every process of the run
     returncode: int | None = None
@@ -300,6 +305,7 @@ def run_measured(tool: str, round_: int, jobs: list[tuple[list[str], dict[str, s
     timer = threading.Timer(cfg.timeout_s, kill_unreaped)
     sampler: _TreeSampler | None = None
     rss: list[int] = []
+    cpu: list[float] = []
     codes: list[int] = []
     start = time.perf_counter()
     try:
@@ -316,6 +322,7 @@ def run_measured(tool: str, round_: int, jobs: list[tuple[list[str], dict[str, s
                 reaped.add(proc.pid)
             proc.returncode = os.waitstatus_to_exitcode(status)  # so Popen does not try to reap it again
             rss.append(usage.ru_maxrss)
+            cpu.append(usage.ru_utime + usage.ru_stime)
             codes.append(proc.returncode)
         wall = time.perf_counter() - start
     finally:
@@ -338,7 +345,8 @@ def run_measured(tool: str, round_: int, jobs: list[tuple[list[str], dict[str, s
         tail = _tail(logs[first])
         last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "(empty log)")
         error = f"{why}: {last} [log: {logs[first]}]\n{tail}"
-    return Sample(tool=tool, round=round_, ok=not failed, wall_s=wall, maxrss_kib=max(rss), rank_maxrss_kib=rss,
+    return Sample(tool=tool, round=round_, ok=not failed, wall_s=wall, maxrss_kib=max(rss), cpu_s=sum(cpu),
+                  rank_maxrss_kib=rss,
                   tree_rss_peak_kib=sampler.peak_kib if sampler is not None else None,
                   returncode=codes[failed[0]] if failed else 0, error=error, log=str(logs[0]))
 
@@ -586,6 +594,7 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict:
             "wall_s_median": _median([s.wall_s for s in good]),
             "wall_s_min": min((s.wall_s for s in good), default=None),
             "wall_s_max": max((s.wall_s for s in good), default=None),
+            "cpu_s_median": _median([s.cpu_s for s in good]),
             "maxrss_mib_median": _mib(_median([s.maxrss_kib for s in good])),
             "rank_sum_rss_mib_median": _mib(_median([sum(s.rank_maxrss_kib) for s in good])),
             "tree_rss_peak_mib_median": _mib(_median([s.tree_rss_peak_kib for s in good if s.tree_rss_peak_kib])),
@@ -594,6 +603,9 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict:
 
     def wall(name: str) -> float | None:
         return tools.get(name, {}).get("wall_s_median")
+
+    def cpu(name: str) -> float | None:
+        return tools.get(name, {}).get("cpu_s_median")
 
     def rss(name: str) -> float | None:
         return tools.get(name, {}).get("maxrss_mib_median")
@@ -614,6 +626,10 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict:
         "ds-work": minus(wall("ds-to-universal"), wall("import-deepspeed")),
         "ucp-rss": rss("ucp-to-universal"),
         "ds-rss": rss("ds-to-universal"),
+        "ucp-cpu": cpu("ucp-to-universal"),
+        "ds-cpu": cpu("ds-to-universal"),
+        "ucp-cpu-work": minus(cpu("ucp-to-universal"), cpu("import-torch")),
+        "ds-cpu-work": minus(cpu("ds-to-universal"), cpu("import-deepspeed")),
         "ucp-restore-work": minus(wall("ucp-restore"), wall("import-torch")),
         # load paths: time over an engine that loads nothing; ucp's path includes its restore process
         "ds-load-over-init": minus(wall("ds-universal-load"), wall("engine-init")),
@@ -622,10 +638,10 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict:
     }
     derived["ucp-restore+load-over-init"] = plus(wall("ucp-restore"), derived["ucp-native-load-over-init"])
     ratios = []
-    for key, num, den, target, meaning in TARGETS:
+    for key, num, den, target, checked, meaning in TARGETS:
         value = _ratio(derived.get(num), derived.get(den))
         ratios.append({"name": key, "value": value, "target": target, "met": None if value is None else value <= target,
-                       "meaning": meaning})
+                       "checked": checked, "meaning": meaning})
     for key, num, den, meaning in (
         ("restore-path-time", "ucp-restore+load", "ds-universal-load",
          "(ucp restore + native engine load) / DS universal engine load, whole processes"),
@@ -634,7 +650,7 @@ def summarize(samples: list[Sample], cfg: BenchConfig) -> dict:
     ):
         den_value = derived.get(den) if den in derived else wall(den)
         ratios.append({"name": key, "value": _ratio(derived.get(num), den_value), "target": None, "met": None,
-                       "meaning": meaning})
+                       "checked": False, "meaning": meaning})
     return {"tools": tools, "derived": derived, "ratios": ratios}
 
 
@@ -677,8 +693,9 @@ def render_markdown(result: dict, env: dict, cfg: BenchConfig) -> str:
         f"load average {result['loadavg_before'][0]:.1f} before, {result['loadavg_after'][0]:.1f} after; "
         f"an empty child (`true`) reports {env['rss_floor_mib']:.0f} MiB peak RSS here.",
         "",
-        "| step | ok/runs | median s | min–max s | work s | peak RSS MiB (max proc) | sum over ranks MiB | tree RSS MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | ok/runs | median s | min–max s | work s | CPU s | peak RSS MiB (max proc) | sum over ranks MiB "
+        "| tree RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     work = {"ucp-to-universal": result["derived"]["ucp-work"], "ds-to-universal": result["derived"]["ds-work"],
             "ucp-restore": result["derived"]["ucp-restore-work"],
@@ -691,12 +708,12 @@ def render_markdown(result: dict, env: dict, cfg: BenchConfig) -> str:
         multi = name.endswith("load") or name == "engine-init"
         lines.append(
             f"| {label} | {t['ok']}/{t['runs']} | {_fmt(t['wall_s_median'])} | "
-            f"{_fmt(t['wall_s_min'])}–{_fmt(t['wall_s_max'])} | {_fmt(work.get(name))} | "
+            f"{_fmt(t['wall_s_min'])}–{_fmt(t['wall_s_max'])} | {_fmt(work.get(name))} | {_fmt(t['cpu_s_median'])} | "
             f"{_fmt(t['maxrss_mib_median'], '.0f')} | {_fmt(t['rank_sum_rss_mib_median'], '.0f') if multi else ''} | "
             f"{_fmt(t['tree_rss_peak_mib_median'], '.0f')} |")
     lines += ["", "| ratio | value | target | met | meaning |", "|---|---|---|---|---|"]
     for ratio in result["ratios"]:
-        met = "" if ratio["met"] is None else ("yes" if ratio["met"] else "**no**")
+        met = "" if ratio["met"] is None else ("yes" if ratio["met"] else "**no**" if ratio["checked"] else "no")
         target = "" if ratio["target"] is None else f"≤ {ratio['target']}"
         lines.append(f"| {ratio['name']} | {_fmt(ratio['value'], '.3f')} | {target} | {met} | {ratio['meaning']} |")
     if result["disk"]:
@@ -705,6 +722,7 @@ def render_markdown(result: dict, env: dict, cfg: BenchConfig) -> str:
             lines.append(f"| {name} | {d['bytes'] / MB:.1f} | {d['files']} |")
     lines += ["", "Work = median wall minus the median bare import of the library the tool loads (torch for ucp, "
               "deepspeed for ds_to_universal); for engine loads, minus an engine start that loads nothing. "
+              "CPU = user+sys from `os.wait4` (includes waited-for workers; robust to a busy machine). "
               "Peak RSS = `ru_maxrss` from `os.wait4`: the largest single process of the child's tree "
               "(DeepSpeed's worker pool is not summed there); tree RSS = sampled sum over all its processes."]
     failures = [(n, t["first_error"]) for n, t in result["tools"].items() if t["first_error"]]
@@ -891,7 +909,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, cfg.out_dir / ("scaling.png" if len(results) > 1 else f"results-{results[0]['size_mb']}mb.png"))
     if cfg.check:
         missed = [f"{r['size_mb']} MB {x['name']}" for r in results for x in r["ratios"]
-                  if x["target"] is not None and not x["met"]]
+                  if x["checked"] and not x["met"]]
         if missed:
             logger.error("targets missed or not measured: %s", ", ".join(missed))
             return 1

@@ -17,7 +17,8 @@ from dsfixtures import Built, build, resume  # noqa: E402
 from ucp.harness import LoadSpec  # noqa: E402
 
 #: The source checkpoints of the suite: ZeRO-3 across DP 1-4, fp32/bf16, three optimizers,
-#: one to three param groups, several sub-groups, frozen + tied params and buffers in every one.
+#: one to three param groups, several sub-groups, frozen + tied params and buffers in every one;
+#: ZeRO-1/2 at DP 2-3 with two and three param groups.
 SOURCES: dict[str, dict[str, Any]] = {
     "z3-fp32-dp1-adamw": dict(dp=1, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=1),
     "z3-bf16-dp2-adamw": dict(dp=2, stage=3, dtype="bf16", optimizer="torch-adamw", sub_group_size=60),
@@ -28,6 +29,10 @@ SOURCES: dict[str, dict[str, Any]] = {
     "z3-bf16-dp4-fused": dict(dp=4, stage=3, dtype="bf16", optimizer="ds-fused-adam", sub_group_size=60),
     "z3-bf16-dp2-cpuadam": dict(dp=2, stage=3, dtype="bf16", optimizer="ds-cpu-adam", offload=True,
                                 param_groups=3),
+    # ZeRO-1/2: DeepSpeedZeroOptimizer at both stages, and BF16_Optimizer (bf16 + fp32 grad accumulation)
+    "z1-fp32-dp2-adamw": dict(dp=2, stage=1, dtype="fp32", optimizer="torch-adamw"),
+    "z2-bf16-dp3-adamw": dict(dp=3, stage=2, dtype="bf16", optimizer="torch-adamw", param_groups=3),
+    "z1-bf16-dp2-bf16opt": dict(dp=2, stage=1, dtype="bf16", optimizer="torch-adamw", grad_accum_dtype="fp32"),
 }
 
 

@@ -47,7 +47,10 @@ class Built:
 
 
 def _key(spec: RunSpec) -> str:
-    raw = json.dumps({"v": _VERSION, **asdict(replace(spec, save_dir=None, record=None, port=0))}, sort_keys=True)
+    fields = asdict(replace(spec, save_dir=None, record=None, port=0))
+    if fields.get("grad_accum_dtype") is None:
+        del fields["grad_accum_dtype"]  # added later: runs without it keep their cached keys
+    raw = json.dumps({"v": _VERSION, **fields}, sort_keys=True)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

@@ -1,27 +1,41 @@
 """Whole-or-nothing outputs: build beside OUT under a temporary name, check, then rename into place.
 
-A kill at any moment leaves either no OUT (plus a ``.OUT.ucp-partial-*`` folder that the next run
-clears) or a whole OUT. An existing OUT is never touched unless ``overwrite`` is given, and then it
-is only moved aside after the new one is complete.
+A kill at any moment leaves either no OUT or a whole OUT (the old one or the new one), plus at most
+a ``.OUT.ucp-partial-*`` folder that the next run for OUT clears. An existing OUT is never touched
+unless ``overwrite`` is given, and then it is only replaced once the new one is complete: on Linux
+the two folders swap in one ``renameat2(RENAME_EXCHANGE)``; elsewhere the old one is first moved
+aside to ``.OUT.ucp-old-*``, which the next run puts back if a kill struck between the two renames.
+
+Folders named ``*.ucp-partial-*`` are always garbage and may be deleted; ``*.ucp-old-*`` folders
+are always whole (they are renamed to a partial name before anything deletes them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import mmap
 import os
+import re
+import secrets
 import shutil
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ucp.errors import OutputExistsError, UcpError
 
-__all__ = ["staged_output", "checksum", "fsync_tree", "PARTIAL_MARK"]
+__all__ = ["staged_output", "checksum", "fsync_tree", "PARTIAL_MARK", "OLD_MARK"]
 
 logger = logging.getLogger(__name__)
 PARTIAL_MARK = ".ucp-partial-"
+OLD_MARK = ".ucp-old-"
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
 
 
 def checksum(path: Path) -> str:
@@ -46,22 +60,69 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(Path(folder))
 
 
-def _clear_stale(out: Path) -> None:
-    for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and _alive(int(pid)):
-            continue
-        logger.info("removing %s left by an interrupted run", stale)
-        shutil.rmtree(stale, ignore_errors=True)
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
+# -- renames ----------------------------------------------------------------------------------
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2; False when this system or filesystem does not offer it (caller falls back)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _publish_new(staging: Path, out: Path) -> None:
+    """staging -> out, failing (never replacing) if out appeared meanwhile."""
+    try:
+        if _renameat2(staging, out, _RENAME_NOREPLACE):
+            return
+        if os.path.lexists(out):
+            raise FileExistsError(errno.EEXIST, "exists", str(out))
+        os.rename(staging, out)  # an empty folder created at out since the check would be replaced
+    except OSError as err:
+        if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise OutputExistsError(f"{out} appeared while it was being written; the new output was discarded, "
+                                    "pass --overwrite to replace it") from None
+        raise
+
+
+def _publish_over(staging: Path, out: Path, token: str) -> None:
+    """Replace out with staging; at every instant out is the old whole folder or the new one."""
+    if _renameat2(staging, out, _RENAME_EXCHANGE):
+        # staging now holds the old folder, under a partial name: garbage from here on
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    aside = out.parent / f".{out.name}{OLD_MARK}{token}-{os.getpid()}"
+    os.rename(out, aside)
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(aside, out)
+        raise
+    doomed = out.parent / f".{out.name}{PARTIAL_MARK}old-{token}-{os.getpid()}"
+    os.rename(aside, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# -- leftovers of interrupted runs ------------------------------------------------------------
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -71,45 +132,80 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except OverflowError:
+        return False
     return True
 
 
+def _leftovers(out: Path) -> Iterator[tuple[Path, bool, int]]:
+    """(path, is an old whole OUT, owner pid) for every leftover of a run that wrote out."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.ucp-(partial|old)-(?:old-)?(?:[0-9a-f]{{8}}-)?(\d+)")
+    try:
+        names = sorted(os.listdir(out.parent))
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match:
+            yield out.parent / name, match.group(1) == "old", int(match.group(2))
+
+
+def _clear_stale(out: Path) -> None:
+    """Remove partial folders of dead runs for out; put back an old OUT a dead run left aside."""
+    for path, whole, pid in _leftovers(out):
+        if _alive(pid):
+            continue
+        if whole and not os.path.lexists(out):
+            logger.warning("putting back %s, which an interrupted --overwrite run had moved aside to %s", out, path)
+            os.rename(path, out)
+            continue
+        logger.info("removing %s left by an interrupted run", path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 @contextlib.contextmanager
-def staged_output(out: str | os.PathLike, *, overwrite: bool = False, durable: bool = True) -> Iterator[Path]:
-    """Yield a fresh staging folder; on clean exit it becomes ``out``, on error it is removed."""
+def staged_output(out: str | os.PathLike, *, overwrite: bool = False, durable: bool = True,
+                  check: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """Yield a fresh staging folder beside ``out``; on clean exit it becomes ``out``, on error it goes.
+
+    Call order: the caller fills the yielded folder (its metadata file last); on leaving the
+    ``with`` block ``check(staging)`` runs if given (raise to refuse the result), the tree is
+    fsynced when ``durable``, and only then is it renamed to ``out``.
+    """
     out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a folder; refusing to replace it")
+    if not out.name or out.name in (".", ".."):
+        raise UcpError(f"{out} cannot be an output folder; name a folder to create")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UcpError(f"cannot create {out.parent}: {err.strerror}") from None
     _clear_stale(out)
-    staging = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    if os.path.lexists(out):
+        if not overwrite:
+            raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
+        if not out.is_dir():
+            raise OutputExistsError(f"{out} exists and is not a folder; refusing to replace it")
+    token = secrets.token_hex(4)
+    staging = out.parent / f".{out.name}{PARTIAL_MARK}{token}-{os.getpid()}"
+    try:
+        staging.mkdir()
+    except OSError as err:
+        raise UcpError(f"cannot create {staging} beside {out}: {err.strerror}") from None
     try:
         yield staging
+        if check is not None:
+            check(staging)
         if durable:
             fsync_tree(staging)
-        if out.exists():
-            aside = out.parent / f".{out.name}{PARTIAL_MARK}old-{os.getpid()}"
-            os.rename(out, aside)
-            os.rename(staging, out)
-            shutil.rmtree(aside, ignore_errors=True)
+        if os.path.lexists(out) and overwrite:
+            _publish_over(staging, out, token)
         else:
-            os.rename(staging, out)
+            _publish_new(staging, out)
         _fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -6,10 +6,12 @@ with zeros to P. Each rank concatenates its partitions, parameter by parameter i
 order, into flat "sub-group" buffers; a new sub-group starts once the running partition size
 reaches ``sub_group_size`` (DeepSpeed 0.19.8, ``_create_fp16_sub_groups``).
 
-ZeRO-1/2 flatten a whole param group first, pad the flat buffer to a multiple of the alignment
-(``2 * dp`` elements for 16-bit training, ``dp`` otherwise... see :func:`zero12_padded_numel`),
-and cut it into ``dp`` equal partitions; a parameter can straddle ranks and the padding sits at the
-end, where it can cover whole trailing ranks.
+ZeRO-1/2 flatten a whole param group (its trainable, non-empty parameters in order, no gaps
+unless ``parameter_alignment`` asks for them), pad the flat buffer at the end to a multiple of
+``A = 2 * dp`` elements (``nccl_start_alignment_factor`` 2 times the DP size, for every dtype), and
+cut it into ``dp`` equal partitions of ``S = T / dp``. A parameter can straddle ranks; the padding
+sits at the end, where it can cover whole trailing ranks (DeepSpeed 0.19.8, ``stage_1_and_2.py``
+and ``bf16_optimizer.py``; proven bit-exact on real checkpoints).
 """
 
 from __future__ import annotations
@@ -26,9 +28,14 @@ __all__ = [
     "Zero3Layout",
     "zero3_layout",
     "Span",
+    "ZERO12_ALIGNMENT",
     "zero12_padded_numel",
     "zero12_partition_size",
+    "zero12_group_padding",
     "zero12_param_spans",
+    "zero12_rank_slice",
+    "Zero12Group",
+    "zero12_group",
 ]
 
 
@@ -129,14 +136,30 @@ class Span:
     length: int
 
 
-def zero12_padded_numel(group_numel: int, dp: int, alignment: int) -> int:
-    """Flat group size after DeepSpeed pads it so that it splits evenly and aligned across ``dp``."""
+#: DeepSpeed's ``nccl_start_alignment_factor``: partitions start on 4-byte boundaries of 16-bit data.
+ZERO12_ALIGNMENT = 2
+
+
+def zero12_padded_numel(group_numel: int, dp: int, alignment: int = ZERO12_ALIGNMENT) -> int:
+    """Flat group size ``T``: ``group_numel`` rounded up to a multiple of ``alignment * dp``."""
+    if dp <= 0 or alignment <= 0:
+        raise ValueError(f"dp and alignment must be positive, got dp={dp}, alignment={alignment}")
     unit = alignment * dp
-    return ceil_div(group_numel, unit) * unit if group_numel else 0
+    return ceil_div(group_numel, unit) * unit
 
 
-def zero12_partition_size(group_numel: int, dp: int, alignment: int) -> int:
+def zero12_partition_size(group_numel: int, dp: int, alignment: int = ZERO12_ALIGNMENT) -> int:
+    """Elements ``S`` of the flat group each rank holds, padding included."""
     return zero12_padded_numel(group_numel, dp, alignment) // dp
+
+
+def zero12_group_padding(group_numel: int, dp: int, rank: int, alignment: int = ZERO12_ALIGNMENT) -> int:
+    """Padding elements at the end of ``rank``'s partition (DeepSpeed's ``group_paddings[g]``)."""
+    size = zero12_partition_size(group_numel, dp, alignment)
+    left = rank * size
+    if group_numel <= left:
+        return size
+    return max(0, left + size - group_numel)
 
 
 def zero12_param_spans(param_offset: int, numel: int, partition_size: int, dp: int) -> list[Span]:
@@ -152,3 +175,59 @@ def zero12_param_spans(param_offset: int, numel: int, partition_size: int, dp: i
         spans.append(Span(rank, position - param_offset, position - rank * partition_size, stop - position))
         position = stop
     return spans
+
+
+def zero12_rank_slice(param_offset: int, numel: int, partition_size: int, rank: int) -> tuple[int, int] | None:
+    """(start inside ``rank``'s partition, length) of the parameter's elements that rank holds, or None.
+
+    This is DeepSpeed's ``param_slice_mappings`` entry (``fragment_address(start, numel)``).
+    """
+    left = rank * partition_size
+    start = max(param_offset, left)
+    end = min(param_offset + numel, left + partition_size)
+    return (start - left, end - start) if start < end else None
+
+
+@dataclass(frozen=True)
+class Zero12Group:
+    """The flat layout of one ZeRO-1/2 param group at one DP size."""
+
+    dp: int
+    numels: tuple[int, ...]  # per parameter, flat order
+    offsets: tuple[int, ...]  # element offset of each parameter in the flat group
+    numel: int  # flat elements before the end padding (parameter-alignment gaps included)
+    partition_size: int  # S: elements per rank, padding included
+
+    def padding(self, rank: int) -> int:
+        left = rank * self.partition_size
+        if self.numel <= left:
+            return self.partition_size
+        return max(0, left + self.partition_size - self.numel)
+
+    def spans(self, index: int) -> list[Span]:
+        return zero12_param_spans(self.offsets[index], self.numels[index], self.partition_size, self.dp)
+
+    def rank_slice(self, index: int, rank: int) -> tuple[int, int] | None:
+        return zero12_rank_slice(self.offsets[index], self.numels[index], self.partition_size, rank)
+
+
+def zero12_group(numels: Sequence[int], dp: int, *, param_paddings: Sequence[int] | None = None,
+                 alignment: int = ZERO12_ALIGNMENT) -> Zero12Group:
+    """The layout DeepSpeed builds for one param group with these parameter sizes (in flat order).
+
+    ``param_paddings`` are the per-parameter gaps ``zero_optimization.parameter_alignment`` adds
+    (DeepSpeed's ``param_alignment_paddings``); all zero by default.
+    """
+    if dp <= 0:
+        raise ValueError(f"dp must be positive, got {dp}")
+    paddings = list(param_paddings) if param_paddings is not None else [0] * len(numels)
+    if len(paddings) != len(numels):
+        raise ValueError(f"{len(paddings)} parameter paddings for {len(numels)} parameters")
+    offsets = []
+    position = 0
+    for numel, pad in zip(numels, paddings):
+        if numel < 0 or pad < 0:
+            raise ValueError("parameter sizes and paddings must be non-negative")
+        offsets.append(position)
+        position += numel + pad
+    return Zero12Group(dp, tuple(numels), tuple(offsets), position, zero12_partition_size(position, dp, alignment))

@@ -221,6 +221,7 @@ def _ds_compat_files(root: Path, facts: Facts, extras: Mapping[str, Any], buffer
         "partition_count": info.dp_world_size,
         "optimizer_state_dict": inner,
         "param_groups": group_dicts,
+        "ds_version": info.ds_version,  # DeepSpeed's ZeRO-1/2 universal loader asserts it
     }
     torchfile.save(optim, root / "zero" / "optimizer_state.pt")
     model_states = {

@@ -48,6 +48,7 @@ class RunSpec:
     dtype: str = "bf16"  # fp32 | bf16
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
+    grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)
     param_groups: int = 2  # 1: one group; 2: decay / no-decay with their own lr; 3: + a group for the head
     lr: float = 1e-2

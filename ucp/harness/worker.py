@@ -49,9 +49,30 @@ def _ds_config(spec: RunSpec) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if spec.grad_accum_dtype:
+        config["data_types"] = {"grad_accum_dtype": spec.grad_accum_dtype}
     if spec.load is not None and spec.load.kind == "ds-universal":
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def _relink_optimizer_state(optimizer) -> None:
+    """Point every parameter's optimizer-state fragment at its group's state.
+
+    DeepSpeed 0.19.8 ZeRO-1/2 links the fragments once, right after group 0's first step, when
+    groups >= 1 have no state yet, and never again; safe_get_full_optimizer_state then finds no
+    exp_avg for their parameters. BF16_Optimizer links after all groups step; relinking is harmless.
+    """
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+    hp_groups = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(optimizer, "fp32_groups_flat_partition", None)
+    if lp_groups is None or hp_groups is None:
+        return  # ZeRO-3 links per sub-group as it steps
+    for lp, hp in zip(lp_groups, hp_groups):
+        if hp in optimizer.optimizer.state:
+            lazy_init_hp_params_optimizer_state(lp, hp, optimizer.optimizer.state)
 
 
 def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
@@ -59,6 +80,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    _relink_optimizer_state(engine.optimizer)
     out: dict = {"losses": losses, "params": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
     names = []
     seen: dict[int, str] = {}

@@ -11,7 +11,10 @@ from ucp.records import dtype_name
 from ucp.torchfile import TorchFile
 
 __all__ = ["optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
-           "client_state", "DS_MODEL_KEYS"]
+           "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
+
+#: ZeRO stages whose checkpoints ucp reads.
+SUPPORTED_STAGES = (1, 2, 3)
 
 #: Keys DeepSpeed itself writes into model-states files; anything else is the user's client state.
 DS_MODEL_KEYS = frozenset({
@@ -20,6 +23,41 @@ DS_MODEL_KEYS = frozenset({
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autoep_layers", "num_experts",
 })
+
+
+def as_int(value: Any, what: str) -> int:
+    """An int field of a checkpoint (a Python int, an int-valued tensor or float, a DeepSpeed enum)."""
+    if isinstance(value, bool):
+        raise InputError(f"{what} is {value!r}, not an integer")
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        raise InputError(f"{what} is {value!r:.60}, not an integer")
+    return int(value)
+
+
+def need_mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InputError(f"{what} is a {type(value).__name__}, expected a dict: the file is damaged or not from "
+                         "DeepSpeed")
+    return value
+
+
+def need_list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"{what} is a {type(value).__name__}, expected a list: the file is damaged or not from "
+                         "DeepSpeed")
+    return list(value)
+
+
+def need_tensor(value: Any, what: str, *, floating: bool = True) -> torch.Tensor:
+    if not torch.is_tensor(value) or value.layout != torch.strided or (floating and not value.is_floating_point()):
+        kind = f"a {value.dtype} tensor" if torch.is_tensor(value) else f"a {type(value).__name__}"
+        raise InputError(f"{what} is {kind}, expected a {'floating-point ' if floating else ''}tensor: the file is "
+                         "damaged or not from DeepSpeed")
+    return value
 
 
 def optimizer_block(tf: TorchFile) -> Mapping[str, Any]:
@@ -35,50 +73,72 @@ def stage_of(block: Mapping[str, Any]) -> int:
     stage = block.get("zero_stage")
     if stage is None:
         raise InputError("optim-states file does not say its zero_stage")
-    return int(stage)
+    stage = as_int(stage, "zero_stage")
+    if stage not in SUPPORTED_STAGES:
+        raise InputError(f"zero_stage={stage} is not supported: ucp reads ZeRO stage 1, 2 and 3 checkpoints")
+    return stage
 
 
 def partition_count(block: Mapping[str, Any]) -> int:
     """DeepSpeed writes an int (ZeRO-3) or one count per param group (ZeRO-1/2)."""
     count = block.get("partition_count")
     if isinstance(count, (list, tuple)):
-        if len(set(count)) != 1:
-            raise InputError(f"param groups were partitioned differently: partition_count={list(count)}")
-        count = count[0]
+        counts = [as_int(c, "partition_count") for c in count]
+        if len(set(counts)) != 1:
+            raise InputError(f"param groups were partitioned differently: partition_count={counts}")
+        count = counts[0]
     if count is None:
         raise InputError("optim-states file does not say its partition_count")
-    return int(count)
+    count = as_int(count, "partition_count")
+    if count < 1:
+        raise InputError(f"partition_count={count} is not a positive number of ranks")
+    return count
 
 
 def tensor_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        return tuple(int(d) for d in shape)
-    except TypeError:
-        raise InputError(f"parameter shape {shape!r} is not a sequence of ints") from None
+    if torch.is_tensor(shape) or isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise InputError(f"parameter shape {shape!r:.60} is not a sequence of ints")
+    dims = tuple(shape)
+    if len(dims) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise InputError(f"parameter shape {shape!r:.60} is not a sequence of non-negative ints")
+    return tuple(int(d) for d in dims)
 
 
 def model_dtype(model_states: Mapping[str, Any], shapes: Any, *, files_bf16: bool) -> str:
     """The model's weight dtype: read off a parameter placeholder, else from the config."""
     module = model_states.get("module") or {}
-    names = [n for group in (shapes or []) for n in group]
+    if not isinstance(module, Mapping):
+        module = {}
+    names = [n for group in (shapes or []) if isinstance(group, Mapping) for n in group]
     for name in names:
         value = module.get(name)
         if torch.is_tensor(value) and value.is_floating_point():
             return dtype_name(value.dtype)
     config = model_states.get("ds_config") or {}
-    if files_bf16 or (config.get("bf16") or {}).get("enabled"):
+    if not isinstance(config, Mapping):
+        config = {}
+
+    def enabled(key: str) -> bool:
+        section = config.get(key) or {}
+        return isinstance(section, Mapping) and bool(section.get("enabled"))
+
+    if files_bf16 or enabled("bf16"):
         return "bf16"
-    if (config.get("fp16") or {}).get("enabled"):
+    if enabled("fp16"):
         return "fp16"
     return "fp32"
 
 
 def engine_counters(model_states: Mapping[str, Any]) -> dict[str, Any]:
+    def count(key: str) -> int | None:
+        value = model_states.get(key)
+        return None if value is None else as_int(value, key)
+
     return {
-        "global_steps": int(model_states.get("global_steps") or 0),
-        "skipped_steps": int(model_states.get("skipped_steps") or 0),
-        "global_samples": None if model_states.get("global_samples") is None else int(model_states["global_samples"]),
-        "iteration": None if model_states.get("iteration") is None else int(model_states["iteration"]),
+        "global_steps": count("global_steps") or 0,
+        "skipped_steps": count("skipped_steps") or 0,
+        "global_samples": count("global_samples"),
+        "iteration": count("iteration"),
     }
 
 

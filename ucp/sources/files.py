@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ucp.errors import InputError
 
@@ -35,33 +36,56 @@ class CheckpointFiles:
         return len(self.optim)
 
 
+def _safe_tag(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\x00") and len(name) <= 255
+
+
+def _read_latest(latest: Path) -> str:
+    try:
+        raw = latest.read_bytes()[:4097]
+    except OSError as err:
+        raise InputError(f"cannot read {latest}: {err.strerror}") from None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if len(raw) > 4096 or not name.isprintable() or not _safe_tag(name):
+        raise InputError(f"{latest} names {raw[:60]!r}, which is not a tag folder; fix the file or pass --tag")
+    return name
+
+
 def resolve_tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
     """SRC may be the folder holding ``latest`` or a tag folder inside it."""
-    if not src.exists():
-        raise InputError(f"{src} does not exist")
-    if not src.is_dir():
-        raise InputError(f"{src} is not a folder; give the checkpoint folder (the one holding 'latest') or a tag folder")
-    if tag is not None:
-        tag_dir = src / tag
-        if not tag_dir.is_dir():
-            if src.name == tag:
-                return src, tag
-            raise InputError(f"tag {tag!r} not found in {src}")
-        return tag_dir, tag
-    latest = src / "latest"
-    if latest.is_file():
-        name = latest.read_text().strip()
-        if not name or "/" in name or name in (".", ".."):
-            raise InputError(f"{latest} names {name!r}, which is not a tag folder")
-        if not (src / name).is_dir():
-            raise InputError(f"{latest} names tag {name!r} but {src / name} does not exist")
-        return src / name, name
-    if any(src.glob("*_optim_states.pt")) or any(src.glob("*_model_states.pt")):
-        return src, src.name
+    if "\x00" in str(src) or (tag is not None and "\x00" in tag):
+        raise InputError(f"{str(src)!r} (tag {tag!r}) holds a NUL byte; not a path")
+    try:
+        if not src.exists():
+            raise InputError(f"{src} does not exist")
+        if not src.is_dir():
+            raise InputError(f"{src} is not a folder; give the checkpoint folder (the one holding 'latest') or a tag "
+                             "folder")
+        if tag is not None:
+            tag_dir = src / tag
+            if not tag_dir.is_dir():
+                if src.name == tag:
+                    return src, tag
+                raise InputError(f"tag {tag!r} not found in {src}")
+            return tag_dir, tag
+        latest = src / "latest"
+        if latest.is_file():
+            name = _read_latest(latest)
+            if not (src / name).is_dir():
+                raise InputError(f"{latest} names tag {name!r} but {src / name} does not exist")
+            return src / name, name
+        if any(src.glob("*_optim_states.pt")) or any(src.glob("*_model_states.pt")):
+            return src, src.name
+    except OSError as err:
+        raise InputError(f"cannot read {src}: {err.strerror}") from None
     raise InputError(f"{src} holds no DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files")
 
 
-def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path) -> tuple[tuple[Path, ...], ...]:
+def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path,
+          name_of: Callable[[int, int], str] | None = None) -> tuple[tuple[Path, ...], ...]:
     mps = sorted({mp for mp, _ in found})
     if mps != list(range(len(mps))):
         raise InputError(f"{tag_dir}: {what} files cover mp ranks {mps}; expected 0..{len(mps) - 1}")
@@ -70,6 +94,9 @@ def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path) -> tuple
         dps = sorted(dp for m, dp in found if m == mp)
         if dps != list(range(len(dps))):
             missing = sorted(set(range(max(dps) + 1)) - set(dps))
+            if name_of is not None:
+                raise InputError(f"rank file {name_of(mp, missing[0])} (dp rank {missing[0]}) is missing from "
+                                 f"{tag_dir}: higher ranks are there; copy the whole tag folder")
             raise InputError(f"{tag_dir}: {what} file for dp rank {missing[0]} (mp rank {mp}) is missing")
         rows.append(tuple(found[(mp, dp)] for dp in dps))
     if len({len(r) for r in rows}) != 1:
@@ -84,7 +111,11 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     z3_model: dict[tuple[int, int], Path] = {}
     model: dict[tuple[int, int], Path] = {}
     prefixes: set[bool] = set()
-    for path in tag_dir.iterdir():
+    try:
+        paths = sorted(tag_dir.iterdir())
+    except OSError as err:
+        raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
+    for path in paths:
         if m := _OPTIM.match(path.name):
             key = (int(m.group(3)), int(m.group(2)))
             if key in optim:
@@ -92,17 +123,33 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
             optim[key] = path
             prefixes.add(bool(m.group(1)))
         elif m := _Z3_MODEL.match(path.name):
-            z3_model[(int(m.group(2)), int(m.group(1)))] = path
+            key = (int(m.group(2)), int(m.group(1)))
+            if key in z3_model:
+                raise InputError(f"{tag_dir}: two model files for dp rank {key[1]} mp rank {key[0]} "
+                                 f"({z3_model[key].name}, {path.name})")
+            z3_model[key] = path
         elif m := _MODEL.match(path.name):
-            model[(int(m.group(1)), 0)] = path
+            key = (int(m.group(1)), 0)
+            if key in model:
+                raise InputError(f"{tag_dir}: two model files for mp rank {key[0]} ({model[key].name}, {path.name})")
+            model[key] = path
     if not optim:
         raise InputError(f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without "
                          "optimizer state)")
     if len(prefixes) > 1:
         raise InputError(f"{tag_dir} mixes bf16_ and plain optim files: two runs were saved into one tag")
-    optim_grid = _grid(optim, "optim", tag_dir)
+    bf16 = prefixes.pop()
     if z3_model:
-        model_grid = _grid(z3_model, "model", tag_dir)
+        for mp, dp in sorted(set(z3_model) - set(optim)):
+            raise InputError(f"rank file {'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt "
+                             f"is missing from {tag_dir}: its model-states file is there; copy the whole tag folder")
+        for mp, dp in sorted(set(optim) - set(z3_model)):
+            raise InputError(f"rank file zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt is missing from "
+                             f"{tag_dir}: its optim-states file is there; copy the whole tag folder")
+    optim_grid = _grid(optim, "optim", tag_dir,
+                       lambda mp, dp: f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
+    if z3_model:
+        model_grid = _grid(z3_model, "model", tag_dir, lambda mp, dp: f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt")
         if len(model_grid) != len(optim_grid) or len(model_grid[0]) != len(optim_grid[0]):
             raise InputError(f"{tag_dir}: {sum(map(len, model_grid))} model files but "
                              f"{sum(map(len, optim_grid))} optim files")
@@ -114,4 +161,4 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
         stage3 = False
     else:
         raise InputError(f"{tag_dir} has optim files but no *_model_states.pt")
-    return CheckpointFiles(tag_dir, tag, stage3, prefixes.pop(), optim_grid, model_grid)
+    return CheckpointFiles(tag_dir, tag, stage3, bf16, optim_grid, model_grid)

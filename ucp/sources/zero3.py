@@ -14,12 +14,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ucp import flavors
+from ucp import flavors, torchfile
 from ucp.errors import InputError
 from ucp.partition import zero3_partition_size, zero3_rank_span
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
-from ucp.sources.common import (client_state, engine_counters, model_dtype, optimizer_block, partition_count,
-                                stage_of, tensor_shape)
+from ucp.sources.common import (as_int, client_state, engine_counters, model_dtype, need_list, need_mapping,
+                                need_tensor, optimizer_block, partition_count, stage_of, tensor_shape)
 from ucp.sources.files import CheckpointFiles
 from ucp.torchfile import TorchFile
 
@@ -42,53 +42,166 @@ class Zero3Source:
 
     def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, mp_rank: int = 0) -> None:
         self.files = files
-        self._optim = [TorchFile(p) for p in files.optim[mp_rank]]
-        self._model = [TorchFile(p) for p in files.model[mp_rank]]
+        self.mp_rank = mp_rank
+        self._optim: list[TorchFile] = []
+        self._model: list[TorchFile] = []
         try:
+            for path in files.optim[mp_rank]:
+                self._optim.append(TorchFile(path))
+            for path in files.model[mp_rank]:
+                self._model.append(TorchFile(path))
             self.facts = self._facts(optimizer)
-        except Exception:
+        except InputError:
+            self.close()
+            raise
+        except _MALFORMED as err:
+            # the explicit checks in _facts cover what DeepSpeed writes; this catches the rest of
+            # what a damaged or hand-made file can hold, keeping the cause for --debug
+            self.close()
+            raise InputError(f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read "
+                             f"({type(err).__name__}: {_first_line(err)}); rerun with --debug for details") from err
+        except BaseException:
             self.close()
             raise
 
     # -- facts -------------------------------------------------------------------------------
-    def _facts(self, optimizer: str | None) -> Facts:
+    def _rank_file(self, dp_rank: int) -> str:
+        prefix = "bf16_" if self.files.bf16_prefix else ""
+        return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+
+    def _check_rank_count(self, blocks: list[Mapping[str, Any]]) -> None:
         dp = len(self._optim)
-        blocks = [optimizer_block(tf) for tf in self._optim]
         for tf, block in zip(self._optim, blocks):
-            stage = stage_of(block)
+            try:
+                stage = stage_of(block)
+            except InputError as err:
+                raise InputError(f"{tf.path.name}: {err}") from None
             if stage != 3:
-                raise InputError(f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files")
-            count = partition_count(block)
-            if count != dp:
-                raise InputError(f"{tf.path.name} says partition_count={count}, but {dp} rank files were found")
-        models = [tf.obj for tf in self._model]
+                raise InputError(f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files "
+                                 "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages")
+            try:
+                count = partition_count(block)
+            except InputError as err:
+                raise InputError(f"{tf.path.name}: {err}") from None
+            found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
+            if count > dp:
+                missing = [self._rank_file(r) for r in range(dp, count)]
+                what = f"rank files {', '.join(missing)} are" if len(missing) > 1 else f"rank file {missing[0]} is"
+                raise InputError(f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
+                                 f"partition_count={count}, but {found}")
+            if count < dp:
+                extra = [t.path.name for t in self._optim[count:]]
+                what = f"{', '.join(extra)} are extra rank files" if len(extra) > 1 else f"{extra[0]} is an extra rank file"
+                raise InputError(f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
+                                 f"{found}; remove the extra files or check they belong to this run")
+
+    def _check_models(self) -> list[Mapping[str, Any]]:
+        models = []
         for tf in self._model:
-            if not isinstance(tf.obj, Mapping) or "param_shapes" not in tf.obj:
+            obj = tf.obj
+            if not isinstance(obj, Mapping) or "param_shapes" not in obj:
                 raise InputError(f"{tf.path.name} has no param_shapes: not a ZeRO-3 model-states file")
-        versions = {str(m.get("ds_version")) for m in models}
+            shapes = need_list(obj["param_shapes"], f"{tf.path.name}: param_shapes")
+            for sub in shapes:
+                for name in need_mapping(sub, f"{tf.path.name}: a param_shapes entry"):
+                    _check_name(name, f"{tf.path.name}: param_shapes")
+            for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
+                if obj.get(key) is not None:
+                    need_mapping(obj[key], f"{tf.path.name}: {key}")
+            for name in obj.get("frozen_param_shapes") or {}:
+                _check_name(name, f"{tf.path.name}: frozen_param_shapes")
+            if obj.get("buffer_names") is not None:
+                names = need_list(obj["buffer_names"], f"{tf.path.name}: buffer_names")
+                if not all(isinstance(n, str) for n in names):
+                    raise InputError(f"{tf.path.name}: buffer_names holds a name that is not a string")
+            models.append(obj)
+        head, first = models[0], self._model[0].path.name
+        stamped = models + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
+        versions = {str(m["ds_version"]) for m in stamped if m.get("ds_version") is not None}
         if len(versions) > 1:
-            raise InputError(f"rank files were written by different DeepSpeed versions: {sorted(versions)}")
-        head = models[0]
+            raise InputError(f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
+                             "from different runs, so use one tag folder as DeepSpeed saved it")
+        counters = engine_counters(head)
+        for tf, model in zip(self._model[1:], models[1:]):
+            other = engine_counters(model)
+            for key in ("global_steps", "global_samples", "skipped_steps"):
+                if other[key] != counters[key]:
+                    raise InputError(f"{tf.path.name} is at {key}={other[key]} but {first} is at {counters[key]}: "
+                                     "rank files from different saves (tags) are mixed in one folder")
         shapes = head["param_shapes"]
         if any(m["param_shapes"] != shapes for m in models[1:]):
             raise InputError("model-states files disagree on param_shapes: ranks from different runs are mixed")
-        ds_config = head.get("ds_config") or {}
+        frozen = {k: tensor_shape(v) for k, v in (head.get("frozen_param_shapes") or {}).items()}
+        for tf, model in zip(self._model[1:], models[1:]):
+            theirs = {k: tensor_shape(v) for k, v in (model.get("frozen_param_shapes") or {}).items()}
+            if theirs != frozen:
+                raise InputError(f"{tf.path.name} and {first} disagree on frozen_param_shapes: ranks from different "
+                                 "runs are mixed")
+        return models
 
+    def _inner(self, tf: TorchFile, block: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
+        """The torch optimizer state inside a ZeRO block: its param groups and per-sub-group state."""
+        name = tf.path.name
+        inner = need_mapping(block.get("optimizer_state_dict"), f"{name}: optimizer_state_dict.optimizer_state_dict")
+        groups = [need_mapping(g, f"{name}: a param group") for g in need_list(inner.get("param_groups") or [],
+                                                                                  f"{name}: param_groups")]
+        for g, group in enumerate(groups):
+            for sub in need_list(group.get("params", []), f"{name}: param group {g} params"):
+                as_int(sub, f"{name}: param group {g} params entry")
+        state = need_mapping(inner.get("state") or {}, f"{name}: optimizer state")
+        return groups, state
+
+    def _facts(self, optimizer: str | None) -> Facts:
+        dp = len(self._optim)
+        blocks = [optimizer_block(tf) for tf in self._optim]
+        self._check_rank_count(blocks)
+        models = self._check_models()
+        head = models[0]
+        shapes = head["param_shapes"]
+        ds_config = head.get("ds_config") or {}
+        if not isinstance(ds_config, Mapping):
+            raise InputError(f"{self._model[0].path.name}: ds_config is a {type(ds_config).__name__}, not a dict")
+
+        for tf, block in zip(self._optim, blocks):
+            scaler = block.get("loss_scaler")
+            if scaler is not None and not isinstance(scaler, (torchfile.LossScaler, torchfile.DynamicLossScaler)):
+                raise InputError(f"{tf.path.name}: loss_scaler is a {type(scaler).__name__}, not a DeepSpeed loss "
+                                 "scaler: the file is damaged or not from DeepSpeed")
+            for key in ("dynamic_loss_scale", "overflow"):
+                if block.get(key) is not None and not isinstance(block[key], bool):
+                    raise InputError(f"{tf.path.name}: {key} is a {type(block[key]).__name__}, not a bool: the file "
+                                     "is damaged or not from DeepSpeed")
+        inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
+        groups_raw, state = inners[0]
+        layout = [[int(s) for s in g.get("params", [])] for g in groups_raw]
+        for tf, (groups, _) in zip(self._optim[1:], inners[1:]):
+            if [[int(s) for s in g.get("params", [])] for g in groups] != layout:
+                raise InputError(f"{tf.path.name} and {self._optim[0].path.name} group their sub-groups differently: "
+                                 "ranks from different runs are mixed")
         base = blocks[0]["optimizer_state_dict"]
-        groups_raw = base.get("param_groups") or []
-        state = base.get("state") or {}
         detection = flavors.detect(base, ds_config, optimizer)
-        flat = [b.get("fp32_flat_groups") for b in blocks]
-        if any(not isinstance(f, (list, tuple)) or len(f) != len(shapes) for f in flat):
-            raise InputError(f"optim files hold fp32_flat_groups for a different number of sub-groups than the "
-                             f"{len(shapes)} in param_shapes")
+        flat = [need_list(b.get("fp32_flat_groups"), f"{tf.path.name}: fp32_flat_groups")
+                for tf, b in zip(self._optim, blocks)]
+        for tf, rank_flat in zip(self._optim, flat):
+            if len(rank_flat) != len(shapes):
+                raise InputError(f"{tf.path.name} holds fp32_flat_groups for {len(rank_flat)} sub-groups, but "
+                                 f"param_shapes has {len(shapes)}")
+            for sub, tensor in enumerate(rank_flat):
+                need_tensor(tensor, f"{tf.path.name}: fp32_flat_groups[{sub}]")
+                if tensor.dim() != 1:
+                    raise InputError(f"{tf.path.name}: fp32_flat_groups[{sub}] has shape {tuple(tensor.shape)}; "
+                                     "expected a flat buffer")
 
         # where every optimized parameter sits
         self._where: dict[str, _Where] = {}
         sub_of_group: dict[int, int] = {}
-        for g, group in enumerate(groups_raw):
-            for sub in group.get("params", []):
-                sub_of_group[int(sub)] = g
+        for g, subs in enumerate(layout):
+            for sub in subs:
+                if not 0 <= sub < len(shapes):
+                    raise InputError(f"param group {g} names sub-group {sub}, but param_shapes has {len(shapes)}")
+                if sub in sub_of_group:
+                    raise InputError(f"sub-group {sub} belongs to param groups {sub_of_group[sub]} and {g}")
+                sub_of_group[sub] = g
         for sub, members in enumerate(shapes):
             offset = 0
             for name, shape in members.items():
@@ -97,44 +210,65 @@ class Zero3Source:
                 for d in shape:
                     numel *= d
                 size = zero3_partition_size(numel, dp)
+                if name in self._where:
+                    raise InputError(f"parameter {name!r} appears twice in param_shapes")
                 self._where[name] = _Where(sub, offset, size, numel, shape)
                 offset += size
             for rank, rank_flat in enumerate(flat):
                 have = rank_flat[sub].numel()
                 if have != offset:
                     raise InputError(f"sub-group {sub} on rank {rank} holds {have} elements, but its parameters' "
-                                     f"partitions add up to {offset} at dp={dp}")
+                                     f"partitions add up to {offset} at dp={dp}: the shapes do not match the shards")
             if sub not in sub_of_group:
                 raise InputError(f"sub-group {sub} belongs to no param group in the optimizer state")
+
+        # moments: every sub-group on every rank, or none at all
+        self._has_moments = bool(state)
+        for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
+            if bool(rank_state) != self._has_moments:
+                raise InputError(f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
+                                 f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
+                                 "saves are mixed")
+            if not self._has_moments:
+                continue
+            for sub in range(len(shapes)):
+                entry = rank_state.get(sub)
+                if entry is None:
+                    raise InputError(f"{tf.path.name} has no optimizer state for sub-group {sub}")
+                entry = need_mapping(entry, f"{tf.path.name}: optimizer state of sub-group {sub}")
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in entry:
+                        raise InputError(f"{tf.path.name}: sub-group {sub} has no {key}; not an Adam checkpoint")
+                    moment = need_tensor(entry[key], f"{tf.path.name}: sub-group {sub} {key}")
+                    if moment.dim() != 1:
+                        raise InputError(f"{tf.path.name}: sub-group {sub} {key} has shape {tuple(moment.shape)}; "
+                                         "expected a flat buffer")
+                    if moment.numel() != flat[rank][sub].numel():
+                        raise InputError(f"rank {rank} sub-group {sub}: {key} holds {moment.numel()} elements, fp32 "
+                                         f"holds {flat[rank][sub].numel()}")
 
         # steps, per sub-group, checked across ranks
         sub_steps: dict[int, int | None] = {}
         for sub in range(len(shapes)):
             group = groups_raw[sub_of_group[sub]]
             steps = set()
-            for rank, block in enumerate(blocks):
-                entry = (block["optimizer_state_dict"].get("state") or {}).get(sub, {})
+            for rank, (_, rank_state) in enumerate(inners):
+                entry = rank_state.get(sub, {})
                 steps.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
             if len(steps) > 1:
                 detection.warnings.append(f"sub-group {sub} has different steps across ranks: {sorted(map(str, steps))}")
             sub_steps[sub] = max((s for s in steps if s is not None), default=None)
-            for rank, block in enumerate(blocks):
-                entry = (block["optimizer_state_dict"].get("state") or {}).get(sub)
-                if entry is not None and "exp_avg" in entry and entry["exp_avg"].numel() != flat[rank][sub].numel():
-                    raise InputError(f"rank {rank} sub-group {sub}: exp_avg holds {entry['exp_avg'].numel()} "
-                                     f"elements, fp32 holds {flat[rank][sub].numel()}")
-        self._has_moments = bool(state)
 
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
         params: list[ParamMeta] = []
         groups: list[GroupMeta] = []
         for g, group in enumerate(groups_raw):
             names: list[str] = []
-            for sub in group.get("params", []):
-                for name in shapes[int(sub)]:
+            for sub in layout[g]:
+                for name in shapes[sub]:
                     names.append(name)
                     params.append(ParamMeta(name, self._where[name].shape, dtype, g, False))
-            member_steps = [sub_steps[int(s)] for s in group.get("params", []) if sub_steps[int(s)] is not None]
+            member_steps = [sub_steps[s] for s in layout[g] if sub_steps[s] is not None]
             groups.append(GroupMeta(
                 index=g,
                 hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
@@ -147,8 +281,11 @@ class Zero3Source:
         frozen_shapes = head.get("frozen_param_shapes") or {}
         self._frozen: dict[str, tuple[int, ...]] = {}
         for name, shape in frozen_shapes.items():
+            if name in self._where:
+                raise InputError(f"parameter {name!r} is listed both as optimized and as frozen")
             shape = tensor_shape(shape)
             self._frozen[name] = shape
+            self._check_fragments(name, shape)
             fragment = (head.get("frozen_param_fragments") or {}).get(name)
             frozen_dtype = dtype_name(fragment.dtype) if torch.is_tensor(fragment) else dtype
             params.append(ParamMeta(name, shape, frozen_dtype, None, True))
@@ -158,15 +295,18 @@ class Zero3Source:
             format="deepspeed",
             zero_stage=3,
             dp_world_size=dp,
-            mp_world_size=int(head.get("mp_world_size") or 1),
+            mp_world_size=as_int(head.get("mp_world_size") or 1, "mp_world_size"),
             dtype=dtype,
-            ds_version=versions.pop(),
+            ds_version=str(head.get("ds_version")),
             tag=self.files.tag,
             sub_group_size=_sub_group_size(ds_config),
             ds_config=_jsonable(ds_config),
             **counters,
         )
         steps = [s for s in self._steps.values() if s is not None]
+        tied = head.get("shared_params") or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+            raise InputError(f"{self._model[0].path.name}: shared_params maps names that are not strings")
         return Facts(
             info=info,
             flavour=detection.flavour.name if detection.flavour else None,
@@ -174,10 +314,28 @@ class Zero3Source:
             step=max(steps, default=None),
             groups=groups,
             params=params,
-            tied=dict(head.get("shared_params") or {}),
+            tied=dict(tied),
             buffer_names=list(head.get("buffer_names") or []),
             warnings=detection.warnings,
         )
+
+    def _check_fragments(self, name: str, shape: tuple[int, ...]) -> None:
+        """Every rank must hold its piece of a frozen parameter (checked here, before any output)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        dp = len(self._model)
+        for rank, tf in enumerate(self._model):
+            start, end = zero3_rank_span(numel, dp, rank)
+            if end <= start:
+                continue
+            fragment = (tf.obj.get("frozen_param_fragments") or {}).get(name)
+            if fragment is None:
+                raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
+            need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {name!r}")
+            if fragment.numel() < end - start:
+                raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, "
+                                 f"needs {end - start}")
 
     # -- tensors -----------------------------------------------------------------------------
     def _assemble(self, where: _Where, pick: Any) -> torch.Tensor:
@@ -230,7 +388,12 @@ class Zero3Source:
     def buffers(self) -> dict[str, torch.Tensor]:
         head = self._model[0].obj
         module = head.get("module") or {}
-        return {name: module[name].detach().clone() for name in head.get("buffer_names") or [] if name in module}
+        out = {}
+        for name in head.get("buffer_names") or []:
+            if name in module:
+                value = need_tensor(module[name], f"{self._model[0].path.name}: buffer {name!r}", floating=False)
+                out[name] = value.detach().clone()
+        return out
 
     def extras(self) -> dict[str, Any]:
         head = self._model[0].obj
@@ -250,10 +413,31 @@ class Zero3Source:
             tf.close()
 
 
+#: What a damaged or hand-made file can make the code past the explicit checks raise.
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError, RuntimeError)
+
+
+def _check_name(name: Any, where: str) -> None:
+    """Parameter names become folder names later (ucp.universal.folder_for): text only, no NUL."""
+    if not isinstance(name, str):
+        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not a string")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not valid text") from None
+    if not name or "\x00" in name:
+        raise InputError(f"{where} holds a parameter name {name!r:.60} that is empty or holds a NUL byte")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:160] if lines else ""
+
+
 def _sub_group_size(ds_config: Mapping[str, Any]) -> int | None:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
     if isinstance(zero, Mapping) and zero.get("sub_group_size") is not None:
-        return int(zero["sub_group_size"])
+        return as_int(zero["sub_group_size"], "zero_optimization.sub_group_size")
     return None
 
 

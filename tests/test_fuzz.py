@@ -1,0 +1,289 @@
+"""Fuzzing real shard files: every damaged checkpoint ends in a result or a clean UcpError.
+
+Two fuzzers, both seeded from a real DeepSpeed checkpoint (conftest's z3_bf16_dp2):
+
+* bytes: flips, truncations and zeroed ranges aimed at the zip headers, the central directory,
+  the pickle (with its zip CRC left stale, or patched so the damage reaches the unpickler) and
+  the tensor bytes;
+* structure: one value deep in a rank file's object tree swapped for something of the wrong
+  type, size or sign, re-saved with ucp.torchfile.save as a hand-made hostile file would be.
+
+Never another exception type, never a hang (a SIGALRM watchdog turns one into a failure). When the
+conversion succeeds, its output must read back with checksums.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import struct
+import tempfile
+import zipfile
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsfixtures import Built
+from ucp import torchfile
+from ucp.convert import to_universal
+from ucp.errors import UcpError
+from ucp.universal import UniversalReader
+
+# CI runs 60 derandomized examples per fuzzer; UCP_FUZZ_EXAMPLES=5000 digs deeper by hand.
+FUZZ = settings(max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True,
+                database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
+WATCHDOG_S = 120  # far beyond a healthy conversion of this checkpoint, even on a loaded machine
+
+
+class Hang(Exception):
+    """Raised by the watchdog: a conversion of a damaged file did not finish."""
+
+
+@contextmanager
+def watchdog(seconds: int) -> Iterator[None]:
+    def fire(signum: int, frame: Any) -> None:
+        raise Hang(f"conversion still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the parts of one torch zip file lie, as byte ranges [start, end)."""
+
+    size: int
+    local_headers: list[tuple[int, int]]
+    central: tuple[int, int]
+    pickle: tuple[int, int]
+    pickle_header: int
+    tensors: list[tuple[int, int]]
+
+
+def layout_of(data: bytes, path: Path) -> Layout:
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+    headers, tensors, pickle_span, pickle_header = [], [], (0, 0), 0
+    for info in infos:
+        head = info.header_offset
+        name_len, extra_len = struct.unpack("<HH", data[head + 26 : head + 30])
+        start = head + 30 + name_len + extra_len
+        headers.append((head, start))
+        if info.filename.endswith("/data.pkl"):
+            pickle_span, pickle_header = (start, start + info.file_size), head
+        elif "/data/" in info.filename and info.file_size:
+            tensors.append((start, start + info.file_size))
+    end_of_members = max(span[1] for span in [pickle_span, *tensors])
+    central_start = data.find(b"PK\x01\x02", end_of_members)
+    assert central_start > 0, f"{path}: no central directory after the members"
+    return Layout(len(data), headers, (central_start, len(data)), pickle_span, pickle_header, tensors)
+
+
+def patch_pickle_crc(buf: bytearray, lay: Layout) -> None:
+    """Make the zip CRC of data.pkl match its (damaged) bytes, in the local and central headers."""
+    start, end = lay.pickle
+    crc = struct.pack("<I", zlib.crc32(bytes(buf[start:end])))
+    buf[lay.pickle_header + 14 : lay.pickle_header + 18] = crc
+    pos = buf.find(b"PK\x01\x02", lay.central[0])
+    while pos >= 0:
+        if struct.unpack("<I", bytes(buf[pos + 42 : pos + 46]))[0] == lay.pickle_header:
+            buf[pos + 16 : pos + 20] = crc
+        pos = buf.find(b"PK\x01\x02", pos + 4)
+
+
+class Pristine(dict):  # type: ignore[type-arg]
+    """The undamaged checkpoint's files; a short repr keeps hypothesis' reports readable."""
+
+    def __repr__(self) -> str:
+        return f"Pristine({self['built'].path})"
+
+
+@pytest.fixture(scope="module")
+def pristine(z3_bf16_dp2: Built) -> dict[str, Any]:
+    tag = z3_bf16_dp2.tag_dir
+    files = sorted(p.name for p in tag.iterdir() if p.suffix == ".pt")
+    data = {name: (tag / name).read_bytes() for name in files}
+    return Pristine(built=z3_bf16_dp2, files=files, data=data,
+                    layout={name: layout_of(data[name], tag / name) for name in files})
+
+
+def convert_or_clean_error(ckpt: Path, work: Path) -> str:
+    """Convert; pass on a result that reads back or a UcpError, fail on anything else."""
+    out = work / "out"
+    try:
+        with watchdog(WATCHDOG_S):
+            to_universal(ckpt, out, workers=1)
+    except UcpError as err:
+        assert "\n" not in str(err), f"multi-line error: {err!r}"
+        assert not out.exists()
+        return "error"
+    reader = UniversalReader(out)
+    for entry in reader.entries():
+        reader.read(entry.name)
+    return "result"
+
+
+def _copy(pristine: dict[str, Any], work: Path) -> Path:
+    ckpt = work / "ckpt"
+    shutil.copytree(pristine["built"].path, ckpt)
+    return ckpt
+
+
+REGIONS = ("local_header", "central_directory", "pickle_stale_crc", "pickle_patched_crc", "tensor_bytes", "anywhere")
+KINDS = ("flip", "truncate", "zero")
+
+
+def _span(lay: Layout, region: str, pick: int) -> tuple[int, int]:
+    if region == "local_header":
+        return lay.local_headers[pick % len(lay.local_headers)]
+    if region == "central_directory":
+        return lay.central
+    if region.startswith("pickle"):
+        return lay.pickle
+    if region == "tensor_bytes":
+        return lay.tensors[pick % len(lay.tensors)]
+    return 0, lay.size
+
+
+@FUZZ
+@given(file_index=st.integers(0, 3), region=st.sampled_from(REGIONS), kind=st.sampled_from(KINDS),
+       pick=st.integers(0, 1000), where=st.floats(0, 1, allow_nan=False), length=st.integers(1, 64),
+       bit=st.integers(0, 7))
+def test_byte_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any], file_index: int, region: str,
+                                                       kind: str, pick: int, where: float, length: int,
+                                                       bit: int) -> None:
+    name = pristine["files"][file_index]
+    lay: Layout = pristine["layout"][name]
+    start, end = _span(lay, region, pick)
+    pos = min(end - 1, start + int(where * (end - start)))
+    buf = bytearray(pristine["data"][name])
+    if kind == "flip":
+        buf[pos] ^= 1 << bit
+    elif kind == "truncate":
+        del buf[pos:]
+    else:
+        buf[pos : pos + length] = bytes(len(buf[pos : pos + length]))
+    if region == "pickle_patched_crc" and kind != "truncate":
+        patch_pickle_crc(buf, lay)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        ckpt = _copy(pristine, work)
+        target = ckpt / pristine["built"].tag_dir.name / name
+        target.write_bytes(bytes(buf))
+        convert_or_clean_error(ckpt, work)
+
+
+# -- structure-aware fuzzing ------------------------------------------------------------------
+def _slots(obj: Any, path: tuple[Any, ...] = (), depth: int = 0) -> Iterator[tuple[Any, ...]]:
+    """Every (container path) in a loaded rank file that can be replaced or deleted."""
+    if depth > 6:
+        return
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, list):
+        items = list(enumerate(obj))
+    elif isinstance(obj, torchfile.DSObject):
+        items = [(("attr", k), v) for k, v in obj.__dict__.items()]
+    else:
+        return
+    for key, value in items:
+        yield path + (key,)
+        yield from _slots(value, path + (key,), depth + 1)
+
+
+def _parent(obj: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:
+    for key in path[:-1]:
+        obj = getattr(obj, key[1]) if isinstance(key, tuple) and key and key[0] == "attr" else obj[key]
+    return obj, path[-1]
+
+
+def _get(container: Any, key: Any) -> Any:
+    return getattr(container, key[1]) if isinstance(key, tuple) and key and key[0] == "attr" else container[key]
+
+
+def _set(container: Any, key: Any, value: Any) -> None:
+    if isinstance(key, tuple) and key and key[0] == "attr":
+        setattr(container, key[1], value)
+    else:
+        container[key] = value
+
+
+def _delete(container: Any, key: Any) -> None:
+    if isinstance(key, tuple) and key and key[0] == "attr":
+        delattr(container, key[1])
+    else:
+        del container[key]
+
+
+def _replacement(old: Any, how: str) -> Any:
+    if how == "none":
+        return None
+    if how == "string":
+        return "garbage"
+    if how == "negative":
+        return -7
+    if how == "huge":
+        return 2**62
+    if how == "float":
+        return float("nan")
+    if how == "empty_list":
+        return []
+    if how == "empty_dict":
+        return {}
+    if how == "int_tensor":
+        return torch.zeros(3, dtype=torch.int64)
+    if how == "scalar_tensor":
+        return torch.tensor(1.5)
+    if how == "shorter" and torch.is_tensor(old) and old.numel() > 1:
+        return old.reshape(-1)[:-1].clone()
+    if how == "longer" and torch.is_tensor(old):
+        return torch.cat([old.reshape(-1), old.reshape(-1)[:1]]) if old.numel() else torch.zeros(1)
+    if how == "reshaped" and torch.is_tensor(old) and old.numel() > 1:
+        return old.reshape(1, -1).clone()
+    if how == "bigger_shape" and isinstance(old, (tuple, list, torch.Size)) and all(type(d) is int for d in old):
+        return torch.Size([int(d) * 1000 + 1 for d in old]) if old else torch.Size([5])
+    if how == "negative_shape" and isinstance(old, (tuple, list, torch.Size)):
+        return [-1 for _ in old] or [-1]
+    if how == "name_with_slash" and isinstance(old, dict) and old:
+        first = next(iter(old))
+        return {("../" + first if isinstance(first, str) else first): v for k, v in old.items()}
+    return None
+
+
+HOWS = ("delete", "none", "string", "negative", "huge", "float", "empty_list", "empty_dict", "int_tensor",
+        "scalar_tensor", "shorter", "longer", "reshaped", "bigger_shape", "negative_shape", "name_with_slash")
+
+
+@FUZZ
+@given(file_index=st.integers(0, 3), slot=st.integers(0, 10**6), how=st.sampled_from(HOWS))
+def test_structural_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any], file_index: int, slot: int,
+                                                             how: str) -> None:
+    name = pristine["files"][file_index]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        ckpt = _copy(pristine, work)
+        target = ckpt / pristine["built"].tag_dir.name / name
+        obj = torchfile.load(target)
+        slots = list(_slots(obj))
+        container, key = _parent(obj, slots[slot % len(slots)])
+        if how == "delete":
+            _delete(container, key)
+        else:
+            _set(container, key, _replacement(_get(container, key), how))
+        torchfile.save(obj, target)
+        convert_or_clean_error(ckpt, work)

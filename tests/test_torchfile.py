@@ -1,0 +1,236 @@
+"""ucp.torchfile: the only door by which checkpoint bytes enter ucp.
+
+The promises kept here: every load is weights_only with ucp's own allow-list, a hostile global is
+refused by name before anything runs, damaged files end in one-line CorruptFileErrors, and a
+source file is never written through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucp import torchfile
+from ucp.errors import CorruptFileError, UnsafeFileError
+
+CALLS: list[str] = []
+
+
+def record_call(note: str) -> str:
+    """What a hostile pickle asks to run; if it ever runs, CALLS shows it."""
+    CALLS.append(note)
+    return note
+
+
+class Hostile:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return record_call, ("pwned",)
+
+
+class SystemCall:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return os.system, (f"touch {self.marker}",)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.fixture(autouse=True)
+def _no_calls() -> None:
+    CALLS.clear()
+
+
+def test_round_trip_keeps_deepspeed_standins(tmp_path: Path) -> None:
+    obj = {
+        "zero_stage": torchfile.ZeroStageEnum(3),
+        "loss_scaler": torchfile.LossScaler(cur_scale=2.0, dynamic=False),
+        "dyn": torchfile.DynamicLossScaler(cur_scale=4.0, cur_iter=7),
+        "args": torchfile.Namespace(lr=0.1),
+        "tensors": [torch.arange(6, dtype=torch.bfloat16).view(2, 3), torch.ones(3)],
+        "nested": {"t": (torch.zeros(2), 1, "x")},
+    }
+    torchfile.save(obj, tmp_path / "f.pt")
+    back = torchfile.load(tmp_path / "f.pt")
+    assert back["zero_stage"] == 3 and isinstance(back["zero_stage"], torchfile.ZeroStageEnum)
+    assert back["loss_scaler"] == obj["loss_scaler"]
+    assert back["dyn"] == obj["dyn"] and back["args"] == obj["args"]
+    assert torch.equal(back["tensors"][0], obj["tensors"][0])
+    assert torch.equal(back["nested"]["t"][0], torch.zeros(2))
+
+
+def test_refuses_reduce_to_a_function_off_the_allow_list_without_running_it(tmp_path: Path) -> None:
+    torch.save({"state": Hostile()}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeFileError) as info:
+        torchfile.load(tmp_path / "evil.pt")
+    message = _one_line(info.value)
+    assert "record_call" in message and "allow-list" in message
+    assert CALLS == []
+
+
+def test_refuses_os_system_reduce_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    torch.save({"optimizer_state_dict": SystemCall(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeFileError) as info:
+        torchfile.TorchFile(tmp_path / "evil.pt")
+    assert "posix.system" in _one_line(info.value) or "os.system" in str(info.value)
+    assert not marker.exists()
+
+
+def test_process_wide_safe_globals_do_not_widen_the_allow_list(tmp_path: Path) -> None:
+    torch.save([Hostile()], tmp_path / "evil.pt")
+    with torch.serialization.safe_globals([record_call]):
+        with pytest.raises(UnsafeFileError, match="record_call"):
+            torchfile.load(tmp_path / "evil.pt")
+    assert CALLS == []
+    assert f"{record_call.__module__}.record_call" not in torchfile.allowed_globals()
+
+
+def test_refuses_builtins_eval_in_a_legacy_format_file(tmp_path: Path) -> None:
+    class Eval:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return eval, ("__import__('os').system('true')",)
+
+    torch.save({"x": Eval()}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsafeFileError, match="eval"):
+        torchfile.load(tmp_path / "legacy.pt")
+
+
+def test_reads_a_legacy_format_file(tmp_path: Path) -> None:
+    torch.save({"a": torch.arange(4.0), "s": 2}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    back = torchfile.load(tmp_path / "legacy.pt")
+    assert torch.equal(back["a"], torch.arange(4.0)) and back["s"] == 2
+
+
+def test_refuses_stack_global_opcodes(tmp_path: Path) -> None:
+    torch.save({"a": torch.ones(1)}, tmp_path / "p4.pt", pickle_protocol=4)
+    with pytest.raises((UnsafeFileError, CorruptFileError)) as info:
+        torchfile.load(tmp_path / "p4.pt")
+    _one_line(info.value)
+
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "half", "no_tail", "head_only", "pickle_bytes"])
+def test_damaged_files_end_in_one_line_corrupt_file_errors(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "f.pt"
+    torch.save({"w": torch.arange(1000.0), "n": 3}, path)
+    data = path.read_bytes()
+    if damage == "empty":
+        data = b""
+    elif damage == "garbage":
+        data = os.urandom(4096)
+    elif damage == "half":
+        data = data[: len(data) // 2]
+    elif damage == "no_tail":
+        data = data[:-30]
+    elif damage == "head_only":
+        data = data[:40]
+    elif damage == "pickle_bytes":
+        with zipfile.ZipFile(path) as zf:
+            info = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+        head = info.header_offset
+        name_len, extra_len = struct.unpack("<HH", data[head + 26 : head + 30])
+        start = head + 30 + name_len + extra_len
+        buf = bytearray(data)
+        buf[start + 5] ^= 0x41
+        data = bytes(buf)
+    path.write_bytes(data)
+    with pytest.raises(CorruptFileError) as info:
+        torchfile.load(path)
+    assert str(path.name) in _one_line(info.value)
+
+
+def test_missing_file_and_folder_are_corrupt_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(CorruptFileError, match="does not exist"):
+        torchfile.load(tmp_path / "nope.pt")
+    (tmp_path / "dir.pt").mkdir()
+    with pytest.raises(CorruptFileError, match="not a regular file"):
+        torchfile.load(tmp_path / "dir.pt")
+
+
+def test_file_saved_without_crc32_still_loads(tmp_path: Path) -> None:
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.arange(5.0)}, tmp_path / "f.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.equal(torchfile.load(tmp_path / "f.pt")["w"], torch.arange(5.0))
+
+
+def test_refuses_a_tensor_claiming_far_more_bytes_than_its_storage(tmp_path: Path) -> None:
+    torch.save({"big": torch.zeros(1).expand(1 << 22)}, tmp_path / "amp.pt")
+    with pytest.raises(CorruptFileError, match="claims"):
+        torchfile.load(tmp_path / "amp.pt")
+    torch.save({"small": torch.zeros(1).expand(10)}, tmp_path / "ok.pt")
+    assert torchfile.load(tmp_path / "ok.pt")["small"].shape == (10,)
+
+
+def _raw_torch_zip(path: Path, pickle_bytes: bytes) -> None:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pickle_bytes)
+        zf.writestr("archive/byteorder", "little")
+        zf.writestr("archive/version", "3\n")
+
+
+def test_deeply_nested_pickle_is_a_clean_error(tmp_path: Path) -> None:
+    depth = 200_000
+    body = pickle.PROTO + b"\x02" + pickle.EMPTY_LIST * depth + pickle.APPEND * (depth - 1) + pickle.STOP
+    _raw_torch_zip(tmp_path / "deep.pt", body)
+    with pytest.raises(CorruptFileError, match="nests"):
+        torchfile.load(tmp_path / "deep.pt")
+
+
+def test_bad_persistent_ids_are_clean_errors(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+
+    class _P(pickle.Pickler):
+        def persistent_id(self, obj):  # type: ignore[no-untyped-def]
+            return ("storage", "not-a-type", "0", "cpu", -5) if obj == "ref" else None
+
+    _P(buf, protocol=2).dump(["ref"])
+    _raw_torch_zip(tmp_path / "pid.pt", buf.getvalue())
+    with pytest.raises(CorruptFileError) as info:
+        torchfile.load(tmp_path / "pid.pt")
+    _one_line(info.value)
+
+
+def test_source_file_is_never_written_through_its_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "f.pt"
+    torch.save({"w": torch.arange(100.0)}, path)
+    os.chmod(path, 0o444)
+    before, mtime = _digest(path), path.stat().st_mtime_ns
+    with torchfile.TorchFile(path) as tf:
+        tf.obj["w"].add_(1)  # a private copy-on-write page; the file must not see it
+        tf.release(tf.obj["w"])
+        assert torch.equal(tf.obj["w"], torch.arange(100.0) + 1) or torch.equal(tf.obj["w"], torch.arange(100.0))
+    assert _digest(path) == before and path.stat().st_mtime_ns == mtime
+
+
+def test_tensors_stay_valid_after_the_file_is_closed(tmp_path: Path) -> None:
+    """close() must not unmap memory that live tensors still view (it used to: a segfault)."""
+    torchfile.save({"w": torch.arange(4096.0), "scaler": torchfile.LossScaler(cur_scale=torch.tensor(8.0))},
+                   tmp_path / "f.pt")
+    with torchfile.TorchFile(tmp_path / "f.pt") as tf:
+        kept = tf.obj["w"][10:20]
+        scale = tf.obj["scaler"].cur_scale
+    torch.save({"other": torch.zeros(1 << 20)}, tmp_path / "g.pt")  # churn the address space
+    torchfile.load(tmp_path / "g.pt")
+    assert torch.equal(kept, torch.arange(10.0, 20.0)) and float(scale) == 8.0
+    loaded = torchfile.load(tmp_path / "f.pt")
+    assert float(loaded["scaler"].cur_scale) == 8.0

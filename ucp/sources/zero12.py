@@ -1,0 +1,446 @@
+"""DeepSpeed ZeRO-1/2 checkpoints -> per-parameter state, streamed one parameter at a time.
+
+Two wrappers write these files: ``DeepSpeedZeroOptimizer`` (stage 1 and 2, fp32/bf16/fp16) and
+``BF16_Optimizer`` (bf16 with ``data_types.grad_accum_dtype=fp32``). Both keep, per param group,
+one flat buffer cut into ``dp`` equal partitions (``ucp.partition.zero12_group``): each rank's
+file holds its partition of the fp32 masters (``single_partition_of_fp32_groups``; DeepSpeedZeroOptimizer
+strips the end padding, BF16_Optimizer keeps it) and of the Adam moments (torch state of the flat
+partition, always padded). The one model-states file names the members of each group in flat
+order (``param_shapes``) and holds the low-precision module, frozen parameters included.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from ucp import flavors
+from ucp.errors import InputError
+from ucp.partition import Zero12Group, zero12_group
+from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
+from ucp.sources.common import (as_int, client_state, engine_counters, model_dtype, need_list, need_mapping,
+                                need_tensor, optimizer_block, partition_count, tensor_shape)
+from ucp.sources.files import CheckpointFiles
+from ucp.sources.zero3 import _MALFORMED, _check_name, _first_line, _jsonable
+from ucp.torchfile import TorchFile
+
+__all__ = ["Zero12Source"]
+
+logger = logging.getLogger(__name__)
+
+_FP32 = "single_partition_of_fp32_groups"
+_BASE = "base_optimizer_state"
+
+
+class Zero12Source:
+    """A ZeRO-1/2 checkpoint as a :class:`ucp.records.Reader` (one mp rank).
+
+    Call order: construct (reads and checks every file's small object tree; tensors stay on the
+    mmap), then ``read`` per parameter from any thread, ``buffers``/``extras``, ``close``.
+    """
+
+    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, mp_rank: int = 0) -> None:
+        self.files = files
+        self.mp_rank = mp_rank
+        self._optim: list[TorchFile] = []
+        self._model: TorchFile | None = None
+        try:
+            for path in files.optim[mp_rank]:
+                self._optim.append(TorchFile(path))
+            self._model = TorchFile(files.model[mp_rank][0])
+            self.facts = self._facts(optimizer)
+        except InputError:
+            self.close()
+            raise
+        except _MALFORMED as err:
+            # the explicit checks in _facts cover what DeepSpeed writes; this catches the rest of
+            # what a damaged or hand-made file can hold, keeping the cause for --debug
+            self.close()
+            raise InputError(f"{files.tag_dir}: the rank files are not a ZeRO-1/2 checkpoint ucp can read "
+                             f"({type(err).__name__}: {_first_line(err)}); rerun with --debug for details") from err
+        except BaseException:
+            self.close()
+            raise
+
+    # -- facts -------------------------------------------------------------------------------
+    def _rank_file(self, dp_rank: int) -> str:
+        prefix = "bf16_" if self.files.bf16_prefix else ""
+        return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+
+    def _stage(self, blocks: list[Mapping[str, Any]], head: Mapping[str, Any]) -> tuple[int, str]:
+        """The ZeRO stage and which wrapper wrote the files: 'zero' (DeepSpeedZeroOptimizer) or 'bf16'."""
+        kinds = set()
+        stages = set()
+        for tf, block in zip(self._optim, blocks):
+            for key in (_BASE, _FP32):
+                if key not in block:
+                    raise InputError(f"{tf.path.name} has no {key}: not a ZeRO-1/2 optim-states file")
+            if block.get("zero_stage") is None:
+                kinds.add("bf16")  # BF16_Optimizer writes no zero_stage
+                continue
+            kinds.add("zero")
+            stage = as_int(block["zero_stage"], f"{tf.path.name}: zero_stage")
+            if stage == 3:
+                raise InputError(f"{tf.path.name} says zero_stage=3, but its folder holds a ZeRO-1/2 model file "
+                                 f"({self._model_name()}) and no per-rank model states; the checkpoint mixes stages")
+            if stage not in (1, 2):
+                raise InputError(f"{tf.path.name}: zero_stage={stage} is not supported: ucp reads ZeRO stage 1, 2 "
+                                 "and 3 checkpoints")
+            stages.add(stage)
+        if len(kinds) > 1:
+            raise InputError(f"{self.files.tag_dir} mixes files of DeepSpeedZeroOptimizer and BF16_Optimizer: ranks "
+                             "from different runs are mixed")
+        if len(stages) > 1:
+            raise InputError(f"rank files disagree on zero_stage ({sorted(stages)}): ranks from different runs are "
+                             "mixed")
+        kind = kinds.pop()
+        if kind == "zero":
+            return stages.pop(), kind
+        zero = (head.get("ds_config") or {}).get("zero_optimization") or {}
+        stage = as_int(zero.get("stage", 0), "ds_config zero_optimization.stage") if isinstance(zero, Mapping) else 0
+        if stage not in (0, 1):
+            raise InputError(f"{self._model_name()}: ds_config says zero stage {stage}, but the optim files were "
+                             "written by BF16_Optimizer (stage 0 or 1)")
+        self._stage0 = stage == 0
+        return 1, kind
+
+    def _model_name(self) -> str:
+        return self._model.path.name if self._model is not None else "model states"
+
+    def _check_rank_count(self, blocks: list[Mapping[str, Any]], head: Mapping[str, Any]) -> None:
+        dp = len(self._optim)
+        for tf, block in zip(self._optim, blocks):
+            try:
+                count = partition_count(block)
+            except InputError as err:
+                raise InputError(f"{tf.path.name}: {err}") from None
+            found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
+            if count > dp:
+                missing = [self._rank_file(r) for r in range(dp, count)]
+                what = f"rank files {', '.join(missing)} are" if len(missing) > 1 else f"rank file {missing[0]} is"
+                raise InputError(f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
+                                 f"partition_count={count}, but {found}")
+            if count < dp:
+                extra = [t.path.name for t in self._optim[count:]]
+                what = f"{', '.join(extra)} are extra rank files" if len(extra) > 1 else f"{extra[0]} is an extra rank file"
+                raise InputError(f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
+                                 f"{found}; remove the extra files or check they belong to this run")
+        world = head.get("dp_world_size")
+        if world is not None and as_int(world, "dp_world_size") != dp:
+            raise InputError(f"{self._model_name()} says dp_world_size={as_int(world, 'dp_world_size')}, but {dp} "
+                             "optim rank files were found: files from different runs are mixed")
+
+    def _check_model(self) -> Mapping[str, Any]:
+        assert self._model is not None
+        name = self._model.path.name
+        head = self._model.obj
+        if not isinstance(head, Mapping) or head.get("param_shapes") is None:
+            raise InputError(f"{name} has no param_shapes: not a ZeRO-1/2 model-states file (saved without "
+                             "optimizer state?)")
+        shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
+        for group in shapes:
+            for pname in need_mapping(group, f"{name}: a param_shapes entry"):
+                _check_name(pname, f"{name}: param_shapes")
+        for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
+            if head.get(key) is not None:
+                need_mapping(head[key], f"{name}: {key}")
+        for pname in head.get("frozen_param_shapes") or {}:
+            _check_name(pname, f"{name}: frozen_param_shapes")
+        if head.get("buffer_names") is not None:
+            names = need_list(head["buffer_names"], f"{name}: buffer_names")
+            if not all(isinstance(n, str) for n in names):
+                raise InputError(f"{name}: buffer_names holds a name that is not a string")
+        tied = head.get("shared_params") or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+            raise InputError(f"{name}: shared_params maps names that are not strings")
+        if not isinstance(head.get("ds_config") or {}, Mapping):
+            raise InputError(f"{name}: ds_config is a {type(head['ds_config']).__name__}, not a dict")
+        stamped = [head] + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
+        stamped += [optimizer_block(tf) for tf in self._optim]
+        versions = {str(m["ds_version"]) for m in stamped if m.get("ds_version") is not None}
+        if len(versions) > 1:
+            raise InputError(f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
+                             "from different runs, so use one tag folder as DeepSpeed saved it")
+        return head
+
+    def _base(self, tf: TorchFile, block: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
+        """The torch optimizer state of the flat partitions: its param groups and per-group state."""
+        name = tf.path.name
+        base = block[_BASE]
+        if isinstance(base, (list, tuple)):
+            raise InputError(f"{name} was saved with zero_optimization.elastic_checkpoint=true, which keeps no param "
+                             "groups; ucp reads the default (rigid) ZeRO-1/2 checkpoints")
+        base = need_mapping(base, f"{name}: {_BASE}")
+        groups = [need_mapping(g, f"{name}: a param group") for g in need_list(base.get("param_groups") or [],
+                                                                                  f"{name}: param_groups")]
+        for g, group in enumerate(groups):
+            members = [as_int(p, f"{name}: param group {g} params entry")
+                       for p in need_list(group.get("params", []), f"{name}: param group {g} params")]
+            if members != [g]:
+                raise InputError(f"{name}: param group {g} holds flat tensors {members}, expected [{g}]: not a "
+                                 "ZeRO-1/2 optimizer (one flat partition per group)")
+        state = need_mapping(base.get("state") or {}, f"{name}: optimizer state")
+        return groups, state
+
+    def _layouts(self, shapes: list[Mapping[str, Any]], blocks: list[Mapping[str, Any]]) -> list[Zero12Group]:
+        dp = len(self._optim)
+        name0 = self._optim[0].path.name
+        paddings = blocks[0].get("param_alignment_paddings")
+        layouts = []
+        for g, members in enumerate(shapes):
+            numels = []
+            for pname, shape in members.items():
+                shape = tensor_shape(shape)
+                numel = 1
+                for d in shape:
+                    numel *= d
+                numels.append(numel)
+            pads = None
+            if paddings is not None:
+                pads = [as_int(p, f"{name0}: param_alignment_paddings")
+                        for p in need_list(need_list(paddings, f"{name0}: param_alignment_paddings")[g],
+                                           f"{name0}: param_alignment_paddings[{g}]")]
+                if len(pads) != len(numels):
+                    raise InputError(f"{name0}: param_alignment_paddings[{g}] has {len(pads)} entries, but param "
+                                     f"group {g} has {len(numels)} parameters")
+            layouts.append(zero12_group(numels, dp, param_paddings=pads))
+        return layouts
+
+    def _check_group_sizes(self, shapes: list[Mapping[str, Any]], blocks: list[Mapping[str, Any]],
+                           layouts: list[Zero12Group], states: list[Mapping[Any, Any]]) -> None:
+        """Every rank's buffers must be exactly the sizes the parameters imply at this DP size."""
+        dp = len(self._optim)
+        for rank, (tf, block, state) in enumerate(zip(self._optim, blocks, states)):
+            name = tf.path.name
+            fp32 = need_list(block[_FP32], f"{name}: {_FP32}")
+            group_paddings = need_list(block.get("group_paddings") or [], f"{name}: group_paddings")
+            if len(fp32) != len(shapes) or len(group_paddings) != len(shapes):
+                raise InputError(f"{name} holds {len(fp32)} fp32 partitions and {len(group_paddings)} group paddings, "
+                                 f"but param_shapes has {len(shapes)} param groups")
+            mappings = block.get("param_slice_mappings")
+            for g, layout in enumerate(layouts):
+                size, pad = layout.partition_size, layout.padding(rank)
+                have_pad = as_int(group_paddings[g], f"{name}: group_paddings[{g}]")
+                tensor = need_tensor(fp32[g], f"{name}: {_FP32}[{g}]")
+                if tensor.dim() != 1 or tensor.numel() not in (size - pad, size) or have_pad != pad:
+                    raise InputError(
+                        f"param group {g} on rank {rank} holds {tensor.numel()} fp32 elements with padding {have_pad}, "
+                        f"but its parameters ({layout.numel} elements) split at dp={dp} give partitions of {size} "
+                        f"with padding {pad}: the group sizes do not add up (param_shapes do not match the shards)")
+                if state:
+                    entry = need_mapping(state.get(g), f"{name}: optimizer state of param group {g}")
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key not in entry:
+                            raise InputError(f"{name}: param group {g} has no {key}; not an Adam checkpoint")
+                        moment = need_tensor(entry[key], f"{name}: param group {g} {key}")
+                        if moment.dim() != 1 or moment.numel() != size:
+                            raise InputError(f"param group {g} on rank {rank}: {key} holds {moment.numel()} elements, "
+                                             f"expected the partition size {size} at dp={dp}")
+                if mappings is not None:
+                    mapping = need_mapping(need_list(mappings, f"{name}: param_slice_mappings")[g],
+                                           f"{name}: param_slice_mappings[{g}]")
+                    expected = {}
+                    for i, pname in enumerate(shapes[g]):
+                        where = layout.rank_slice(i, rank)
+                        if where is not None:
+                            expected[pname] = where
+                    found = {k: (as_int(getattr(v, "start", None), f"{name}: slice start"),
+                                 as_int(getattr(v, "numel", None), f"{name}: slice numel")) for k, v in mapping.items()}
+                    if found != expected:
+                        raise InputError(f"{name}: param_slice_mappings of param group {g} do not match the flat layout "
+                                         "ucp expects (params in param_shapes order, aligned to 2 x dp): a layout "
+                                         "this ucp does not know")
+
+    def _facts(self, optimizer: str | None) -> Facts:
+        dp = len(self._optim)
+        blocks = [optimizer_block(tf) for tf in self._optim]
+        head = self._check_model()
+        stage, self._kind = self._stage(blocks, head)
+        self._check_rank_count(blocks, head)
+        shapes = [need_mapping(g, "param_shapes entry") for g in head["param_shapes"]]
+        ds_config = head.get("ds_config") or {}
+        bases = [self._base(tf, block) for tf, block in zip(self._optim, blocks)]
+        groups_raw, state = bases[0]
+        if len(groups_raw) != len(shapes):
+            raise InputError(f"{self._optim[0].path.name} has {len(groups_raw)} param groups, but param_shapes has "
+                             f"{len(shapes)}")
+        for tf, (groups, _) in zip(self._optim[1:], bases[1:]):
+            if len(groups) != len(groups_raw):
+                raise InputError(f"{tf.path.name} and {self._optim[0].path.name} have different numbers of param "
+                                 "groups: ranks from different runs are mixed")
+        for pad_list in (b.get("param_alignment_paddings") for b in blocks[1:]):
+            if pad_list != blocks[0].get("param_alignment_paddings"):
+                raise InputError("rank files disagree on param_alignment_paddings: ranks from different runs are mixed")
+
+        self._has_moments = bool(state)
+        for tf, (_, rank_state) in zip(self._optim, bases):
+            if bool(rank_state) != self._has_moments:
+                raise InputError(f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
+                                 f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
+                                 "saves are mixed")
+        self._layouts_ = self._layouts(shapes, blocks)
+        self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
+
+        detection = flavors.detect(blocks[0][_BASE], ds_config, optimizer)
+        group_steps: list[int | None] = []
+        for g, group in enumerate(groups_raw):
+            steps = set()
+            for _, rank_state in bases:
+                entry = rank_state.get(g, {})
+                steps.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
+            if len(steps) > 1:
+                detection.warnings.append(f"param group {g} has different steps across ranks: {sorted(map(str, steps))}")
+            group_steps.append(max((s for s in steps if s is not None), default=None))
+
+        dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
+        self._where: dict[str, tuple[int, int]] = {}  # name -> (group, index in group)
+        self._shape: dict[str, tuple[int, ...]] = {}
+        params: list[ParamMeta] = []
+        groups: list[GroupMeta] = []
+        for g, group in enumerate(groups_raw):
+            names = []
+            for i, (pname, shape) in enumerate(shapes[g].items()):
+                if pname in self._where:
+                    raise InputError(f"parameter {pname!r} appears twice in param_shapes")
+                self._where[pname] = (g, i)
+                self._shape[pname] = tensor_shape(shape)
+                names.append(pname)
+                params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
+            groups.append(GroupMeta(
+                index=g,
+                hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
+                raw={k: flavors._json_value(v) for k, v in group.items() if k != "params"},
+                params=names,
+                step=group_steps[g],
+            ))
+
+        tied = dict(head.get("shared_params") or {})
+        buffer_names = list(head.get("buffer_names") or [])
+        self._frozen: dict[str, torch.Tensor] = {}
+        for pname, value in self._frozen_tensors(head, tied, buffer_names).items():
+            if pname in self._where:
+                raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
+            self._frozen[pname] = value
+            params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), None, True))
+
+        warnings = list(detection.warnings)
+        if getattr(self, "_stage0", False):
+            warnings.append("written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
+                            "like ZeRO-1, so ucp reads it as stage 1")
+        counters = engine_counters(head)
+        info = SourceInfo(
+            format="deepspeed",
+            zero_stage=stage,
+            dp_world_size=dp,
+            mp_world_size=as_int(head.get("mp_world_size") or 1, "mp_world_size"),
+            dtype=dtype,
+            ds_version=str(head.get("ds_version")),
+            tag=self.files.tag,
+            sub_group_size=None,
+            ds_config=_jsonable(ds_config),
+            **counters,
+        )
+        return Facts(
+            info=info,
+            flavour=detection.flavour.name if detection.flavour else None,
+            adam_w_mode=detection.adam_w_mode,
+            step=max((s for s in group_steps if s is not None), default=None),
+            groups=groups,
+            params=params,
+            tied=tied,
+            buffer_names=buffer_names,
+            warnings=warnings,
+        )
+
+    def _frozen_tensors(self, head: Mapping[str, Any], tied: Mapping[str, str],
+                        buffer_names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameters outside the flat groups: stage 2 lists them (frozen_param_*); stage 1 leaves them
+        in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
+        name = self._model_name()
+        module = head.get("module") or {}
+        fragments = head.get("frozen_param_fragments") or {}
+        listed = head.get("frozen_param_shapes")
+        if listed is not None:
+            names = list(listed)
+        else:
+            skip = set(self._where) | set(tied) | set(buffer_names)
+            names = [k for k in module if k not in skip]
+        out = {}
+        for pname in names:
+            value = fragments.get(pname, module.get(pname))
+            if value is None:
+                raise InputError(f"{name} holds no values for frozen parameter {pname!r} (neither in "
+                                 "frozen_param_fragments nor in module)")
+            value = need_tensor(value, f"{name}: frozen parameter {pname!r}")
+            if listed is not None:
+                shape = tensor_shape(listed[pname])
+                numel = 1
+                for d in shape:
+                    numel *= d
+                if value.numel() != numel:
+                    raise InputError(f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
+                                     f"{shape} needs {numel}")
+                value = value.reshape(shape)
+            out[pname] = value
+        return out
+
+    # -- tensors -----------------------------------------------------------------------------
+    def _assemble(self, pname: str, pick: Any) -> torch.Tensor:
+        g, i = self._where[pname]
+        layout = self._layouts_[g]
+        out = torch.empty(layout.numels[i], dtype=torch.float32)
+        for span in layout.spans(i):
+            tf = self._optim[span.rank]
+            flat = pick(tf.obj["optimizer_state_dict"], g)
+            piece = flat.detach().narrow(0, span.partition_start, span.length)
+            out[span.param_start : span.param_start + span.length].copy_(piece)
+            tf.release(piece)
+        return out.view(self._shape[pname])
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        if name in self._frozen:
+            return ParamState(fp32=self._frozen[name].detach().to(torch.float32, copy=True))
+        if name not in self._where:
+            raise InputError(f"parameter {name!r} is not in this checkpoint")
+        g = self._where[name][0]
+        step = self.facts.groups[g].step
+        fp32 = self._assemble(name, lambda block, g: block[_FP32][g])
+        if not moments or not self._has_moments:
+            return ParamState(fp32=fp32, step=step)
+        exp_avg = self._assemble(name, lambda block, g: block[_BASE]["state"][g]["exp_avg"])
+        exp_avg_sq = self._assemble(name, lambda block, g: block[_BASE]["state"][g]["exp_avg_sq"])
+        return ParamState(fp32=fp32, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        assert self._model is not None
+        head = self._model.obj
+        module = head.get("module") or {}
+        out = {}
+        for name in head.get("buffer_names") or []:
+            if name in module:
+                value = need_tensor(module[name], f"{self._model_name()}: buffer {name!r}", floating=False)
+                out[name] = value.detach().clone()
+        return out
+
+    def extras(self) -> dict[str, Any]:
+        assert self._model is not None
+        head = self._model.obj
+        block = optimizer_block(self._optim[0])
+        return {
+            "lr_scheduler": head.get("lr_scheduler"),
+            "data_sampler": head.get("data_sampler"),
+            "random_ltd": head.get("random_ltd"),
+            "client_state": client_state(head),
+            "loss_scaler": block.get("loss_scaler"),
+            "dynamic_loss_scale": block.get("dynamic_loss_scale"),
+            "overflow": block.get("overflow"),
+            "clip_grad": block.get("clip_grad"),
+        }
+
+    def close(self) -> None:
+        for tf in getattr(self, "_optim", []):
+            tf.close()
+        if getattr(self, "_model", None) is not None:
+            self._model.close()
