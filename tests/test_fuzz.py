@@ -1,6 +1,6 @@
 """Fuzzing real shard files: every damaged checkpoint ends in a result or a clean UcpError.
 
-Two fuzzers, both seeded from a real DeepSpeed checkpoint (conftest's z3_bf16_dp2):
+Two fuzzers, both seeded from real DeepSpeed checkpoints (a ZeRO-3 and a ZeRO-1 one from conftest):
 
 * bytes: flips, truncations and zeroed ranges aimed at the zip headers, the central directory,
   the pickle (with its zip CRC left stale, or patched so the damage reaches the unpickler) and
@@ -24,7 +24,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -37,9 +37,10 @@ from ucp.convert import to_universal
 from ucp.errors import UcpError
 from ucp.universal import UniversalReader
 
-# CI runs 60 derandomized examples per fuzzer; UCP_FUZZ_EXAMPLES=5000 digs deeper by hand.
-FUZZ = settings(max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True,
-                database=None,
+# CI runs 60 derandomized examples per fuzzer; by hand, UCP_FUZZ_EXAMPLES=5000 digs deeper and
+# UCP_FUZZ_RANDOM=1 draws fresh cases on every run.
+FUZZ = settings(max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")), deadline=None,
+                derandomize=not os.environ.get("UCP_FUZZ_RANDOM"), database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 WATCHDOG_S = 120  # far beyond a healthy conversion of this checkpoint, even on a loaded machine
@@ -113,12 +114,14 @@ class Pristine(dict):  # type: ignore[type-arg]
         return f"Pristine({self['built'].path})"
 
 
-@pytest.fixture(scope="module")
-def pristine(z3_bf16_dp2: Built) -> dict[str, Any]:
-    tag = z3_bf16_dp2.tag_dir
+@pytest.fixture(scope="module", params=["z3-bf16-dp2-adamw", "z1-fp32-dp2-adamw"])
+def pristine(request: pytest.FixtureRequest, source: Callable[[str], Built]) -> dict[str, Any]:
+    """One ZeRO-3 and one ZeRO-1 checkpoint (conftest SOURCES), read once per module."""
+    built = source(request.param)
+    tag = built.tag_dir
     files = sorted(p.name for p in tag.iterdir() if p.suffix == ".pt")
     data = {name: (tag / name).read_bytes() for name in files}
-    return Pristine(built=z3_bf16_dp2, files=files, data=data,
+    return Pristine(built=built, files=files, data=data,
                     layout={name: layout_of(data[name], tag / name) for name in files})
 
 
@@ -161,13 +164,13 @@ def _span(lay: Layout, region: str, pick: int) -> tuple[int, int]:
 
 
 @FUZZ
-@given(file_index=st.integers(0, 3), region=st.sampled_from(REGIONS), kind=st.sampled_from(KINDS),
+@given(file_index=st.integers(0, 11), region=st.sampled_from(REGIONS), kind=st.sampled_from(KINDS),
        pick=st.integers(0, 1000), where=st.floats(0, 1, allow_nan=False), length=st.integers(1, 64),
        bit=st.integers(0, 7))
 def test_byte_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any], file_index: int, region: str,
                                                        kind: str, pick: int, where: float, length: int,
                                                        bit: int) -> None:
-    name = pristine["files"][file_index]
+    name = pristine["files"][file_index % len(pristine["files"])]
     lay: Layout = pristine["layout"][name]
     start, end = _span(lay, region, pick)
     pos = min(end - 1, start + int(where * (end - start)))
@@ -270,10 +273,10 @@ HOWS = ("delete", "none", "string", "negative", "huge", "float", "empty_list", "
 
 
 @FUZZ
-@given(file_index=st.integers(0, 3), slot=st.integers(0, 10**6), how=st.sampled_from(HOWS))
+@given(file_index=st.integers(0, 11), slot=st.integers(0, 10**6), how=st.sampled_from(HOWS))
 def test_structural_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any], file_index: int, slot: int,
                                                              how: str) -> None:
-    name = pristine["files"][file_index]
+    name = pristine["files"][file_index % len(pristine["files"])]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt = _copy(pristine, work)

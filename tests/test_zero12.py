@@ -36,7 +36,7 @@ def universals(source, tmp_path_factory):
     return get
 
 
-def assert_state_equals_record(after, record, *, steps):
+def assert_state_equals_record(after, record, *, steps, buffers=True):
     """What a freshly loaded engine holds equals what the source engine held, bit for bit."""
     for key in ("params", "exp_avg", "exp_avg_sq"):
         assert set(after[key]) == set(record[key]), key
@@ -48,7 +48,8 @@ def assert_state_equals_record(after, record, *, steps):
     assert after["lrs"] == record["lrs"] and after["counters"] == record["counters"]
     assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
         [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
-    assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())
+    if buffers:
+        assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())
 
 
 @pytest.mark.parametrize("name", Z12)
@@ -217,4 +218,6 @@ def test_deepspeed_load_universal_reads_a_ucp_dir_made_from_a_stage2_checkpoint(
     built = source("z2-bf16-dp3-adamw")
     after = resume(built, LoadSpec(str(universals("z2-bf16-dp3-adamw")), kind="ds-universal"), dp=2, steps=0,
                    name="after", work=tmp_path)
-    assert_state_equals_record(after, built.record, steps=built.spec.steps)
+    # DeepSpeed's ZeRO-1/2 universal loader (0.19.8) never loads `module`, so buffers stay as the new
+    # engine built them; everything it does load must be exact
+    assert_state_equals_record(after, built.record, steps=built.spec.steps, buffers=False)

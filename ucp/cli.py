@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from ucp.errors import UcpError

@@ -7,7 +7,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 __all__ = ["UcpError", "InputError", "CorruptFileError", "UnsafeFileError", "ChecksumError", "ConfigError",
-           "OutputExistsError"]
+           "OutputExistsError", "StepConflictError"]
 
 
 class UcpError(Exception):
@@ -26,6 +26,10 @@ class CorruptFileError(InputError):
 
 class UnsafeFileError(InputError):
     """A pickle asks for a global outside the allow-list; it is refused, never executed."""
+
+
+class StepConflictError(InputError):
+    """Parameters that one flat optimizer tensor steps together carry different steps."""
 
 
 class ChecksumError(UcpError):

@@ -67,7 +67,8 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     frozen = [p for p in facts.params if p.frozen]
     report: dict[str, Any] = {
         "path": str(path) if path is not None else None,
-        "format": "universal" if universal else "deepspeed",
+        # a ds_to_universal folder is a universal checkpoint too (DeepSpeed's flavour of one)
+        "format": "deepspeed" if info.format == "deepspeed" else "universal",
         "source_format": info.format,
         "tag": info.tag,
         "ds_version": info.ds_version,

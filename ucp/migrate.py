@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 import yaml
 
 from ucp import flavors
-from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
+from ucp.errors import ConfigError, OutputExistsError, StepConflictError, UcpError
 from ucp.records import DTYPES, Facts, Reader
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step, TransformedReader, TransformPlan, plan_transforms
 
@@ -753,7 +753,9 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
     info = source.info
     head = f"migration plan for {config.origin.file or 'config'}"
     out = [head + (" (dry run: nothing is written)" if dry_run else "")]
-    kind = "universal directory" if info.format == "universal" else f"DeepSpeed ZeRO-{info.zero_stage} checkpoint"
+    kind = {"universal": "universal directory",
+            "ds-universal": f"DeepSpeed ds_to_universal folder (from ZeRO-{info.zero_stage})"}.get(
+        info.format, f"DeepSpeed ZeRO-{info.zero_stage} checkpoint")
     out.append(f"read       {config.source}: {kind}, tag {info.tag}, dp={info.dp_world_size}, {info.dtype}, "
                f"{source.flavour or 'unknown optimizer'}, optimizer step {source.step}")
     out.append(f"           {_counts(source)}")
@@ -832,9 +834,7 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
         native = write_native(reader, target.output, dp=target.dp, stage=target.stage, optimizer=target.optimizer,
                               dtype=target.dtype, tag=target.tag, sub_group_size=target.sub_group_size,
                               step=target.step, overwrite=overwrite, workers=workers)
-    except InputError as err:
-        if "different steps" not in str(err):
-            raise
+    except StepConflictError as err:
         # plan_migration checks this up front; a source whose own steps disagree still lands here
         origin = plan.config.origin
         raise MigrationConfigError([origin.where(Issue(("target", "step"), f"{err}; set target.step to an "

@@ -310,8 +310,11 @@ class UniversalReader:
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()
         for entry in entries:
+            if not isinstance(entry.folder, str) or "\x00" in entry.folder or "/" in entry.folder or \
+                    entry.folder in ("", ".", ".."):
+                raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
             folder = (root / entry.folder).resolve()
-            if folder.parent != root or entry.folder in ("", ".", "..") or "/" in entry.folder:
+            if folder.parent != root:
                 raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
 
     def file_path(self, name: str, key: str) -> Path:

@@ -1,7 +1,8 @@
 """Sources: read a checkpoint into :class:`ucp.records.Reader` form.
 
-``open_reader`` decides what PATH is (a universal directory, or a DeepSpeed checkpoint of some ZeRO
-stage) and returns the matching reader; nothing downstream branches on the stage.
+``open_reader`` decides what PATH is (a universal directory, DeepSpeed's own ``ds_to_universal``
+output, or a DeepSpeed checkpoint of some ZeRO stage) and returns the matching reader; nothing
+downstream branches on the stage.
 """
 
 from __future__ import annotations
@@ -21,12 +22,28 @@ def is_universal(path: str | Path) -> bool:
 
 def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | None = None,
                 verify: bool = True) -> Reader:
-    """A reader for a universal directory or a DeepSpeed ZeRO checkpoint (folder or tag folder)."""
+    """A reader for a universal directory, a ds_to_universal folder (or the folder holding its
+    ``latest_universal``) or a DeepSpeed ZeRO checkpoint (folder or tag folder).
+
+    A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint;
+    name the universal folder with ``tag`` to read that one instead.
+    """
     path = Path(path)
     if is_universal(path):
         from ucp.universal import open_universal
 
         return open_universal(path, verify=verify)
+    from ucp.sources.dsuniversal import find_ds_universal
+
+    found = find_ds_universal(path, tag)
+    if found is not None:
+        if is_universal(found):
+            from ucp.universal import open_universal
+
+            return open_universal(found, verify=verify)
+        from ucp.sources.dsuniversal import DsUniversalSource
+
+        return DsUniversalSource(found, optimizer=optimizer)
     files = find_checkpoint(path, tag)
     if files.mp > 1:
         raise InputError(f"{files.tag_dir} has {files.mp} model-parallel ranks; convert one with --mp-rank "

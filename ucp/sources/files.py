@@ -88,16 +88,18 @@ def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path,
           name_of: Callable[[int, int], str] | None = None) -> tuple[tuple[Path, ...], ...]:
     mps = sorted({mp for mp, _ in found})
     if mps != list(range(len(mps))):
-        raise InputError(f"{tag_dir}: {what} files cover mp ranks {mps}; expected 0..{len(mps) - 1}")
+        shown = ", ".join(map(str, mps[:8])) + (", ..." if len(mps) > 8 else "")
+        raise InputError(f"{tag_dir}: {what} files cover mp ranks {shown}; expected 0..{len(mps) - 1}")
     rows = []
     for mp in mps:
         dps = sorted(dp for m, dp in found if m == mp)
         if dps != list(range(len(dps))):
-            missing = sorted(set(range(max(dps) + 1)) - set(dps))
+            # rank numbers come from file names: find the first gap without counting up to them
+            first = next(i for i, dp in enumerate(dps) if dp != i)
             if name_of is not None:
-                raise InputError(f"rank file {name_of(mp, missing[0])} (dp rank {missing[0]}) is missing from "
+                raise InputError(f"rank file {name_of(mp, first)} (dp rank {first}) is missing from "
                                  f"{tag_dir}: higher ranks are there; copy the whole tag folder")
-            raise InputError(f"{tag_dir}: {what} file for dp rank {missing[0]} (mp rank {mp}) is missing")
+            raise InputError(f"{tag_dir}: {what} file for dp rank {first} (mp rank {mp}) is missing")
         rows.append(tuple(found[(mp, dp)] for dp in dps))
     if len({len(r) for r in rows}) != 1:
         raise InputError(f"{tag_dir}: mp ranks hold different numbers of {what} files")

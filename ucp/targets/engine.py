@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ucp import flavors
 from ucp.errors import InputError
 from ucp.partition import Zero3Layout, Zero3Slot, zero3_rank_span
-from ucp.records import Reader
+from ucp.records import ParamState, Reader
 from ucp.sources import open_reader
+from ucp.targets.steps import step_chooser
 from ucp.targets.zero3 import fill_ranks, optim_block, sub_group_steps
 from ucp.universal import default_workers
 
@@ -83,13 +84,16 @@ def _dp_rank(engine: Any) -> int:
 
 
 def restore(engine: Any, universal_dir: str | os.PathLike | Reader, *, optimizer: str | None = None,
-            load_optimizer_states: bool = True, strict: bool = True, workers: int | None = None) -> dict[str, Any]:
+            load_optimizer_states: bool = True, strict: bool = True, step: int | str = "keep",
+            workers: int | None = None) -> dict[str, Any]:
     """Restore a universal directory (or any checkpoint ucp reads) into a live DeepSpeed engine.
 
     ``optimizer`` names the engine's flavour when its class does not tell. With
     ``load_optimizer_states=False`` only weights (and frozen params and buffers) are restored.
+    ``step`` is ``keep`` (each parameter's own), ``reset`` (0) or an integer for every parameter.
     Returns the checkpoint's client state, as ``engine.load_checkpoint`` does.
     """
+    step_of = step_chooser(step)
     reader = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
     try:
         stage = int(engine.zero_optimization_stage())
@@ -97,10 +101,10 @@ def restore(engine: Any, universal_dir: str | os.PathLike | Reader, *, optimizer
             from ucp.targets.engine12 import restore_zero12
 
             restore_zero12(engine, reader, optimizer=optimizer, load_optimizer_states=load_optimizer_states,
-                           strict=strict, workers=workers or default_workers())
+                           strict=strict, workers=workers or default_workers(), step_of=step_of)
         else:
             _restore_zero3(engine, reader, optimizer=optimizer, load_optimizer_states=load_optimizer_states,
-                           strict=strict, workers=workers or default_workers())
+                           strict=strict, workers=workers or default_workers(), step_of=step_of)
         _restore_common(engine, reader, strict=strict)
         return dict(reader.extras().get("client_state") or {})
     finally:
@@ -122,7 +126,7 @@ def _check_names(engine: Any, reader: Reader, *, strict: bool) -> None:
 
 
 def _restore_zero3(engine: Any, reader: Reader, *, optimizer: str | None, load_optimizer_states: bool,
-                   strict: bool, workers: int) -> None:
+                   strict: bool, workers: int, step_of: Callable[[ParamState], int]) -> None:
     _check_names(engine, reader, strict=strict)
     opt = engine.optimizer
     base = opt.optimizer
@@ -137,7 +141,7 @@ def _restore_zero3(engine: Any, reader: Reader, *, optimizer: str | None, load_o
     matched = match_groups(reader, names, strict=strict)
     rank, dp = _dp_rank(engine), layout.dp
     buffers, seen = fill_ranks(reader, layout, names, [rank], moments=load_optimizer_states, workers=workers,
-                               step_of=lambda state: int(state.step or 0))
+                               step_of=step_of)
     steps = sub_group_steps(seen)
     members = [layout.sub_groups_in(g) for g in range(len(names))]
     groups = []

@@ -12,16 +12,17 @@ refreshes the low-precision weights from the fp32 masters; frozen parameters are
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ucp import flavors
 from ucp.errors import InputError
 from ucp.partition import Zero12Group
-from ucp.records import Reader
+from ucp.records import ParamState, Reader
 from ucp.targets.engine import _check_names, _place_steps_on_device, match_groups
 from ucp.targets.native12 import Zero12Rank, fill_zero12_ranks, group_steps, zero12_block
+from ucp.targets.steps import step_chooser
 
 __all__ = ["restore_zero12", "live_zero12_layout"]
 
@@ -68,7 +69,7 @@ def live_zero12_layout(engine: Any) -> tuple[list[Zero12Group], list[list[str]],
 
 
 def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_optimizer_states: bool,
-                   strict: bool, workers: int) -> None:
+                   strict: bool, workers: int, step_of: Callable[[ParamState], int] | None = None) -> None:
     """Load ``reader``'s weights (and optimizer state) into a live stage-1/2 engine on this rank."""
     import deepspeed
 
@@ -104,7 +105,7 @@ def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_o
         held.append(Zero12Group(layout.dp, tuple(layout.numels[i] for i in index),
                                 tuple(layout.offsets[i] for i in index), layout.numel, layout.partition_size))
     seen = fill_zero12_ranks(reader, held, names, {rank: mine}, moments=load_optimizer_states, workers=workers,
-                             step_of=lambda state: int(state.step or 0))
+                             step_of=step_of or step_chooser("keep"))
     steps = group_steps(seen)
 
     groups = []

@@ -19,7 +19,7 @@ import torch
 
 from ucp import flavors, torchfile
 from ucp.atomic import staged_output
-from ucp.errors import ConfigError, InputError
+from ucp.errors import ConfigError
 from ucp.partition import Zero3Layout, zero3_layout, zero3_partition_size, zero3_rank_span
 from ucp.records import DTYPES, Facts, ParamState, Reader, torch_dtype
 from ucp.sources import open_reader

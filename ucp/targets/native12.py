@@ -24,6 +24,7 @@ from ucp.flavors import Flavour
 from ucp.partition import Zero12Group, zero12_group
 from ucp.records import ParamState, Reader, torch_dtype
 from ucp.targets.native import NativePlan, model_states, optimizer_groups, param_step, zero_block
+from ucp.targets.steps import settle_steps
 from ucp.universal import parallel_map
 
 __all__ = ["write_native12", "Zero12Rank", "fill_zero12_ranks", "group_steps", "zero12_block"]
@@ -88,13 +89,7 @@ def fill_zero12_ranks(reader: Reader, layouts: list[Zero12Group], names: list[li
 
 def group_steps(steps: list[set[int]]) -> list[int]:
     """One step per param group: ZeRO-1/2 steps a whole group as one flat tensor."""
-    out = []
-    for g, seen in enumerate(steps):
-        if len(seen) > 1:
-            raise InputError(f"parameters of param group {g} have different steps {sorted(seen)}, but ZeRO-1/2 keeps "
-                             "one step per group; give an explicit step")
-        out.append(next(iter(seen)) if seen else 0)
-    return out
+    return settle_steps(steps, "ZeRO-1/2 param group")
 
 
 def zero12_block(*, wrapper: dict[str, Any], flavour: Flavour, rank: Zero12Rank, layouts: list[Zero12Group],

@@ -16,6 +16,7 @@ from ucp.errors import InputError
 from ucp.flavors import Flavour
 from ucp.partition import Zero3Layout, Zero3Slot, zero3_rank_span
 from ucp.records import ParamState, Reader
+from ucp.targets.steps import settle_steps
 from ucp.universal import parallel_map
 
 __all__ = ["RankBuffers", "fill_ranks", "sub_group_steps", "optim_block"]
@@ -77,13 +78,7 @@ def fill_ranks(reader: Reader, layout: Zero3Layout, names: list[list[str]], rank
 
 def sub_group_steps(steps: list[set[int]]) -> list[int]:
     """One step per flat sub-group: the optimizer steps a sub-group as one tensor."""
-    out = []
-    for sub, seen in enumerate(steps):
-        if len(seen) > 1:
-            raise InputError(f"parameters sharing ZeRO-3 sub-group {sub} have different steps {sorted(seen)}; "
-                             "give an explicit step")
-        out.append(next(iter(seen)) if seen else 0)
-    return out
+    return settle_steps(steps, "ZeRO-3 sub-group")
 
 
 def optim_block(*, wrapper: dict[str, Any], flavour: Flavour, buffers: RankBuffers, steps: list[int],
