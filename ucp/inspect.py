@@ -68,7 +68,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     report: dict[str, Any] = {
         "path": str(path) if path is not None else None,
         # a ds_to_universal folder is a universal checkpoint too (DeepSpeed's flavour of one)
-        "format": "deepspeed" if info.format == "deepspeed" else "universal",
+        "format": "universal" if universal or info.format == "ds-universal" else "deepspeed",
         "source_format": info.format,
         "tag": info.tag,
         "ds_version": info.ds_version,

@@ -10,7 +10,7 @@ from ucp.errors import InputError
 from ucp.records import dtype_name
 from ucp.torchfile import TorchFile
 
-__all__ = ["optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -144,3 +144,42 @@ def engine_counters(model_states: Mapping[str, Any]) -> dict[str, Any]:
 
 def client_state(model_states: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_states.items() if k not in DS_MODEL_KEYS}
+
+
+#: What a damaged or hand-made file can raise while its structure is walked; readers turn these
+#: into one-line InputErrors and keep the cause for --debug.
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError, RuntimeError)
+
+
+def check_name(name: Any, where: str) -> None:
+    """Parameter names become folder names later (ucp.universal.folder_for): text only, no NUL."""
+    if not isinstance(name, str):
+        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not a string")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not valid text") from None
+    if not name or "\x00" in name:
+        raise InputError(f"{where} holds a parameter name {name!r:.60} that is empty or holds a NUL byte")
+
+
+def first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:160] if lines else ""
+
+
+def sub_group_size(ds_config: Mapping[str, Any]) -> int | None:
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    if isinstance(zero, Mapping) and zero.get("sub_group_size") is not None:
+        return as_int(zero["sub_group_size"], "zero_optimization.sub_group_size")
+    return None
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)

@@ -31,10 +31,23 @@ from ucp import flavors, torchfile
 from ucp.errors import InputError, StepConflictError
 from ucp.partition import zero3_partition_size, zero3_rank_span
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
-from ucp.sources.common import (as_int, client_state, engine_counters, model_dtype, need_list, need_mapping,
-                                need_tensor, partition_count, tensor_shape)
+from ucp.sources.common import (
+    MALFORMED,
+    as_int,
+    check_name,
+    client_state,
+    engine_counters,
+    first_line,
+    jsonable,
+    model_dtype,
+    need_list,
+    need_mapping,
+    need_tensor,
+    partition_count,
+    sub_group_size,
+    tensor_shape,
+)
 from ucp.sources.files import _read_latest
-from ucp.sources.zero3 import _MALFORMED, _check_name, _first_line, _jsonable, _sub_group_size
 from ucp.torchfile import TorchFile
 
 __all__ = ["LATEST", "DsUniversalSource", "find_ds_universal", "is_ds_universal"]
@@ -105,12 +118,12 @@ class DsUniversalSource:
         except InputError:
             self.close()
             raise
-        except _MALFORMED as err:
+        except MALFORMED as err:
             # the explicit checks in _facts cover what ds_to_universal writes; this catches the rest
             # of what a damaged or hand-made folder can hold, keeping the cause for --debug
             self.close()
             raise InputError(f"{self.root}: not a ds_to_universal folder ucp can read ({type(err).__name__}: "
-                             f"{_first_line(err)}); rerun with --debug for details") from err
+                             f"{first_line(err)}); rerun with --debug for details") from err
         except BaseException:
             self.close()
             raise
@@ -214,7 +227,7 @@ class DsUniversalSource:
         shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
         for sub in shapes:
             for pname in need_mapping(sub, f"{name}: a param_shapes entry"):
-                _check_name(pname, f"{name}: param_shapes")
+                check_name(pname, f"{name}: param_shapes")
         for rank, tf in self._models.items():
             if rank and (not isinstance(tf.obj, Mapping) or tf.obj.get("param_shapes") != head["param_shapes"]):
                 raise InputError(f"{tf.path.name} and {name} disagree on param_shapes: files of different checkpoints "
@@ -308,8 +321,8 @@ class DsUniversalSource:
             dtype=dtype,
             ds_version=str(head.get("ds_version") or optim.get("ds_version")),
             tag=self.root.name,
-            sub_group_size=_sub_group_size(ds_config) if stage == 3 else None,
-            ds_config=_jsonable(ds_config),
+            sub_group_size=sub_group_size(ds_config) if stage == 3 else None,
+            ds_config=jsonable(ds_config),
             **engine_counters(head),
         )
         steps = [s for s in self._steps.values() if s is not None]
@@ -392,7 +405,7 @@ class DsUniversalSource:
         out: dict[str, tuple[tuple[int, ...], str | None]] = {}
         listed = head.get("frozen_param_shapes") or {}
         for pname, shape in listed.items():
-            _check_name(pname, f"{name0}: frozen_param_shapes")
+            check_name(pname, f"{name0}: frozen_param_shapes")
             shape = tensor_shape(shape)
             numel = _numel(shape)
             frozen_dtype = None
@@ -435,7 +448,7 @@ class DsUniversalSource:
             names = [k for k in module if k not in skip]
         out: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for pname in names:
-            _check_name(pname, f"{name}: frozen parameters")
+            check_name(pname, f"{name}: frozen parameters")
             value = fragments.get(pname, module.get(pname))
             if value is None:
                 raise InputError(f"{name} holds no values for frozen parameter {pname!r} (neither in "

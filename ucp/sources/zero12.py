@@ -20,10 +20,23 @@ from ucp import flavors
 from ucp.errors import InputError
 from ucp.partition import Zero12Group, zero12_group
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
-from ucp.sources.common import (as_int, client_state, engine_counters, model_dtype, need_list, need_mapping,
-                                need_tensor, optimizer_block, partition_count, tensor_shape)
+from ucp.sources.common import (
+    MALFORMED,
+    as_int,
+    check_name,
+    client_state,
+    engine_counters,
+    first_line,
+    jsonable,
+    model_dtype,
+    need_list,
+    need_mapping,
+    need_tensor,
+    optimizer_block,
+    partition_count,
+    tensor_shape,
+)
 from ucp.sources.files import CheckpointFiles
-from ucp.sources.zero3 import _MALFORMED, _check_name, _first_line, _jsonable
 from ucp.torchfile import TorchFile
 
 __all__ = ["Zero12Source"]
@@ -54,12 +67,12 @@ class Zero12Source:
         except InputError:
             self.close()
             raise
-        except _MALFORMED as err:
+        except MALFORMED as err:
             # the explicit checks in _facts cover what DeepSpeed writes; this catches the rest of
             # what a damaged or hand-made file can hold, keeping the cause for --debug
             self.close()
             raise InputError(f"{files.tag_dir}: the rank files are not a ZeRO-1/2 checkpoint ucp can read "
-                             f"({type(err).__name__}: {_first_line(err)}); rerun with --debug for details") from err
+                             f"({type(err).__name__}: {first_line(err)}); rerun with --debug for details") from err
         except BaseException:
             self.close()
             raise
@@ -142,12 +155,12 @@ class Zero12Source:
         shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
         for group in shapes:
             for pname in need_mapping(group, f"{name}: a param_shapes entry"):
-                _check_name(pname, f"{name}: param_shapes")
+                check_name(pname, f"{name}: param_shapes")
         for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
             if head.get(key) is not None:
                 need_mapping(head[key], f"{name}: {key}")
         for pname in head.get("frozen_param_shapes") or {}:
-            _check_name(pname, f"{name}: frozen_param_shapes")
+            check_name(pname, f"{name}: frozen_param_shapes")
         if head.get("buffer_names") is not None:
             names = need_list(head["buffer_names"], f"{name}: buffer_names")
             if not all(isinstance(n, str) for n in names):
@@ -339,7 +352,7 @@ class Zero12Source:
             ds_version=str(head.get("ds_version")),
             tag=self.files.tag,
             sub_group_size=None,
-            ds_config=_jsonable(ds_config),
+            ds_config=jsonable(ds_config),
             **counters,
         )
         return Facts(

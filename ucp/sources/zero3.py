@@ -18,8 +18,24 @@ from ucp import flavors, torchfile
 from ucp.errors import InputError
 from ucp.partition import zero3_partition_size, zero3_rank_span
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
-from ucp.sources.common import (as_int, client_state, engine_counters, model_dtype, need_list, need_mapping,
-                                need_tensor, optimizer_block, partition_count, stage_of, tensor_shape)
+from ucp.sources.common import (
+    MALFORMED,
+    as_int,
+    check_name,
+    client_state,
+    engine_counters,
+    first_line,
+    jsonable,
+    model_dtype,
+    need_list,
+    need_mapping,
+    need_tensor,
+    optimizer_block,
+    partition_count,
+    stage_of,
+    sub_group_size,
+    tensor_shape,
+)
 from ucp.sources.files import CheckpointFiles
 from ucp.torchfile import TorchFile
 
@@ -54,12 +70,12 @@ class Zero3Source:
         except InputError:
             self.close()
             raise
-        except _MALFORMED as err:
+        except MALFORMED as err:
             # the explicit checks in _facts cover what DeepSpeed writes; this catches the rest of
             # what a damaged or hand-made file can hold, keeping the cause for --debug
             self.close()
             raise InputError(f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read "
-                             f"({type(err).__name__}: {_first_line(err)}); rerun with --debug for details") from err
+                             f"({type(err).__name__}: {first_line(err)}); rerun with --debug for details") from err
         except BaseException:
             self.close()
             raise
@@ -106,12 +122,12 @@ class Zero3Source:
             shapes = need_list(obj["param_shapes"], f"{tf.path.name}: param_shapes")
             for sub in shapes:
                 for name in need_mapping(sub, f"{tf.path.name}: a param_shapes entry"):
-                    _check_name(name, f"{tf.path.name}: param_shapes")
+                    check_name(name, f"{tf.path.name}: param_shapes")
             for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
                 if obj.get(key) is not None:
                     need_mapping(obj[key], f"{tf.path.name}: {key}")
             for name in obj.get("frozen_param_shapes") or {}:
-                _check_name(name, f"{tf.path.name}: frozen_param_shapes")
+                check_name(name, f"{tf.path.name}: frozen_param_shapes")
             if obj.get("buffer_names") is not None:
                 names = need_list(obj["buffer_names"], f"{tf.path.name}: buffer_names")
                 if not all(isinstance(n, str) for n in names):
@@ -301,8 +317,8 @@ class Zero3Source:
             dtype=dtype,
             ds_version=str(head.get("ds_version")),
             tag=self.files.tag,
-            sub_group_size=_sub_group_size(ds_config),
-            ds_config=_jsonable(ds_config),
+            sub_group_size=sub_group_size(ds_config),
+            ds_config=jsonable(ds_config),
             **counters,
         )
         steps = [s for s in self._steps.values() if s is not None]
@@ -416,38 +432,3 @@ class Zero3Source:
 
 
 #: What a damaged or hand-made file can make the code past the explicit checks raise.
-_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError, RuntimeError)
-
-
-def _check_name(name: Any, where: str) -> None:
-    """Parameter names become folder names later (ucp.universal.folder_for): text only, no NUL."""
-    if not isinstance(name, str):
-        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not a string")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not valid text") from None
-    if not name or "\x00" in name:
-        raise InputError(f"{where} holds a parameter name {name!r:.60} that is empty or holds a NUL byte")
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:160] if lines else ""
-
-
-def _sub_group_size(ds_config: Mapping[str, Any]) -> int | None:
-    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
-    if isinstance(zero, Mapping) and zero.get("sub_group_size") is not None:
-        return as_int(zero["sub_group_size"], "zero_optimization.sub_group_size")
-    return None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value)
