@@ -8,7 +8,7 @@ import torch
 
 from ucp.records import Reader
 
-__all__ = ["assert_reader_matches_record", "assert_same_training"]
+__all__ = ["assert_reader_matches_record", "assert_same_training", "assert_state_equals_record"]
 
 
 def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, steps: int | None = None) -> None:
@@ -57,3 +57,19 @@ def assert_same_training(reference: dict[str, Any], other: dict[str, Any], *, at
     assert other["lr_scheduler"]["last_epoch"] == reference["lr_scheduler"]["last_epoch"]
     for name, value in reference["buffers"].items():
         assert torch.equal(value, other["buffers"][name]), name
+
+
+def assert_state_equals_record(after, record, *, steps, buffers=True):
+    """What a freshly loaded engine holds equals what the source engine held, bit for bit."""
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert set(after[key]) == set(record[key]), key
+        for name, value in record[key].items():
+            assert torch.equal(after[key][name], value), (key, name)
+    for name, value in record["module"].items():  # low-precision weights and frozen parameters too
+        assert after["module"][name].dtype == value.dtype and torch.equal(after["module"][name], value), name
+    assert set(after["state_steps"]) == {float(steps)}
+    assert after["lrs"] == record["lrs"] and after["counters"] == record["counters"]
+    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
+        [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
+    if buffers:
+        assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())

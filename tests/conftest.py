@@ -58,6 +58,22 @@ def native_resume(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Built],
 
 
 @pytest.fixture(scope="session")
+def universals(source: Callable[[str], Built], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """universals(name) -> a universal directory converted once from SOURCES[name]."""
+    import ucp
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name) / "u"
+            ucp.to_universal(source(name).path, made[name])
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def z3_bf16_dp2(source: Callable[[str], Built]) -> Built:
     return source("z3-bf16-dp2-adamw")
 

@@ -12,8 +12,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from checks import assert_reader_matches_record
+from checks import assert_reader_matches_record, assert_state_equals_record
 from dsfixtures import resume
 
 import ucp
@@ -53,22 +52,6 @@ def ds_universal(source, tmp_path_factory):
 
 def _only_tag(root):
     return root / (root / "latest_universal").read_text().strip()
-
-
-def assert_state_equals_record(after, record, *, steps):
-    """What a freshly loaded engine holds equals what the source engine held, bit for bit."""
-    for key in ("params", "exp_avg", "exp_avg_sq"):
-        assert set(after[key]) == set(record[key]), key
-        for name, value in record[key].items():
-            assert torch.equal(after[key][name], value), (key, name)
-    for name, value in record["module"].items():  # low-precision weights and frozen parameters too
-        assert after["module"][name].dtype == value.dtype and torch.equal(after["module"][name], value), name
-    assert set(after["state_steps"]) == {float(steps)}
-    assert after["lrs"] == record["lrs"] and after["counters"] == record["counters"]
-    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
-        [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
-    for name, value in record["buffers"].items():
-        assert torch.equal(value, after["buffers"][name]), name
 
 
 @pytest.mark.parametrize("name", NAMES)

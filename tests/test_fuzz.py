@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+from dsfixtures import Built
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsfixtures import Built
 from ucp import torchfile
 from ucp.convert import to_universal
 from ucp.errors import UcpError

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dsfixtures import resume
+
 from ucp.cli import main
 from ucp.errors import ConfigError, OutputExistsError
 from ucp.harness import LoadSpec

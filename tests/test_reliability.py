@@ -16,22 +16,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from dsfixtures import Built, build
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dsfixtures import Built, build
 from ucp import torchfile
 from ucp.atomic import PARTIAL_MARK
 from ucp.cli import main
 from ucp.convert import to_universal
-from ucp.errors import CorruptFileError, InputError, UcpError
+from ucp.errors import CorruptFileError, InputError
 from ucp.harness.spec import ModelSpec
 from ucp.universal import MANIFEST, UniversalReader, folder_for
 

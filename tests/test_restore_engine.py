@@ -13,19 +13,6 @@ from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
 from ucp.harness.worker import lr_decay
 
 
-@pytest.fixture(scope="module")
-def universals(source, tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(source(name).path, made[name])
-        return made[name]
-
-    return get
-
-
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z3-fp32-dp3-adamw"])
 def test_restore_into_live_engine_at_same_dp_is_bit_identical_to_native_resume(source, native_resume, universals,
                                                                                  name, tmp_path):

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from checks import assert_reader_matches_record, assert_same_training
+from checks import assert_reader_matches_record, assert_same_training, assert_state_equals_record
 from dsfixtures import resume
 
 import ucp
@@ -21,35 +21,6 @@ from ucp.sources import open_reader
 from ucp.torchfile import load, save
 
 Z12 = ["z1-fp32-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"]
-
-
-@pytest.fixture(scope="module")
-def universals(source, tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(source(name).path, made[name])
-        return made[name]
-
-    return get
-
-
-def assert_state_equals_record(after, record, *, steps, buffers=True):
-    """What a freshly loaded engine holds equals what the source engine held, bit for bit."""
-    for key in ("params", "exp_avg", "exp_avg_sq"):
-        assert set(after[key]) == set(record[key]), key
-        for name, value in record[key].items():
-            assert torch.equal(after[key][name], value), (key, name)
-    for name, value in record["module"].items():  # low-precision weights and frozen parameters too
-        assert after["module"][name].dtype == value.dtype and torch.equal(after["module"][name], value), name
-    assert set(after["state_steps"]) == {float(steps)}
-    assert after["lrs"] == record["lrs"] and after["counters"] == record["counters"]
-    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
-        [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
-    if buffers:
-        assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())
 
 
 @pytest.mark.parametrize("name", Z12)

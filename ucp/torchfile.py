@@ -334,7 +334,6 @@ class TorchFile:
         prefix = pickle_name[: -len("data.pkl")]
         start, length = records[pickle_name]
         storages: dict[str, torch.storage.TypedStorage] = {}
-        whole = self._storage
 
         def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
             if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":

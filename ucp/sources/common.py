@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ucp.errors import InputError
-from ucp.records import dtype_name
+from ucp.partition import zero3_rank_span
+from ucp.records import Facts, dtype_name
 from ucp.torchfile import TorchFile
 
-__all__ = ["MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["build_facts", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -183,3 +184,62 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return repr(value)
+
+
+def build_facts(build: Callable[[], Facts], *, close: Callable[[], None], where: str) -> Facts:
+    """Run a reader's fact-building; on any failure close its files first.
+
+    The explicit checks inside ``build`` cover what DeepSpeed writes; the rest of what a damaged or
+    hand-made file can hold (MALFORMED) becomes one line naming ``where``, the cause kept for --debug.
+    """
+    try:
+        return build()
+    except InputError:
+        close()
+        raise
+    except MALFORMED as err:
+        close()
+        raise InputError(f"{where} ({type(err).__name__}: {first_line(err)}); rerun with --debug for details") from err
+    except BaseException:
+        close()
+        raise
+
+
+def module_buffers(model_states: Mapping[str, Any], file_name: str) -> dict[str, torch.Tensor]:
+    """The persistent buffers DeepSpeed keeps in a model-states file's ``module``."""
+    module = model_states.get("module") or {}
+    out = {}
+    for name in model_states.get("buffer_names") or []:
+        if name in module:
+            value = need_tensor(module[name], f"{file_name}: buffer {name!r}", floating=False)
+            out[name] = value.detach().clone()
+    return out
+
+
+def model_extras(model_states: Mapping[str, Any], zero: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Scheduler, sampler, client state and loss-scaler fields, as every reader's ``extras``."""
+    out = {
+        "lr_scheduler": model_states.get("lr_scheduler"),
+        "data_sampler": model_states.get("data_sampler"),
+        "random_ltd": model_states.get("random_ltd"),
+        "client_state": client_state(model_states),
+    }
+    for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
+        if zero is not None and key in zero:
+            out[key] = zero.get(key)
+    return out
+
+
+def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
+                 dp: int) -> torch.Tensor:
+    """A parameter from its ZeRO-3 partitions, as fp32 in its real shape.
+
+    ``fragment_of(rank)`` is asked only for ranks that hold part of the parameter, and must give at
+    least that many elements (the rest is padding).
+    """
+    out = torch.empty(numel, dtype=torch.float32)
+    for rank in range(dp):
+        start, end = zero3_rank_span(numel, dp, rank)
+        if end > start:
+            out[start:end].copy_(fragment_of(rank).detach().reshape(-1)[: end - start])
+    return out.view(shape)

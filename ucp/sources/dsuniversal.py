@@ -32,20 +32,21 @@ from ucp.errors import InputError, StepConflictError
 from ucp.partition import zero3_partition_size, zero3_rank_span
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
 from ucp.sources.common import (
-    MALFORMED,
     as_int,
+    build_facts,
     check_name,
-    client_state,
     engine_counters,
-    first_line,
     jsonable,
     model_dtype,
+    model_extras,
+    module_buffers,
     need_list,
     need_mapping,
     need_tensor,
     partition_count,
     sub_group_size,
     tensor_shape,
+    zero3_gather,
 )
 from ucp.sources.files import _read_latest
 from ucp.torchfile import TorchFile
@@ -113,20 +114,8 @@ class DsUniversalSource:
         self._zero = self.root / "zero"
         self._models: dict[int, TorchFile] = {}
         self._step_files = False  # ZeRO-1/2 with the step in the optimizer state: zero/<name>/step.pt
-        try:
-            self.facts = self._facts(optimizer)
-        except InputError:
-            self.close()
-            raise
-        except MALFORMED as err:
-            # the explicit checks in _facts cover what ds_to_universal writes; this catches the rest
-            # of what a damaged or hand-made folder can hold, keeping the cause for --debug
-            self.close()
-            raise InputError(f"{self.root}: not a ds_to_universal folder ucp can read ({type(err).__name__}: "
-                             f"{first_line(err)}); rerun with --debug for details") from err
-        except BaseException:
-            self.close()
-            raise
+        self.facts = build_facts(lambda: self._facts(optimizer), close=self.close,
+                                 where=f"{self.root}: not a ds_to_universal folder ucp can read")
 
     # -- facts -------------------------------------------------------------------------------
     def _optimizer_state(self) -> dict[str, Any]:
@@ -507,36 +496,14 @@ class DsUniversalSource:
         shape = self._frozen[name]
         if name in self._frozen_values:  # ZeRO-1/2: whole in module
             return self._frozen_values[name].detach().reshape(shape).to(torch.float32, copy=True)
-        numel = _numel(shape)
-        dp = self.facts.info.dp_world_size
-        out = torch.empty(numel, dtype=torch.float32)
-        for rank in range(dp):
-            start, end = zero3_rank_span(numel, dp, rank)
-            if end <= start:
-                continue
-            fragment = self._models[rank].obj["frozen_param_fragments"][name]
-            out[start:end].copy_(fragment.detach().reshape(-1)[: end - start])
-        return out.view(shape)
+        return zero3_gather(lambda rank: self._models[rank].obj["frozen_param_fragments"][name], _numel(shape), shape,
+                            self.facts.info.dp_world_size)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        head = self._models[0].obj
-        module = head.get("module") or {}
-        out = {}
-        for name in head.get("buffer_names") or []:
-            if name in module:
-                value = need_tensor(module[name], f"{self._models[0].path.name}: buffer {name!r}", floating=False)
-                out[name] = value.detach().clone()
-        return out
+        return module_buffers(self._models[0].obj, self._models[0].path.name)
 
     def extras(self) -> dict[str, Any]:
-        head = self._models[0].obj
-        return {
-            "lr_scheduler": head.get("lr_scheduler"),
-            "data_sampler": head.get("data_sampler"),
-            "random_ltd": head.get("random_ltd"),
-            "client_state": client_state(head),
-            **self._extras,
-        }
+        return {**model_extras(self._models[0].obj, None), **self._extras}
 
     def close(self) -> None:
         for tf in getattr(self, "_models", {}).values():

@@ -21,14 +21,14 @@ from ucp.errors import InputError
 from ucp.partition import Zero12Group, zero12_group
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
 from ucp.sources.common import (
-    MALFORMED,
     as_int,
+    build_facts,
     check_name,
-    client_state,
     engine_counters,
-    first_line,
     jsonable,
     model_dtype,
+    model_extras,
+    module_buffers,
     need_list,
     need_mapping,
     need_tensor,
@@ -59,23 +59,14 @@ class Zero12Source:
         self.mp_rank = mp_rank
         self._optim: list[TorchFile] = []
         self._model: TorchFile | None = None
-        try:
+        def build() -> Facts:
             for path in files.optim[mp_rank]:
                 self._optim.append(TorchFile(path))
             self._model = TorchFile(files.model[mp_rank][0])
-            self.facts = self._facts(optimizer)
-        except InputError:
-            self.close()
-            raise
-        except MALFORMED as err:
-            # the explicit checks in _facts cover what DeepSpeed writes; this catches the rest of
-            # what a damaged or hand-made file can hold, keeping the cause for --debug
-            self.close()
-            raise InputError(f"{files.tag_dir}: the rank files are not a ZeRO-1/2 checkpoint ucp can read "
-                             f"({type(err).__name__}: {first_line(err)}); rerun with --debug for details") from err
-        except BaseException:
-            self.close()
-            raise
+            return self._facts(optimizer)
+
+        self.facts = build_facts(build, close=self.close,
+                                 where=f"{files.tag_dir}: the rank files are not a ZeRO-1/2 checkpoint ucp can read")
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
@@ -428,29 +419,11 @@ class Zero12Source:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         assert self._model is not None
-        head = self._model.obj
-        module = head.get("module") or {}
-        out = {}
-        for name in head.get("buffer_names") or []:
-            if name in module:
-                value = need_tensor(module[name], f"{self._model_name()}: buffer {name!r}", floating=False)
-                out[name] = value.detach().clone()
-        return out
+        return module_buffers(self._model.obj, self._model_name())
 
     def extras(self) -> dict[str, Any]:
         assert self._model is not None
-        head = self._model.obj
-        block = optimizer_block(self._optim[0])
-        return {
-            "lr_scheduler": head.get("lr_scheduler"),
-            "data_sampler": head.get("data_sampler"),
-            "random_ltd": head.get("random_ltd"),
-            "client_state": client_state(head),
-            "loss_scaler": block.get("loss_scaler"),
-            "dynamic_loss_scale": block.get("dynamic_loss_scale"),
-            "overflow": block.get("overflow"),
-            "clip_grad": block.get("clip_grad"),
-        }
+        return model_extras(self._model.obj, optimizer_block(self._optim[0]))
 
     def close(self) -> None:
         for tf in getattr(self, "_optim", []):

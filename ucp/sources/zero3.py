@@ -19,14 +19,14 @@ from ucp.errors import InputError
 from ucp.partition import zero3_partition_size, zero3_rank_span
 from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
 from ucp.sources.common import (
-    MALFORMED,
     as_int,
+    build_facts,
     check_name,
-    client_state,
     engine_counters,
-    first_line,
     jsonable,
     model_dtype,
+    model_extras,
+    module_buffers,
     need_list,
     need_mapping,
     need_tensor,
@@ -35,6 +35,7 @@ from ucp.sources.common import (
     stage_of,
     sub_group_size,
     tensor_shape,
+    zero3_gather,
 )
 from ucp.sources.files import CheckpointFiles
 from ucp.torchfile import TorchFile
@@ -61,24 +62,15 @@ class Zero3Source:
         self.mp_rank = mp_rank
         self._optim: list[TorchFile] = []
         self._model: list[TorchFile] = []
-        try:
+        def build() -> Facts:
             for path in files.optim[mp_rank]:
                 self._optim.append(TorchFile(path))
             for path in files.model[mp_rank]:
                 self._model.append(TorchFile(path))
-            self.facts = self._facts(optimizer)
-        except InputError:
-            self.close()
-            raise
-        except MALFORMED as err:
-            # the explicit checks in _facts cover what DeepSpeed writes; this catches the rest of
-            # what a damaged or hand-made file can hold, keeping the cause for --debug
-            self.close()
-            raise InputError(f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read "
-                             f"({type(err).__name__}: {first_line(err)}); rerun with --debug for details") from err
-        except BaseException:
-            self.close()
-            raise
+            return self._facts(optimizer)
+
+        self.facts = build_facts(build, close=self.close,
+                                 where=f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read")
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
@@ -389,42 +381,25 @@ class Zero3Source:
         for d in shape:
             numel *= d
         dp = len(self._model)
-        out = torch.empty(numel, dtype=torch.float32)
-        for rank, tf in enumerate(self._model):
-            start, end = zero3_rank_span(numel, dp, rank)
-            if end <= start:
-                continue
+
+        def fragment_of(rank: int) -> torch.Tensor:
+            tf = self._model[rank]
             fragment = (tf.obj.get("frozen_param_fragments") or {}).get(name)
             if fragment is None:
                 raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
+            start, end = zero3_rank_span(numel, dp, rank)
             if fragment.numel() < end - start:
                 raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, "
                                  f"needs {end - start}")
-            out[start:end].copy_(fragment.detach().reshape(-1)[: end - start])
-        return out.view(shape)
+            return fragment
+
+        return zero3_gather(fragment_of, numel, shape, dp)
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        head = self._model[0].obj
-        module = head.get("module") or {}
-        out = {}
-        for name in head.get("buffer_names") or []:
-            if name in module:
-                value = need_tensor(module[name], f"{self._model[0].path.name}: buffer {name!r}", floating=False)
-                out[name] = value.detach().clone()
-        return out
+        return module_buffers(self._model[0].obj, self._model[0].path.name)
 
     def extras(self) -> dict[str, Any]:
-        head = self._model[0].obj
-        block = optimizer_block(self._optim[0])
-        return {
-            "lr_scheduler": head.get("lr_scheduler"),
-            "data_sampler": head.get("data_sampler"),
-            "random_ltd": head.get("random_ltd"),
-            "client_state": client_state(head),
-            "loss_scaler": block.get("loss_scaler"),
-            "dynamic_loss_scale": block.get("dynamic_loss_scale"),
-            "overflow": block.get("overflow"),
-        }
+        return model_extras(self._model[0].obj, optimizer_block(self._optim[0]))
 
     def close(self) -> None:
         for tf in getattr(self, "_optim", []) + getattr(self, "_model", []):
