@@ -190,7 +190,12 @@ def _write_param(root: Path, meta: ParamMeta, state: ParamState) -> ParamEntry:
         raise InputError(f"{meta.name}: source gave shape {tuple(state.fp32.shape)}, expected {meta.shape}")
     folder = folder_for(meta.name)
     target = root / "zero" / folder
-    target.mkdir(parents=True, exist_ok=False)
+    try:
+        target.mkdir(parents=True, exist_ok=False)
+    except FileExistsError:  # two names that one case-insensitive file system cannot tell apart
+        raise InputError(f"parameter {meta.name!r} needs folder {folder!r}, which another parameter's folder already "
+                         "takes on this file system (names differing only in case?); convert onto a "
+                         "case-sensitive file system") from None
     entry = ParamEntry(meta.name, folder, list(meta.shape), meta.dtype, meta.group, meta.frozen, state.step)
     entry.files["fp32.pt"] = _save_tensor({"param": state.fp32}, target / "fp32.pt")
     if not meta.frozen and state.exp_avg is not None:
@@ -215,9 +220,10 @@ def _ds_compat_files(root: Path, facts: Facts, extras: Mapping[str, Any], buffer
     inner = {"state": {0: {"step": step}}, "param_groups": group_dicts}
     optim = {
         "zero_stage": torchfile.ZeroStageEnum(info.zero_stage),
-        "loss_scaler": extras.get("loss_scaler") or torchfile.LossScaler(cur_scale=1.0, dynamic=False),
-        "dynamic_loss_scale": bool(extras.get("dynamic_loss_scale") or False),
-        "overflow": bool(extras.get("overflow") or False),
+        "loss_scaler": (extras["loss_scaler"] if extras.get("loss_scaler") is not None
+                        else torchfile.LossScaler(cur_scale=1.0, dynamic=False)),
+        "dynamic_loss_scale": extras.get("dynamic_loss_scale") is True,
+        "overflow": extras.get("overflow") is True,
         "partition_count": info.dp_world_size,
         "optimizer_state_dict": inner,
         "param_groups": group_dicts,

@@ -11,7 +11,7 @@ from ucp.partition import zero3_rank_span
 from ucp.records import Facts, dtype_name
 from ucp.torchfile import TorchFile
 
-__all__ = ["build_facts", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["build_facts", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -226,7 +226,10 @@ def model_extras(model_states: Mapping[str, Any], zero: Mapping[str, Any] | None
     }
     for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
         if zero is not None and key in zero:
-            out[key] = zero.get(key)
+            value = zero.get(key)
+            if key in ("dynamic_loss_scale", "overflow") and not isinstance(value, (bool, int, type(None))):
+                raise InputError(f"the optimizer state's {key} is a {type(value).__name__}, not a flag: file damaged")
+            out[key] = value
     return out
 
 
@@ -243,3 +246,11 @@ def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: 
         if end > start:
             out[start:end].copy_(fragment_of(rank).detach().reshape(-1)[: end - start])
     return out.view(shape)
+
+
+def missing_ranks(rank_file: Callable[[int], str], found: int, count: int) -> str:
+    """'rank file X is' / 'rank files X, Y, Z and N more are': a bounded list, whatever count claims."""
+    names = [rank_file(r) for r in range(found, min(count, found + 3))]
+    if count - found > len(names):
+        names.append(f"and {count - found - len(names)} more")
+    return f"rank files {', '.join(names)} are" if len(names) > 1 else f"rank file {names[0]} is"

@@ -26,6 +26,7 @@ from ucp.sources.common import (
     check_name,
     engine_counters,
     jsonable,
+    missing_ranks,
     model_dtype,
     model_extras,
     module_buffers,
@@ -122,8 +123,7 @@ class Zero12Source:
                 raise InputError(f"{tf.path.name}: {err}") from None
             found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
             if count > dp:
-                missing = [self._rank_file(r) for r in range(dp, count)]
-                what = f"rank files {', '.join(missing)} are" if len(missing) > 1 else f"rank file {missing[0]} is"
+                what = missing_ranks(self._rank_file, dp, count)
                 raise InputError(f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
                                  f"partition_count={count}, but {found}")
             if count < dp:

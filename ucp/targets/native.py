@@ -184,7 +184,7 @@ def zero_block(reader: Reader, plan: NativePlan) -> dict[str, Any]:
     return {
         "zero_stage": torchfile.ZeroStageEnum(plan.stage),
         "loss_scaler": scaler,
-        "dynamic_loss_scale": bool(extras.get("dynamic_loss_scale") or False) and plan.dtype == "fp16",
+        "dynamic_loss_scale": extras.get("dynamic_loss_scale") is True and plan.dtype == "fp16",
         "overflow": False,
     }
 
