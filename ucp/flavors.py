@@ -26,7 +26,7 @@ import torch
 
 from ucp.errors import InputError
 
-__all__ = ["Hyper", "Flavour", "FLAVOURS", "get", "detect", "detect_live", "Detection", "hyper_from_group"]
+__all__ = ["Hyper", "Flavour", "FLAVOURS", "get", "detect", "detect_live", "Detection", "hyper_from_group", "raw_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,11 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     return value
+
+
+def raw_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's own keys as JSON-ready values (kept in ucp.json so the same flavour restores exactly)."""
+    return {k: _json_value(v) for k, v in group.items() if k != "params"}
 
 
 def hyper_from_group(group: Mapping[str, Any], adam_w_mode: bool | None) -> Hyper:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -11,7 +11,7 @@ from ucp.partition import zero3_rank_span
 from ucp.records import Facts, dtype_name
 from ucp.torchfile import TorchFile
 
-__all__ = ["build_facts", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["build_facts", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -254,3 +254,14 @@ def missing_ranks(rank_file: Callable[[int], str], found: int, count: int) -> st
     if count - found > len(names):
         names.append(f"and {count - found - len(names)} more")
     return f"rank files {', '.join(names)} are" if len(names) > 1 else f"rank file {names[0]} is"
+
+
+def zero12_frozen_names(model_states: Mapping[str, Any], optimized: Iterable[str], tied: Iterable[str],
+                        buffer_names: Iterable[str]) -> list[str]:
+    """Parameters outside ZeRO-1/2's flat groups: stage 2 lists them (frozen_param_shapes); stage 1 leaves
+    them in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
+    listed = model_states.get("frozen_param_shapes")
+    if listed is not None:
+        return list(listed)
+    skip = set(optimized) | set(tied) | set(buffer_names)
+    return [k for k in (model_states.get("module") or {}) if k not in skip]

@@ -47,6 +47,7 @@ from ucp.sources.common import (
     sub_group_size,
     tensor_shape,
     zero3_gather,
+    zero12_frozen_names,
 )
 from ucp.sources.files import _read_latest
 from ucp.torchfile import TorchFile
@@ -280,7 +281,7 @@ class DsUniversalSource:
             groups.append(GroupMeta(
                 index=g,
                 hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
-                raw={k: flavors._json_value(v) for k, v in group.items() if k != "params"},
+                raw=flavors.raw_group(group),
                 params=names,
                 step=max(member_steps, default=None),
             ))
@@ -429,12 +430,8 @@ class DsUniversalSource:
         name = self._models[0].path.name
         module = head.get("module") or {}
         fragments = head.get("frozen_param_fragments") or {}
+        names = zero12_frozen_names(head, self._shape, tied, buffer_names)
         listed = head.get("frozen_param_shapes")
-        if listed is not None:
-            names = list(listed)
-        else:
-            skip = set(self._shape) | set(tied) | set(buffer_names)
-            names = [k for k in module if k not in skip]
         out: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for pname in names:
             check_name(pname, f"{name}: frozen parameters")

@@ -36,6 +36,7 @@ from ucp.sources.common import (
     optimizer_block,
     partition_count,
     tensor_shape,
+    zero12_frozen_names,
 )
 from ucp.sources.files import CheckpointFiles
 from ucp.torchfile import TorchFile
@@ -315,7 +316,7 @@ class Zero12Source:
             groups.append(GroupMeta(
                 index=g,
                 hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
-                raw={k: flavors._json_value(v) for k, v in group.items() if k != "params"},
+                raw=flavors.raw_group(group),
                 params=names,
                 step=group_steps[g],
             ))
@@ -365,12 +366,8 @@ class Zero12Source:
         name = self._model_name()
         module = head.get("module") or {}
         fragments = head.get("frozen_param_fragments") or {}
+        names = zero12_frozen_names(head, self._where, tied, buffer_names)
         listed = head.get("frozen_param_shapes")
-        if listed is not None:
-            names = list(listed)
-        else:
-            skip = set(self._where) | set(tied) | set(buffer_names)
-            names = [k for k in module if k not in skip]
         out = {}
         for pname in names:
             value = fragments.get(pname, module.get(pname))

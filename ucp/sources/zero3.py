@@ -280,7 +280,7 @@ class Zero3Source:
             groups.append(GroupMeta(
                 index=g,
                 hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
-                raw={k: flavors._json_value(v) for k, v in group.items() if k != "params"},
+                raw=flavors.raw_group(group),
                 params=names,
                 step=max(member_steps, default=None),
             ))
