@@ -39,7 +39,7 @@ class Built:
 
     @property
     def record(self) -> dict[str, Any]:
-        return torch.load(self.record_path, weights_only=False)  # our own harness output, not an input
+        return torch.load(self.record_path, weights_only=True)
 
     @property
     def tag_dir(self) -> Path:
@@ -78,4 +78,4 @@ def resume(base: Built, load: LoadSpec, *, dp: int | None = None, steps: int = 3
     spec = replace(base.spec, dp=dp or base.spec.dp, steps=steps, first_step=base.spec.steps, load=load,
                    save_dir=None, record=str(work / f"{name}.pt"), port=0, **overrides)
     run_ranks(spec, log_dir=work / f"{name}-logs")
-    return torch.load(spec.record, weights_only=False)
+    return torch.load(spec.record, weights_only=True)
