@@ -6,12 +6,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from ucp import flavors
 from ucp.errors import InputError
 from ucp.partition import zero3_rank_span
-from ucp.records import Facts, dtype_name
+from ucp.records import Facts, GroupMeta, dtype_name
 from ucp.torchfile import TorchFile
 
-__all__ = ["build_facts", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["build_facts", "group_meta", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -265,3 +266,10 @@ def zero12_frozen_names(model_states: Mapping[str, Any], optimized: Iterable[str
         return list(listed)
     skip = set(optimized) | set(tied) | set(buffer_names)
     return [k for k in (model_states.get("module") or {}) if k not in skip]
+
+
+def group_meta(index: int, group: Mapping[str, Any], names: list[str], step: int | None,
+               adam_w_mode: bool | None) -> GroupMeta:
+    """A DeepSpeed param group as the pipeline's record: neutral hyperparameters plus its own keys."""
+    return GroupMeta(index=index, hyper=flavors.hyper_from_group(group, adam_w_mode), raw=flavors.raw_group(group),
+                     params=names, step=step)

@@ -36,6 +36,7 @@ from ucp.sources.common import (
     build_facts,
     check_name,
     engine_counters,
+    group_meta,
     jsonable,
     model_dtype,
     model_extras,
@@ -278,13 +279,7 @@ class DsUniversalSource:
                     names.append(pname)
                     params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
             member_steps = [sub_steps[s] for s in members[g] if sub_steps[s] is not None]
-            groups.append(GroupMeta(
-                index=g,
-                hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
-                raw=flavors.raw_group(group),
-                params=names,
-                step=max(member_steps, default=None),
-            ))
+            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode))
         self._groups_raw = groups_raw
 
         tied = dict(head.get("shared_params") or {})

@@ -25,6 +25,7 @@ from ucp.sources.common import (
     build_facts,
     check_name,
     engine_counters,
+    group_meta,
     jsonable,
     missing_ranks,
     model_dtype,
@@ -313,13 +314,7 @@ class Zero12Source:
                 self._shape[pname] = tensor_shape(shape)
                 names.append(pname)
                 params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
-            groups.append(GroupMeta(
-                index=g,
-                hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
-                raw=flavors.raw_group(group),
-                params=names,
-                step=group_steps[g],
-            ))
+            groups.append(group_meta(g, group, names, group_steps[g], detection.adam_w_mode))
 
         tied = dict(head.get("shared_params") or {})
         buffer_names = list(head.get("buffer_names") or [])

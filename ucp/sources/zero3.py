@@ -23,6 +23,7 @@ from ucp.sources.common import (
     build_facts,
     check_name,
     engine_counters,
+    group_meta,
     jsonable,
     missing_ranks,
     model_dtype,
@@ -277,13 +278,7 @@ class Zero3Source:
                     names.append(name)
                     params.append(ParamMeta(name, self._where[name].shape, dtype, g, False))
             member_steps = [sub_steps[s] for s in layout[g] if sub_steps[s] is not None]
-            groups.append(GroupMeta(
-                index=g,
-                hyper=flavors.hyper_from_group(group, detection.adam_w_mode),
-                raw=flavors.raw_group(group),
-                params=names,
-                step=max(member_steps, default=None),
-            ))
+            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode))
         self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
 
         frozen_shapes = head.get("frozen_param_shapes") or {}
