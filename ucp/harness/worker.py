@@ -10,6 +10,8 @@ import torch
 from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
 from ucp.harness.spec import RunSpec
 
+__all__ = ["main", "lr_decay"]
+
 
 def lr_decay(step: int) -> float:
     """The harness's lr schedule: a module-level function so the scheduler state pickles cleanly."""

@@ -3,3 +3,5 @@
 native (per-rank ZeRO files for stock DeepSpeed), engine (a live DeepSpeed engine), torch (a plain
 model and optimizer), export (consolidated weights). Each takes any :class:`ucp.records.Reader`.
 """
+
+__all__: list[str] = []  # import the target modules themselves: ucp.targets.native, ...
