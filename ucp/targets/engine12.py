@@ -21,7 +21,7 @@ from ucp.errors import InputError
 from ucp.partition import Zero12Group
 from ucp.records import ParamState, Reader
 from ucp.targets.engine import _check_names, _place_steps_on_device, match_groups
-from ucp.targets.native12 import Zero12Rank, fill_zero12_ranks, group_steps, zero12_block
+from ucp.targets.native12 import fill_zero12_ranks, group_steps, zero12_block, zero12_rank
 from ucp.targets.steps import step_chooser
 
 __all__ = ["restore_zero12", "live_zero12_layout"]
@@ -91,7 +91,7 @@ def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_o
 
     # start from what the engine holds, so parameters the checkpoint lacks (strict=False) keep their values
     _, hp_groups, _ = _wrapper_groups(opt)
-    mine = Zero12Rank.zeros(layouts)
+    mine = zero12_rank(layouts)
     for g, partition in enumerate(hp_groups):
         mine.fp32[g].copy_(partition.detach().view(-1).float().cpu())
         live = base.state.get(partition, {})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,31 +24,21 @@ from ucp.partition import Zero12Group, zero12_group
 from ucp.records import ParamState, Reader, torch_dtype
 from ucp.targets.native import NativePlan, model_states, optimizer_groups, param_step, zero_block
 from ucp.targets.steps import settle_steps
+from ucp.targets.zero3 import RankBuffers
 from ucp.universal import parallel_map
 
-__all__ = ["write_native12", "Zero12Rank", "fill_zero12_ranks", "group_steps", "zero12_block"]
+__all__ = ["write_native12", "zero12_rank", "fill_zero12_ranks", "group_steps", "zero12_block"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Zero12Rank:
-    """One rank's flat partitions, one tensor of the partition size per param group."""
-
-    fp32: list[torch.Tensor]
-    exp_avg: list[torch.Tensor]
-    exp_avg_sq: list[torch.Tensor]
-
-    @classmethod
-    def zeros(cls, layouts: list[Zero12Group]) -> "Zero12Rank":
-        def make() -> list[torch.Tensor]:
-            return [torch.zeros(layout.partition_size, dtype=torch.float32) for layout in layouts]
-
-        return cls(make(), make(), make())
+def zero12_rank(layouts: list[Zero12Group]) -> RankBuffers:
+    """One rank's flat partitions: one tensor of the partition size per param group."""
+    return RankBuffers.of_sizes([layout.partition_size for layout in layouts])
 
 
 def fill_zero12_ranks(reader: Reader, layouts: list[Zero12Group], names: list[list[str]],
-                      ranks: dict[int, Zero12Rank], *, moments: bool, workers: int,
+                      ranks: dict[int, RankBuffers], *, moments: bool, workers: int,
                       step_of: Callable[[ParamState], int],
                       on_state: Callable[[str, ParamState], None] | None = None) -> list[set[int]]:
     """Read every parameter of ``names`` (per param group, in flat order) once into the ranks' partitions.
@@ -92,7 +81,7 @@ def group_steps(steps: list[set[int]]) -> list[int]:
     return settle_steps(steps, "ZeRO-1/2 param group")
 
 
-def zero12_block(*, wrapper: dict[str, Any], flavour: Flavour, rank: Zero12Rank, layouts: list[Zero12Group],
+def zero12_block(*, wrapper: dict[str, Any], flavour: Flavour, rank: RankBuffers, layouts: list[Zero12Group],
                  names: list[list[str]], index: int, steps: list[int], groups: list[dict[str, Any]],
                  clip_grad: float, ds_version: str | None, moments: bool,
                  alignment_paddings: list[list[int]] | None = None) -> dict[str, Any]:
@@ -173,7 +162,7 @@ def write_native12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int
     def keep_weight(name: str, state: ParamState) -> None:
         weights[name] = state.fp32.to(lp)
 
-    ranks = {r: Zero12Rank.zeros(layouts) for r in range(dp)}
+    ranks = {r: zero12_rank(layouts) for r in range(dp)}
     seen = fill_zero12_ranks(reader, layouts, names, ranks, moments=moments, workers=workers,
                              step_of=lambda state: param_step(plan, state), on_state=keep_weight)
     steps = group_steps(seen)

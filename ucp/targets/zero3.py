@@ -24,18 +24,23 @@ __all__ = ["RankBuffers", "fill_ranks", "sub_group_steps", "optim_block"]
 
 @dataclass
 class RankBuffers:
-    """One rank's flat fp32 masters and Adam moments, one tensor per sub-group."""
+    """One rank's flat fp32 masters and Adam moments, one tensor per flat group (ZeRO-3 sub-group or
+    ZeRO-1/2 param group)."""
 
     fp32: list[torch.Tensor]
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
 
     @classmethod
-    def zeros(cls, layout: Zero3Layout) -> "RankBuffers":
+    def of_sizes(cls, sizes: list[int]) -> "RankBuffers":
         def make() -> list[torch.Tensor]:
-            return [torch.zeros(n, dtype=torch.float32) for n in layout.sub_group_numel]
+            return [torch.zeros(n, dtype=torch.float32) for n in sizes]
 
         return cls(make(), make(), make())
+
+    @classmethod
+    def zeros(cls, layout: Zero3Layout) -> "RankBuffers":
+        return cls.of_sizes(list(layout.sub_group_numel))
 
 
 def _scatter(state: ParamState, slot: Zero3Slot, dp: int, ranks: dict[int, RankBuffers], moments: bool) -> None:
