@@ -48,8 +48,12 @@ class Built:
 
 def _key(spec: RunSpec) -> str:
     fields = asdict(replace(spec, save_dir=None, record=None, port=0))
-    if fields.get("grad_accum_dtype") is None:
-        del fields["grad_accum_dtype"]  # added later: runs without it keep their cached keys
+    # fields added later: runs that leave them at their defaults keep their cached keys
+    for key, default in (("grad_accum_dtype", None), ("tp", 1)):
+        if fields.get(key) == default:
+            del fields[key]
+    if not fields["model"].get("glu"):
+        del fields["model"]["glu"]
     raw = json.dumps({"v": _VERSION, **fields}, sort_keys=True)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
@@ -57,7 +61,8 @@ def _key(spec: RunSpec) -> str:
 def build(**fields: Any) -> Built:
     """Train and save a checkpoint with RunSpec(**fields), or return the cached one."""
     spec = RunSpec(**fields)
-    folder = cache_root() / f"{spec.stage}-{spec.dtype}-dp{spec.dp}-{spec.optimizer}-{_key(spec)}"
+    tp = f"-tp{spec.tp}" if spec.tp > 1 else ""
+    folder = cache_root() / f"{spec.stage}-{spec.dtype}-dp{spec.dp}{tp}-{spec.optimizer}-{_key(spec)}"
     done = folder / "DONE"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:

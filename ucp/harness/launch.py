@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLike | None = None) -> None:
-    """Run ``spec`` on ``spec.dp`` local processes and wait for all of them.
+    """Run ``spec`` on ``spec.dp x spec.tp`` local processes and wait for all of them.
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DeepSpeed runs on
     its CPU accelerator with the gloo backend. Raises RankFailure naming the first rank that failed.
@@ -35,13 +35,14 @@ def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLi
     logs = Path(log_dir or tempfile.mkdtemp(prefix="ucp-ranks-"))
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
-    for rank in range(spec.dp):
+    world = spec.dp * spec.tp
+    for rank in range(world):
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(spec.dp),
-            LOCAL_WORLD_SIZE=str(spec.dp),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(spec.port),
             DS_ACCELERATOR="cpu",

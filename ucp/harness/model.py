@@ -7,7 +7,34 @@ from torch import nn
 
 from ucp.harness.spec import ModelSpec
 
-__all__ = ["TinyLM", "build_param_groups", "batch_for_step"]
+__all__ = ["TinyLM", "GluBlock", "tp_layer_specs", "build_param_groups", "batch_for_step"]
+
+
+class GluBlock(nn.Module):
+    """SwiGLU MLP with the gate and up projections fused in one weight, as Llama-style checkpoints store it."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+def tp_layer_specs(spec: ModelSpec) -> list[dict]:
+    """DeepSpeed AutoTP rules for TinyLM: column-parallel first projection, row-parallel second."""
+    if spec.glu:
+        return [
+            {"patterns": [r".*\.up\.weight$", r".*\.up\.bias$"], "partition_type": "column", "shape": [2, -1],
+             "partition_dim": 0},
+            {"patterns": [r".*\.down\.weight$"], "partition_type": "row"},
+        ]
+    return [
+        {"patterns": [r"^blocks\.\d+\.0\.weight$", r"^blocks\.\d+\.0\.bias$"], "partition_type": "column"},
+        {"patterns": [r"^blocks\.\d+\.2\.weight$"], "partition_type": "row"},
+    ]
 
 
 class TinyLM(nn.Module):
@@ -17,6 +44,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.blocks = nn.ModuleList(
+            GluBlock(spec.hidden, spec.ffn) if spec.glu else
             nn.Sequential(nn.Linear(spec.hidden, spec.ffn), nn.GELU(), nn.Linear(spec.ffn, spec.hidden))
             for _ in range(spec.layers)
         )

@@ -27,6 +27,7 @@ class ModelSpec:
     tied: bool = True  # lm head shares the embedding weight
     frozen: bool = True  # one frozen projection (requires_grad=False)
     buffers: bool = True  # a persistent buffer that training updates, and a non-persistent one
+    glu: bool = False  # blocks are SwiGLU: one fused gate+up projection (two sub-parameters), then down
 
 
 @dataclass
@@ -44,6 +45,7 @@ class RunSpec:
     """One distributed run: build an engine, maybe load, train, maybe save, maybe record."""
 
     dp: int = 2
+    tp: int = 1  # DeepSpeed AutoTP degree (stage 0-2 only); the run uses dp x tp ranks
     stage: int = 3
     dtype: str = "bf16"  # fp32 | bf16
     optimizer: str = "torch-adamw"

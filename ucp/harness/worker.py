@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
+from ucp.harness.model import TinyLM, batch_for_step, build_param_groups, tp_layer_specs
 from ucp.harness.spec import RunSpec
 
-__all__ = ["main", "lr_decay"]
+__all__ = ["main", "lr_decay", "record_path"]
 
 
 def lr_decay(step: int) -> float:
@@ -53,6 +53,9 @@ def _ds_config(spec: RunSpec) -> dict:
     }
     if spec.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.grad_accum_dtype}
+    if spec.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": spec.tp, "partition_config": {
+            "use_default_specs": False, "layer_specs": tp_layer_specs(spec.model)}}
     if spec.load is not None and spec.load.kind == "ds-universal":
         config["checkpoint"] = {"load_universal": True}
     return config
@@ -77,8 +80,23 @@ def _relink_optimizer_state(optimizer) -> None:
             lazy_init_hp_params_optimizer_state(lp, hp, optimizer.optimizer.state)
 
 
+def _parallel_ranks() -> tuple[int, int]:
+    """(data-parallel rank, tensor-parallel rank) of this process."""
+    from deepspeed.utils import groups
+
+    return groups.get_data_parallel_rank(), groups.get_tensor_model_parallel_rank()
+
+
+def record_path(record: str, tp_rank: int) -> str:
+    """Where a tensor-parallel rank's record goes: tp rank 0 writes ``record`` itself."""
+    return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
+
+
 def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
-    """Gather what the live engine holds (collectives: every rank takes part) and let rank 0 save it."""
+    """Gather what the live engine holds (collectives: every rank takes part) and let DP rank 0 save it.
+
+    Under tensor parallelism each TP rank holds its own slices: each saves its own record.
+    """
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -115,8 +133,9 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     }
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     out["lrs"] = [g["lr"] for g in base.param_groups]
-    if engine.global_rank == 0:
-        torch.save(out, spec.record)
+    dp_rank, tp_rank = _parallel_ranks()
+    if dp_rank == 0:
+        torch.save(out, record_path(spec.record, tp_rank))
 
 
 def main(argv: list[str]) -> None:
@@ -144,7 +163,7 @@ def main(argv: list[str]) -> None:
             )
             if path is None:
                 raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
-    rank = engine.global_rank
+    rank, _ = _parallel_ranks()
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):
         tokens = batch_for_step(
@@ -156,7 +175,7 @@ def main(argv: list[str]) -> None:
         engine.step()
         mean = loss.detach().float().clone()
         torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / spec.dp)
+        losses.append(mean.item() / torch.distributed.get_world_size())
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
     if spec.record:
