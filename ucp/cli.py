@@ -53,10 +53,11 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         step = int(step)
     plan = write_native(args.universal, args.out, dp=args.dp, stage=args.stage, optimizer=args.optimizer,
                         dtype=args.dtype, tag=args.tag, sub_group_size=args.sub_group_size, step=step,
-                        overwrite=args.overwrite, workers=args.workers, fsync=args.fsync)
+                        overwrite=args.overwrite, workers=args.workers, fsync=args.fsync, tp=args.tp)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp} ({plan.flavour.name}, {plan.dtype}) to "
+    tp = f" tp={plan.tp}" if plan.tp > 1 else ""
+    print(f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
           f"{args.out}/{plan.tag}", file=sys.stderr)
     return 0
 
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
     p.add_argument("--dp", type=_positive, required=True, help="data-parallel size of the new run")
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage of the new run (default 3)")
+    p.add_argument("--tp", type=_positive, default=1,
+                   help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)")
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="optimizer of the new run (default: the source's)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
     p.add_argument("--tag", help="tag folder name (default: global_step<N>)")

@@ -100,6 +100,9 @@ class Facts:
     tied: dict[str, str] = field(default_factory=dict)  # alias -> parameter that holds the data
     buffer_names: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: per parameter, how tensor parallelism lays it out (ucp.tp.TpRule as JSON); empty when the
+    #: source had no tensor parallelism and no rules were given
+    tp_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def param(self, name: str) -> ParamMeta:
         for meta in self.params:

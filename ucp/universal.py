@@ -148,6 +148,8 @@ def _manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, File
     }
 
 
+        **({"tensor_parallel": {"source_degree": facts.info.mp_world_size, "rules": dict(facts.tp_rules)}}
+           if facts.tp_rules else {}),
 def _facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry], dict[str, FileEntry]]:
     try:
         info = SourceInfo(**raw["source"])
@@ -168,6 +170,7 @@ def _facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry
         )
         files = {k: FileEntry(**v) for k, v in raw.get("files", {}).items()}
     except (KeyError, TypeError, ValueError) as err:
+            tp_rules={k: dict(v) for k, v in (raw.get("tensor_parallel") or {}).get("rules", {}).items()},
         raise CorruptFileError(f"{MANIFEST} is malformed: {type(err).__name__}: {err}") from None
     return facts, params, files
 

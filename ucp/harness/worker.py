@@ -80,8 +80,10 @@ def _relink_optimizer_state(optimizer) -> None:
             lazy_init_hp_params_optimizer_state(lp, hp, optimizer.optimizer.state)
 
 
-def _parallel_ranks() -> tuple[int, int]:
+def _parallel_ranks(spec: RunSpec) -> tuple[int, int]:
     """(data-parallel rank, tensor-parallel rank) of this process."""
+    if spec.tp == 1:  # DeepSpeed sets up its parallel groups only for AutoTP
+        return torch.distributed.get_rank(), 0
     from deepspeed.utils import groups
 
     return groups.get_data_parallel_rank(), groups.get_tensor_model_parallel_rank()
@@ -133,7 +135,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     }
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     out["lrs"] = [g["lr"] for g in base.param_groups]
-    dp_rank, tp_rank = _parallel_ranks()
+    dp_rank, tp_rank = _parallel_ranks(spec)
     if dp_rank == 0:
         torch.save(out, record_path(spec.record, tp_rank))
 
@@ -163,7 +165,7 @@ def main(argv: list[str]) -> None:
             )
             if path is None:
                 raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
-    rank, _ = _parallel_ranks()
+    rank, _ = _parallel_ranks(spec)
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):
         tokens = batch_for_step(

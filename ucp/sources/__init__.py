@@ -8,10 +8,14 @@ downstream branches on the stage.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from ucp.errors import InputError
 from ucp.records import Reader
 from ucp.sources.files import find_checkpoint
+
+if TYPE_CHECKING:
+    from ucp.tp import TpRule
 
 __all__ = ["open_reader", "is_universal"]
 
@@ -21,12 +25,14 @@ def is_universal(path: str | Path) -> bool:
 
 
 def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | None = None,
-                verify: bool = True) -> Reader:
+                verify: bool = True, tp_rules: Sequence[tuple[str, "TpRule"]] = ()) -> Reader:
     """A reader for a universal directory, a ds_to_universal folder (or the folder holding its
     ``latest_universal``) or a DeepSpeed ZeRO checkpoint (folder or tag folder).
 
     A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint;
-    name the universal folder with ``tag`` to read that one instead.
+    name the universal folder with ``tag`` to read that one instead. A checkpoint saved with
+    tensor parallelism (several ``mp_rank_XX``) is read as full parameters, merged by the rules in
+    its ``universal_checkpoint_info``; ``tp_rules`` (regex, rule) pairs add to or override them.
     """
     path = Path(path)
     if is_universal(path):
@@ -46,8 +52,9 @@ def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | No
         return DsUniversalSource(found, optimizer=optimizer)
     files = find_checkpoint(path, tag)
     if files.mp > 1:
-        raise InputError(f"{files.tag_dir} has {files.mp} model-parallel ranks; convert one with --mp-rank "
-                         "(tensor-parallel merging is not supported yet)")
+        from ucp.sources.tensor_parallel import TensorParallelSource
+
+        return TensorParallelSource(files, optimizer=optimizer, rules=tp_rules)
     if files.stage3:
         from ucp.sources.zero3 import Zero3Source
 

@@ -94,8 +94,11 @@ def restore(engine: Any, universal_dir: str | os.PathLike | Reader, *, optimizer
     Returns the checkpoint's client state, as ``engine.load_checkpoint`` does.
     """
     step_of = step_chooser(step)
-    reader = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
+    source = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
     try:
+        from ucp.targets.tensor_parallel import live_tp_view
+
+        reader = live_tp_view(engine, source)  # this rank's shards under tensor parallelism
         stage = int(engine.zero_optimization_stage())
         if stage != 3:
             from ucp.targets.engine12 import restore_zero12
@@ -108,8 +111,8 @@ def restore(engine: Any, universal_dir: str | os.PathLike | Reader, *, optimizer
         _restore_common(engine, reader, strict=strict)
         return dict(reader.extras().get("client_state") or {})
     finally:
-        if reader is not universal_dir:
-            reader.close()
+        if source is not universal_dir:
+            source.close()
 
 
 def _check_names(engine: Any, reader: Reader, *, strict: bool) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +49,22 @@ class NativePlan:
     group_names: list[list[str]]
     layout: Zero3Layout | None = None
     notes: list[str] = field(default_factory=list)
+    tp: int = 1  # tensor-parallel degree of the checkpoint written
+    mp_rank: int = 0  # the TP rank whose files are being written
 
 
 def plan_native(facts: Facts, *, dp: int, stage: int = 3, optimizer: str | None = None, dtype: str | None = None,
-                tag: str | None = None, sub_group_size: int | None = None, step: int | str | None = "keep") -> NativePlan:
+                tag: str | None = None, sub_group_size: int | None = None, step: int | str | None = "keep",
+                tp: int = 1) -> NativePlan:
     """Check the options against the checkpoint and fix every choice of the write."""
     problems = []
     if not isinstance(dp, int) or dp < 1:
         problems.append(f"--dp must be a positive integer, got {dp!r}")
+    if not isinstance(tp, int) or tp < 1:
+        problems.append(f"--tp must be a positive integer, got {tp!r}")
+    elif tp > 1 and stage == 3:
+        problems.append("--tp > 1 needs --stage 1 or 2: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO "
+                        "stages 0-2")
     if stage not in (1, 2, 3):
         problems.append(f"--stage must be 1, 2 or 3, got {stage!r}")
     dtype = dtype or facts.info.dtype
@@ -86,7 +94,7 @@ def plan_native(facts: Facts, *, dp: int, stage: int = 3, optimizer: str | None 
     group_names = [list(g.params) for g in facts.groups]
     plan = NativePlan(dp=dp, stage=stage, flavour=flavors.get(name), dtype=dtype,
                       tag=tag or f"global_step{facts.info.global_steps}", sub_group_size=size, step=fixed,
-                      reset_moments=reset, group_names=group_names)
+                      reset_moments=reset, group_names=group_names, tp=tp)
     if stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
         plan.layout = zero3_layout(numels, dp, size)
@@ -99,23 +107,32 @@ def plan_native(facts: Facts, *, dp: int, stage: int = 3, optimizer: str | None 
 
 def _rank_optim_name(plan: NativePlan, rank: int) -> str:
     prefix = "bf16_" if plan.dtype == "bf16" else ""
-    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_{plan.mp_rank:02d}_optim_states.pt"
 
 
 def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, *, dp: int, stage: int = 3,
                  optimizer: str | None = None, dtype: str | None = None, tag: str | None = None,
                  sub_group_size: int | None = None, step: int | str | None = "keep", overwrite: bool = False,
-                 workers: int | None = None, fsync: bool = False) -> NativePlan:
-    """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of DP size ``dp``."""
+                 workers: int | None = None, fsync: bool = False, tp: int = 1) -> NativePlan:
+    """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of DP size ``dp`` (and TP degree ``tp``).
+
+    At ``tp`` > 1 each TP rank's files hold its shards, cut by the rules the checkpoint records
+    (``ucp.tp``); the model-states files carry a ``universal_checkpoint_info`` describing them.
+    """
     reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
     try:
         plan = plan_native(reader.facts, dp=dp, stage=stage, optimizer=optimizer, dtype=dtype, tag=tag,
-                           sub_group_size=sub_group_size, step=step)
+                           sub_group_size=sub_group_size, step=step, tp=tp)
         if plan.stage != 3:
             from ucp.targets.native12 import write_native12
+            from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
 
             with staged_output(out, overwrite=overwrite, durable=fsync) as root:
-                write_native12(reader, plan, root / plan.tag, workers or default_workers())
+                (root / plan.tag).mkdir()
+                for mp_rank in range(plan.tp):
+                    view = TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
+                    write_native12(view, replace(plan, mp_rank=mp_rank), root / plan.tag,
+                                   workers or default_workers())
                 (root / "latest").write_text(plan.tag)
             return plan
         with staged_output(out, overwrite=overwrite, durable=fsync) as root:
@@ -166,10 +183,15 @@ def model_states(reader: Reader, plan: NativePlan, *, extra: dict[str, Any]) -> 
         "global_steps": info.global_steps,
         "global_samples": info.global_samples if info.global_samples is not None else 0,
         "dp_world_size": plan.dp,
-        "mp_world_size": info.mp_world_size,
+        "mp_world_size": plan.tp,
         "ds_config": info.ds_config,
         "ds_version": info.ds_version,
     }
+    if plan.tp > 1:
+        from ucp.targets.tensor_parallel import target_tp_info
+
+        states["universal_checkpoint_info"] = target_tp_info(reader, plan.tp)
+        states["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": plan.tp}
     states.update(extra)
     states.update(extras.get("client_state") or {})
     return states
@@ -233,7 +255,7 @@ def _write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
             "shared_params": dict(facts.tied),
             "frozen_param_fragments": fragments,
         })
-        torchfile.save(states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        torchfile.save(states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_{plan.mp_rank:02d}_model_states.pt")
         block = optim_block(wrapper=wrapper, flavour=plan.flavour, buffers=ranks.pop(rank), steps=steps,
                             groups=groups, dp=dp, moments=moments or bool(plan.step))
         torchfile.save({"optimizer_state_dict": block, "ds_config": facts.info.ds_config,

@@ -3,9 +3,10 @@
 Call order: ``ucp.targets.native.write_native`` fixes the plan and, for stage 1 or 2, calls
 :func:`write_native12` inside its staged output folder. Here each parameter is read once and
 scattered into every rank's flat partitions (:func:`fill_zero12_ranks`, shared with the live-engine
-target); then one ``mp_rank_00_model_states.pt`` (the low-precision module, frozen parameters and
-all) and N ``*zero_pp_rank_R_mp_rank_00_optim_states.pt`` files are written with every field
+target); then one ``mp_rank_MM_model_states.pt`` (the low-precision module, frozen parameters and
+all) and N ``*zero_pp_rank_R_mp_rank_MM_optim_states.pt`` files are written with every field
 DeepSpeedZeroOptimizer writes, recomputed for N. BF16_Optimizer engines load the same files.
+Under tensor parallelism this runs once per TP rank MM, on that rank's view of the parameters.
 """
 
 from __future__ import annotations
@@ -149,10 +150,9 @@ def _flat_names(reader: Reader, plan: NativePlan) -> tuple[list[list[str]], list
 
 
 def write_native12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -> None:
-    """Write ``tag_dir`` (created here) holding a stage-1/2 checkpoint for ``plan.dp`` ranks."""
+    """Write TP rank ``plan.mp_rank``'s files of a stage-1/2 checkpoint for ``plan.dp`` ranks into ``tag_dir``."""
     facts = reader.facts
     dp = plan.dp
-    tag_dir.mkdir()
     names, outside = _flat_names(reader, plan)
     layouts = [zero12_group([facts.param(n).numel for n in group], dp) for group in names]
     moments = not plan.reset_moments
@@ -187,7 +187,7 @@ def write_native12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int
     states["module"] = module
     config = _ds_config(facts.info.ds_config, plan.stage)
     states["ds_config"] = config
-    torchfile.save(states, tag_dir / "mp_rank_00_model_states.pt")
+    torchfile.save(states, tag_dir / f"mp_rank_{plan.mp_rank:02d}_model_states.pt")
 
     wrapper = zero_block(reader, plan)
     clip_grad = _clip_grad(reader)
@@ -197,5 +197,5 @@ def write_native12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int
                              index=r, steps=steps, groups=groups, clip_grad=clip_grad,
                              ds_version=facts.info.ds_version, moments=moments or bool(plan.step))
         torchfile.save({"optimizer_state_dict": block, "ds_config": config, "ds_version": facts.info.ds_version},
-                       tag_dir / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+                       tag_dir / f"{prefix}zero_pp_rank_{r}_mp_rank_{plan.mp_rank:02d}_optim_states.pt")
     logger.info("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, dp, tag_dir)

@@ -1,0 +1,294 @@
+"""Tensor parallelism: DeepSpeed AutoTP checkpoints merged into full parameters and cut again.
+
+The fixtures are real AutoTP runs (TP=2) of the harness model: a column-parallel first projection
+(in the SwiGLU variant, a fused gate+up weight of two sub-parameters), a row-parallel second one,
+and replicated embedding, norms, biases and a frozen projection. Sizes are odd (ffn=23), so the
+ranks hold 12 and 11 rows. The expected full tensors below are spelled out from that layout by
+hand, independently of ucp.tp.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dsfixtures import Built, build, resume
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ucp
+from ucp import tp as tpl
+from ucp.errors import InputError
+from ucp.harness import LoadSpec, ModelSpec
+from ucp.harness.worker import record_path
+from ucp.sources import open_reader
+
+TP_SOURCES: dict[str, dict[str, Any]] = {
+    "tp2-z1-bf16-dp2-glu": dict(dp=2, tp=2, stage=1, dtype="bf16", optimizer="torch-adamw", model=ModelSpec(glu=True)),
+    "tp2-z2-fp32-dp1": dict(dp=1, tp=2, stage=2, dtype="fp32", optimizer="torch-adamw"),
+}
+
+
+@pytest.fixture(scope="module")
+def tp_source():
+    return lambda name: build(**TP_SOURCES[name])
+
+
+@pytest.fixture(scope="module")
+def tp_universal(tp_source, tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name) / "u"
+            ucp.to_universal(tp_source(name).path, made[name])
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tp_native_resume(tmp_path_factory):
+    cache: dict[str, list[dict[str, Any]]] = {}
+    work = tmp_path_factory.mktemp("tp-native")
+
+    def get(built: Built) -> list[dict[str, Any]]:
+        key = str(built.path)
+        if key not in cache:
+            name = f"native{len(cache)}"
+            resume(built, LoadSpec(str(built.path)), name=name, work=work)
+            cache[key] = records(work / f"{name}.pt", built.spec.tp)
+        return cache[key]
+
+    return get
+
+
+def records(path: Path, tp: int) -> list[dict[str, Any]]:
+    return [torch.load(record_path(str(path), r), weights_only=True) for r in range(tp)]
+
+
+def expected_full(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from TP=2 shards, written out from the harness model's AutoTP layout."""
+    r0, r1 = shards
+    if re.search(r"\.up\.(weight|bias)$", name):  # [gate; up], each 23 rows split 12 / 11
+        return torch.cat([r0[:12], r1[:11], r0[12:], r1[11:]])
+    if re.search(r"^blocks\.\d+\.0\.(weight|bias)$", name):  # column parallel
+        return torch.cat([r0, r1])
+    if re.search(r"(\.down|\.2)\.weight$", name):  # row parallel
+        return torch.cat([r0, r1], dim=1)
+    assert torch.equal(r0, r1), f"{name} should be replicated"
+    return r0
+
+
+def full_record(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(recs[0])
+    for key in ("params", "exp_avg", "exp_avg_sq", "module"):
+        out[key] = {n: expected_full(n, [r[key][n] for r in recs]) for n in recs[0][key]}
+    return out
+
+
+def assert_training_close(reference: dict[str, Any], other: dict[str, Any], *, atol: float) -> None:
+    for a, b in zip(reference["losses"], other["losses"], strict=True):
+        assert abs(a - b) <= atol * 10, (reference["losses"], other["losses"])
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        for name, value in reference[key].items():
+            diff = (value - other[key][name]).abs().max().item()
+            assert diff <= atol, (key, name, diff)
+    assert set(other["state_steps"]) == set(reference["state_steps"])
+    assert other["lrs"] == reference["lrs"]
+    # global_samples grows by DeepSpeed's train batch size, which under AutoTP 0.19.8 counts the TP
+    # ranks as if they were data parallel: runs at other TP degrees add different amounts per step
+    for key in ("global_steps", "skipped_steps"):
+        assert other["counters"][key] == reference["counters"][key]
+
+
+# -- the layout maths ------------------------------------------------------------------------
+def test_shard_widths_follow_deepspeed_autotp():
+    from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size_list
+
+    for size in (1, 2, 7, 23, 46, 64):
+        for tp in (1, 2, 3, 4):
+            if size >= tp:
+                assert tpl.shard_widths(size, tp) == get_shard_size_list(size, tp, AutoTPMeta(), name="x")
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 6), tp=st.integers(1, 4), dim=st.integers(0, 1),
+       n_parts=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_scatter_then_gather_is_the_identity(rows, cols, tp, dim, n_parts, seed):
+    shape = [rows * n_parts, cols] if dim == 0 else [rows, cols * n_parts]
+    parts = tuple([shape[dim] // n_parts] * n_parts) if n_parts > 1 else ()
+    rule = tpl.TpRule("split", dim=dim, parts=parts)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    layouts = tpl.layouts_for(rule, shape, tp)
+    shards = [tpl.scatter(full, lay) for lay in layouts]
+    assert sum(s.shape[dim] for s in shards) == shape[dim]
+    assert torch.equal(tpl.gather(shards, layouts, shape), full)
+
+
+def test_vocab_rows_are_padded_in_the_shards_and_dropped_in_the_full_tensor():
+    rule = tpl.TpRule("split", dim=0, vocab=5, padded=8)
+    full = torch.arange(10.0).reshape(5, 2)
+    layouts = tpl.layouts_for(rule, (5, 2), 2)
+    shards = [tpl.scatter(full, lay) for lay in layouts]
+    assert [tuple(s.shape) for s in shards] == [(4, 2), (4, 2)]
+    assert torch.equal(shards[1][1:], torch.zeros(3, 2))  # rows 5..7 are padding
+    assert torch.equal(tpl.gather(shards, layouts, (5, 2)), full)
+
+
+def test_average_and_replicated_merge():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    avg = tpl.layouts_for(tpl.TpRule("average"), (2,), 2)
+    assert torch.equal(tpl.gather([a, b], avg, (2,)), torch.tensor([2.0, 3.0]))
+    rep = tpl.layouts_for(tpl.REPLICATED, (2,), 2)
+    assert torch.equal(tpl.gather([a, a], rep, (2,)), a)
+
+
+def test_megatron_style_info_patterns():
+    info = {
+        "tp_replicated_parameter_patterns": [r".*layernorm.*"],
+        "parameter_to_average_patterns": [r".*position_embeddings.*"],
+        "parameter_with_row_parallelism_patterns": [r".*dense_4h_to_h\.weight$"],
+        "vocabulary_parameter_patterns": [r".*word_embeddings\.weight$"],
+        "parameter_with_2_sub_params_cat_dim_0": [r".*dense_h_to_4h\.weight$"],
+        "original_vocab_size": 50,
+    }
+    shapes = {
+        "ln.layernorm.weight": [(8,), (8,)],
+        "pos.position_embeddings.weight": [(4, 8), (4, 8)],
+        "mlp.dense_4h_to_h.weight": [(8, 16), (8, 16)],
+        "mlp.dense_h_to_4h.weight": [(32, 8), (32, 8)],
+        "emb.word_embeddings.weight": [(32, 8), (32, 8)],
+        "attn.query_key_value.weight": [(24, 8), (24, 8)],
+    }
+    rules = tpl.rules_from_info(info, shapes)
+    assert rules["ln.layernorm.weight"] == tpl.REPLICATED
+    assert rules["pos.position_embeddings.weight"].kind == "average"
+    assert rules["mlp.dense_4h_to_h.weight"] == tpl.TpRule("split", dim=1)
+    assert rules["mlp.dense_h_to_4h.weight"] == tpl.TpRule("split", dim=0, parts=(32, 32))
+    assert rules["emb.word_embeddings.weight"] == tpl.TpRule("split", dim=0, vocab=50, padded=64)
+    assert rules["attn.query_key_value.weight"] == tpl.TpRule("split", dim=0)
+    assert tpl.full_shape(rules["emb.word_embeddings.weight"], shapes["emb.word_embeddings.weight"]) == (50, 8)
+
+
+# -- real AutoTP checkpoints -----------------------------------------------------------------
+@pytest.mark.parametrize("name", list(TP_SOURCES))
+def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, tp_source, tp_universal):
+    built = tp_source(name)
+    recs = [torch.load(record_path(str(built.record_path), r), weights_only=True) for r in range(2)]
+    reader = open_reader(tp_universal(name))
+    try:
+        facts = reader.facts
+        assert facts.info.mp_world_size == 2
+        split = {n for n, r in facts.tp_rules.items() if r["kind"] == "split"}
+        assert split == {n for n in recs[0]["params"] if re.search(r"\.(up|down|0|2)\.weight$|\.(up|0)\.bias$", n)}
+        for meta in facts.params:
+            state = reader.read(meta.name)
+            if meta.frozen:
+                assert torch.equal(state.fp32, expected_full(meta.name, [r["module"][meta.name] for r in recs]).float())
+                continue
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                want = expected_full(meta.name, [r[key][meta.name] for r in recs])
+                got = state.fp32 if key == "params" else getattr(state, key)
+                assert torch.equal(got, want), (meta.name, key)
+            assert state.step == built.spec.steps
+        assert facts.tied == recs[0]["tied"]
+    finally:
+        reader.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,atol", [("tp2-z2-fp32-dp1", 1e-5), ("tp2-z1-bf16-dp2-glu", 2e-3)])
+def test_tp2_checkpoint_resumes_without_tp_like_the_native_tp2_resume(name, atol, tp_source, tp_universal,
+                                                                      tp_native_resume, tmp_path):
+    built = tp_source(name)
+    ucp.write_native(tp_universal(name), tmp_path / "n", dp=2, stage=built.spec.stage)
+    ours = resume(built, LoadSpec(str(tmp_path / "n")), dp=2, tp=1, name="tp1", work=tmp_path)
+    assert_training_close(full_record(tp_native_resume(built)), ours, atol=atol)
+
+
+@pytest.mark.slow
+def test_restore_into_live_tp2_engine_is_bit_identical_to_native_resume(tp_source, tp_universal, tp_native_resume,
+                                                                        tmp_path):
+    built = tp_source("tp2-z2-fp32-dp1")
+    resume(built, LoadSpec(str(tp_universal("tp2-z2-fp32-dp1")), kind="ucp"), name="live", work=tmp_path)
+    ours = records(tmp_path / "live.pt", 2)
+    for ref, got in zip(tp_native_resume(built), ours):
+        assert ref["losses"] == got["losses"]
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            for n, value in ref[key].items():
+                assert torch.equal(value, got[key][n]), (key, n)
+        assert set(got["state_steps"]) == set(ref["state_steps"])
+
+
+@pytest.mark.slow
+def test_checkpoint_without_tp_restores_into_a_live_tp2_engine(source, universals, native_resume, tmp_path):
+    """TP=1 -> TP=2: the live AutoTP model's own layout cuts the full parameters."""
+    built = source("z1-fp32-dp2-adamw")
+    resume(built, LoadSpec(str(universals("z1-fp32-dp2-adamw")), kind="ucp"), dp=1, tp=2, name="live",
+           work=tmp_path)
+    ours = full_record(records(tmp_path / "live.pt", 2))
+    assert_training_close(native_resume(built), ours, atol=1e-5)
+
+
+def test_tp_checkpoint_without_info_needs_rules(tp_source, tmp_path):
+    from ucp import torchfile
+
+    built = tp_source("tp2-z2-fp32-dp1")
+    copy = tmp_path / "ckpt"
+    import shutil
+
+    shutil.copytree(built.path, copy)
+    for path in copy.glob("*/mp_rank_*_model_states.pt"):
+        states = torchfile.load(path)
+        del states["universal_checkpoint_info"]
+        torchfile.save(states, path)
+    with pytest.raises(InputError, match="no rule for .*tensor_parallel.rules"):
+        open_reader(copy)
+    rules = [(r"^blocks\.\d+\.0\.", tpl.TpRule("split", dim=0)), (r"^blocks\.\d+\.2\.weight$", tpl.TpRule("split", dim=1)),
+             (r".*", tpl.REPLICATED)]
+    ours, theirs = open_reader(copy, tp_rules=rules), open_reader(built.path)
+    try:
+        assert ours.facts.tp_rules == theirs.facts.tp_rules
+        for meta in theirs.facts.params:
+            assert torch.equal(ours.read(meta.name).fp32, theirs.read(meta.name).fp32), meta.name
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dp", [("tp2-z2-fp32-dp1", 1), ("tp2-z1-bf16-dp2-glu", 1)])
+def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp, tp_source, tp_universal,
+                                                                        tp_native_resume, tmp_path):
+    """Re-split: universal -> mp_rank_00/01 files at TP=2 that stock DeepSpeed AutoTP loads natively."""
+    built = tp_source(name)
+    plan = ucp.write_native(tp_universal(name), tmp_path / "n", dp=dp, stage=built.spec.stage, tp=2)
+    tag_dir = tmp_path / "n" / plan.tag
+    assert sorted(p.name for p in tag_dir.glob("mp_rank_*")) == ["mp_rank_00_model_states.pt",
+                                                                "mp_rank_01_model_states.pt"]
+    resume(built, LoadSpec(str(tmp_path / "n")), dp=dp, name="native-tp2", work=tmp_path)
+    ours = records(tmp_path / "native-tp2.pt", 2)
+    reference = tp_native_resume(built)
+    if dp == built.spec.dp:  # same layout: the very same training
+        for ref, got in zip(reference, ours):
+            assert ref["losses"] == got["losses"]
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                for n, value in ref[key].items():
+                    assert torch.equal(value, got[key][n]), (key, n)
+    else:
+        assert_training_close(full_record(reference), full_record(ours), atol=2e-3)
+    # and the written checkpoint converts back to the same universal state
+    again = open_reader(tmp_path / "n")
+    first = open_reader(tp_universal(name))
+    try:
+        assert again.facts.tp_rules == first.facts.tp_rules
+        for meta in first.facts.params:
+            a, b = again.read(meta.name), first.read(meta.name)
+            assert torch.equal(a.fp32, b.fp32) and (meta.frozen or torch.equal(a.exp_avg, b.exp_avg)), meta.name
+    finally:
+        again.close()
+        first.close()

@@ -1,0 +1,170 @@
+"""A tensor-parallel DeepSpeed checkpoint (``mp_rank_XX`` files) -> one reader of full parameters.
+
+Each TP rank's files form an ordinary ZeRO checkpoint of that rank's shards; one per-rank reader
+(ZeRO-1/2 or ZeRO-3) reads each. This reader merges their shards parameter by parameter with the
+rules of :mod:`ucp.tp`, taken from DeepSpeed's ``universal_checkpoint_info`` (AutoTP and
+Megatron-DeepSpeed write it into the model-states files) or from rules the caller gives (the
+migration YAML), which win over the checkpoint's. An affine map in the info gives exact per-rank
+layouts; otherwise the layouts follow from the rules, and are checked against every rank's shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ucp import tp as tpl
+from ucp.errors import InputError
+from ucp.records import Facts, ParamMeta, ParamState, Reader
+from ucp.sources.files import CheckpointFiles
+from ucp.torchfile import TorchFile
+
+__all__ = ["TensorParallelSource", "checkpoint_tp_info"]
+
+logger = logging.getLogger(__name__)
+
+#: The key DeepSpeed stores the conversion schema under, in model-states (and ZeRO-1/2 optim) files.
+INFO_KEY = "universal_checkpoint_info"
+
+
+def checkpoint_tp_info(files: CheckpointFiles) -> dict[str, Any]:
+    """``universal_checkpoint_info`` from mp rank 0's model-states file ({} when absent)."""
+    tf = TorchFile(files.model[0][0])
+    try:
+        obj = tf.obj
+        info = obj.get(INFO_KEY) if isinstance(obj, Mapping) else None
+    finally:
+        tf.close()
+    if info is None:
+        return {}
+    if not isinstance(info, Mapping):
+        raise InputError(f"{files.model[0][0].name}: {INFO_KEY} is a {type(info).__name__}, not a mapping")
+    return dict(info)
+
+
+def _rank_reader(files: CheckpointFiles, mp_rank: int, optimizer: str | None) -> Reader:
+    if files.stage3:
+        from ucp.sources.zero3 import Zero3Source
+
+        return Zero3Source(files, optimizer=optimizer, mp_rank=mp_rank)
+    from ucp.sources.zero12 import Zero12Source
+
+    return Zero12Source(files, optimizer=optimizer, mp_rank=mp_rank)
+
+
+def given_rules(patterns: Sequence[tuple[str, tpl.TpRule]], names: Sequence[str]) -> dict[str, tpl.TpRule]:
+    """Rules for ``names`` from (regex, rule) pairs, first match wins (the migration YAML's form)."""
+    out = {}
+    for name in names:
+        for pattern, rule in patterns:
+            if re.match(pattern, name):
+                out[name] = rule
+                break
+    return out
+
+
+class TensorParallelSource:
+    """A ZeRO checkpoint saved at TP degree > 1, read as full parameters."""
+
+    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None,
+                 rules: Sequence[tuple[str, tpl.TpRule]] = ()) -> None:
+        self.files = files
+        self.tp = files.mp
+        self._ranks: list[Reader] = []
+        try:
+            for mp_rank in range(self.tp):
+                self._ranks.append(_rank_reader(files, mp_rank, optimizer))
+            self.info = checkpoint_tp_info(files)
+            self.facts = self._facts(rules)
+        except BaseException:
+            self.close()
+            raise
+
+    def _facts(self, given: Sequence[tuple[str, tpl.TpRule]]) -> Facts:
+        first = self._ranks[0].facts
+        names = [m.name for m in first.params]
+        for r, reader in enumerate(self._ranks[1:], 1):
+            # DeepSpeed 0.19.8 records shared_params on TP rank 0 only: elsewhere a tied alias looks
+            # like a frozen parameter of its own. Rank 0's view of the ties stands.
+            theirs = [m.name for m in reader.facts.params if m.name not in first.tied]
+            if theirs != names:
+                odd = sorted(set(theirs) ^ set(names))[:3]
+                raise InputError(f"{self.files.tag_dir}: TP rank {r} holds other parameters than rank 0 ({odd}); "
+                                 "the mp_rank files are not one run")
+        shapes = {n: [reader.facts.param(n).shape for reader in self._ranks] for n in names}
+        try:
+            rules = tpl.rules_from_info(self.info, shapes) if self.info else {}
+        except tpl.TpInfoError as err:
+            raise InputError(f"{self.files.tag_dir}: {INFO_KEY}: {err}") from None
+        rules.update(given_rules(given, names))
+        missing = [n for n in names if n not in rules]
+        if missing:
+            raise InputError(f"{self.files.tag_dir} has {self.tp} tensor-parallel ranks but no rule for {missing[0]!r} "
+                             f"({len(missing)} parameters): the checkpoint carries no {INFO_KEY}; give the rules "
+                             "in the migration YAML (tensor_parallel.rules)")
+        self.rules: dict[str, tpl.TpRule] = {}
+        self.layouts: dict[str, list[tpl.RankLayout]] = {}
+        params = []
+        for meta in first.params:
+            rule = rules[meta.name]
+            if rule.vocab is not None and rule.padded is None:
+                rule = replace(rule, padded=sum(s[0] for s in shapes[meta.name]))
+            self.rules[meta.name] = rule
+            full, layouts = self._layouts(meta.name, rule, shapes[meta.name])
+            self.layouts[meta.name] = layouts
+            params.append(ParamMeta(meta.name, full, meta.dtype, meta.group, meta.frozen))
+        info = replace(first.info, mp_world_size=self.tp)
+        return replace(first, info=info, params=params,
+                       tp_rules={n: r.to_json() for n, r in self.rules.items()})
+
+    def _layouts(self, name: str, rule: tpl.TpRule,
+                 shapes: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tpl.RankLayout]]:
+        where = f"{self.files.tag_dir}: {name}"
+        try:
+            affine = tpl.affine_layouts(self.info, name, self.tp) if self.info else None
+            if affine is not None:
+                full, layouts = affine
+            else:
+                full = tpl.full_shape(rule, shapes)
+                layouts = tpl.layouts_for(rule, full, self.tp)
+        except tpl.TpInfoError as err:
+            raise InputError(f"{where}: {err}") from None
+        for r, (shape, layout) in enumerate(zip(shapes, layouts)):
+            if tuple(shape) != tuple(layout.shard_shape):
+                raise InputError(f"{where}: TP rank {r} holds shape {tuple(shape)}, but its rule "
+                                 f"{rule.to_json()} gives {tuple(layout.shard_shape)} at TP={self.tp}")
+        return full, layouts
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        states = [reader.read(name, moments=moments) for reader in self._ranks]
+        layouts = self.layouts[name]
+        full = self.facts.param(name).shape
+        steps = {s.step for s in states}
+        if len(steps) > 1:
+            logger.warning("%s: TP ranks hold steps %s; using rank 0's", name, sorted(map(str, steps)))
+
+        def merge(key: str) -> torch.Tensor | None:
+            shards = [getattr(s, key) for s in states]
+            if any(t is None for t in shards):
+                return None
+            return tpl.gather(shards, layouts, full)
+
+        try:
+            return ParamState(fp32=merge("fp32"), exp_avg=merge("exp_avg"), exp_avg_sq=merge("exp_avg_sq"),
+                              step=states[0].step)
+        except tpl.TpInfoError as err:
+            raise InputError(f"{self.files.tag_dir}: {name}: {err}") from None
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self._ranks[0].buffers()
+
+    def extras(self) -> dict[str, Any]:
+        return self._ranks[0].extras()
+
+    def close(self) -> None:
+        for reader in self._ranks:
+            reader.close()
