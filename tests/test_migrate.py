@@ -20,7 +20,7 @@ from ucp.sources import open_reader
 from ucp.universal import open_universal
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-EXAMPLES = ("dp8_to_dp4", "adamw_to_ds_fused_adam", "hf_export", "drop_head_reset")
+EXAMPLES = ("dp8_to_dp4", "adamw_to_ds_fused_adam", "hf_export", "drop_head_reset", "tp2_to_tp1")
 
 
 def _example(name: str, folder: Path, **values: str) -> Path:
@@ -56,6 +56,32 @@ def _close(a: float, b: float, tol: float) -> bool:
 def test_every_example_config_is_valid_as_written(name):
     config = load_config(CONFIGS / f"{name}.yaml")
     assert config.source.is_absolute()  # relative paths resolve against configs/
+
+
+@pytest.mark.slow
+def test_tp2_to_tp1_example_merges_the_tensor_parallel_ranks(tmp_path):
+    from dsfixtures import build
+
+    from ucp.sources import open_reader
+
+    built = build(dp=1, tp=2, stage=2, dtype="fp32", optimizer="torch-adamw")  # a real DeepSpeed AutoTP run
+    path = _example("tp2_to_tp1", tmp_path, source=str(built.path), universal="out/universal", output="out/tp1")
+    assert "dp=2" in run_migration(path, dry_run=True)
+    run_migration(path)
+    manifest = json.loads((tmp_path / "out/universal/ucp.json").read_text())
+    assert manifest["tensor_parallel"]["source_degree"] == 2
+    assert manifest["tensor_parallel"]["rules"]["blocks.0.2.weight"] == {"kind": "split", "dim": 1}
+    native, merged = open_reader(tmp_path / "out/tp1"), open_reader(built.path)
+    try:
+        assert native.facts.info.mp_world_size == 1
+        assert sorted(p.name for p in (tmp_path / "out/tp1").glob("*/mp_rank_*")) == ["mp_rank_00_model_states.pt"]
+        for meta in merged.facts.params:
+            a, b = native.read(meta.name), merged.read(meta.name)
+            assert a.fp32.shape == meta.shape and torch.equal(a.fp32, b.fp32), meta.name
+            assert meta.frozen or (torch.equal(a.exp_avg, b.exp_avg) and a.step == b.step), meta.name
+    finally:
+        native.close()
+        merged.close()
 
 
 @pytest.mark.slow

@@ -292,3 +292,44 @@ def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp
     finally:
         again.close()
         first.close()
+
+
+@pytest.mark.slow
+def test_yaml_rules_cut_a_checkpoint_without_tp_for_a_tp2_run(source, native_resume, tmp_path):
+    """TP=1 -> TP=2 offline: the migration YAML gives the rules the source never had."""
+    from ucp.migrate import run_migration
+
+    built = source("z1-fp32-dp2-adamw")
+    config = tmp_path / "m.yaml"
+    config.write_text(f"""source: {built.path}
+tensor_parallel:
+  rules:
+    - {{pattern: '^blocks\\.\\d+\\.0\\.', kind: split, dim: 0}}
+    - {{pattern: '^blocks\\.\\d+\\.2\\.weight$', kind: split, dim: 1}}
+    - {{pattern: '.*', kind: replicated}}
+target: {{dp: 1, stage: 1, tp: 2, output: {tmp_path / "tp2"}}}
+""")
+    assert "tp=2" in run_migration(config, dry_run=True)
+    run_migration(config)
+    resume(built, LoadSpec(str(tmp_path / "tp2")), dp=1, tp=2, name="tp2", work=tmp_path)
+    ours = full_record(records(tmp_path / "tp2.pt", 2))
+    assert_training_close(native_resume(built), ours, atol=1e-5)
+
+
+def test_tp_target_without_rules_is_refused_in_one_line(source, universals, tmp_path):
+    with pytest.raises(InputError, match=r"^no tensor-parallel rule for 'embed\.weight'.*tensor_parallel\.rules"):
+        ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=1, stage=1, tp=2)
+    assert not (tmp_path / "n").exists()
+    with pytest.raises(ucp.errors.ConfigError, match="--tp > 1 needs --stage 1 or 2"):
+        ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=1, stage=3, tp=2)
+
+
+def test_pipeline_parallel_checkpoint_is_refused_in_one_line(tp_source, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tp_source("tp2-z2-fp32-dp1").path, copy)
+    tag = next(p for p in copy.iterdir() if p.is_dir())
+    (tag / "layer_01-model_00-model_states.pt").write_bytes(b"")
+    with pytest.raises(InputError, match="pipeline-parallel checkpoint .* not pipeline stages"):
+        open_reader(copy)

@@ -92,6 +92,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "tied": dict(facts.tied),
         "buffers": list(facts.buffer_names),
         "warnings": list(facts.warnings),
+        "tensor_parallel": dict(facts.tp_rules),
     }
     if universal:
         manifest = getattr(reader, "manifest", {}) or {}
@@ -102,6 +103,20 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
 
 def _fmt_int(n: int) -> str:
     return f"{n:,}"
+
+
+def _rule_text(rule: dict[str, Any] | None) -> str:
+    """``split dim 0 [23+23]``, ``replicated``: one tensor-parallel rule for the table."""
+    if rule is None:
+        return "-"
+    if rule["kind"] != "split":
+        return rule["kind"]
+    text = f"split dim {rule.get('dim', 0)}"
+    if rule.get("parts"):
+        text += " [" + "+".join(map(str, rule["parts"])) + "]"
+    if rule.get("vocab") is not None:
+        text += f" vocab {rule['vocab']}/{rule.get('padded')}"
+    return text
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -127,13 +142,18 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  tied: " + ", ".join(f"{alias} -> {owner}" for alias, owner in report["tied"].items()))
     if report["buffers"]:
         lines.append("  buffers: " + ", ".join(report["buffers"]))
+    rules = report.get("tensor_parallel") or {}
+    if rules:
+        kinds = [r["kind"] for r in rules.values()]
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("split", "replicated", "average") if k in kinds)
+        lines.append(f"  tensor parallel: shapes are full (merged); rules for {len(rules)} parameters: {counts}")
     for warning in report["warnings"]:
         lines.append(f"  warning: {warning}")
-    header = ("name", "shape", "numel", "dtype", "group", "frozen", "step")
+    header = ("name", "shape", "numel", "dtype", "group", "frozen", "step") + (("tp",) if rules else ())
     rows = [
         (p["name"], "x".join(map(str, p["shape"])) or "scalar", _fmt_int(p["numel"]), p["dtype"],
          "-" if p["group"] is None else str(p["group"]), "yes" if p["frozen"] else "no",
-         "-" if p["step"] is None else str(p["step"]))
+         "-" if p["step"] is None else str(p["step"])) + ((_rule_text(rules.get(p["name"])),) if rules else ())
         for p in report["params"]
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

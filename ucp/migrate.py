@@ -33,6 +33,7 @@ from ucp.records import DTYPES, Facts, Reader
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step, TransformedReader, TransformPlan, plan_transforms
 
 __all__ = ["MigrationConfig", "TransformConfig", "RenameConfig", "ResetConfig", "TargetConfig", "ExportConfig",
+           "TensorParallelConfig", "TpRuleConfig",
            "Issue", "MigrationConfigError", "MigrationPlan", "load_config", "parse_config", "plan_migration", "execute",
            "run_migration"]
 
@@ -224,6 +225,40 @@ class TransformConfig(_Node):
 
 
 @dataclass
+class TpRuleConfig(_Node):
+    """How parameters matching ``pattern`` (re.match on the source's names) lie across TP ranks."""
+
+    pattern: str = _checked(_regex)
+    kind: str = _checked(_one_of(("split", "replicated", "average")), default="split")
+    dim: int = 0  # the dim a split cuts
+    parts: list[int] | None = None  # fused sub-parameters along dim (gate/up, q/k/v), each cut on its own
+    vocab: int | None = None  # real vocabulary rows on dim 0; the rest of the TP shards is padding
+
+    def cross_issues(self) -> Iterator[Issue]:
+        if self.kind != "split" and (self.parts is not None or self.vocab is not None or self.dim):
+            yield Issue((), f"dim, parts and vocab describe a split; a {self.kind} parameter takes none")
+        if isinstance(self.parts, list) and any(not isinstance(p, int) or p < 1 for p in self.parts):
+            yield Issue(("parts",), f"must list positive sizes, got {self.parts}")
+        if self.vocab is not None and self.dim != 0:
+            yield Issue(("vocab",), "vocabulary rows are on dim 0")
+
+    def to_rule(self) -> Any:
+        from ucp.tp import TpRule
+
+        return TpRule(self.kind, dim=self.dim, parts=tuple(self.parts or ()), vocab=self.vocab)
+
+
+@dataclass
+class TensorParallelConfig(_Node):
+    """Rules for tensor-parallel layouts, where the checkpoint carries none (or to override its own)."""
+
+    rules: list[TpRuleConfig] = field(default_factory=list)
+
+    def pairs(self) -> list[tuple[str, Any]]:
+        return [(r.pattern, r.to_rule()) for r in self.rules]
+
+
+@dataclass
 class TargetConfig(_Node):
     """The native DeepSpeed checkpoint the new run loads with a plain ``engine.load_checkpoint``."""
 
@@ -235,6 +270,7 @@ class TargetConfig(_Node):
     step: str | int = _checked(_step_value, default="keep")
     tag: str | None = _checked(_tag, default=None)  # None: global_step<N>
     sub_group_size: int | None = _checked(lambda v: _positive(v) if v is not None else (), default=None)
+    tp: int = _checked(_positive, default=1)  # tensor-parallel degree of the new run
 
 
 @dataclass
@@ -255,6 +291,7 @@ class MigrationConfig(_Node):
     tag: str | None = _checked(_tag, default=None)
     universal: Path | None = None
     transforms: list[TransformConfig] = field(default_factory=list)
+    tensor_parallel: TensorParallelConfig | None = None
     target: TargetConfig | None = None
     exports: list[ExportConfig] = field(default_factory=list)
     origin: _Origin = field(default_factory=_Origin, repr=False, compare=False, metadata={"yaml": False})
@@ -612,8 +649,14 @@ def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan
 def _open_source(config: MigrationConfig, issues: list[Issue]) -> Reader | None:
     from ucp.sources import open_reader
 
+    rules = config.tensor_parallel.pairs() if isinstance(config.tensor_parallel, TensorParallelConfig) else []
     try:
-        return open_reader(config.source, tag=config.tag)
+        reader = open_reader(config.source, tag=config.tag, tp_rules=rules)
+        if rules:
+            from ucp.sources.tensor_parallel import apply_tp_rules
+
+            apply_tp_rules(reader, rules)
+        return reader
     except UcpError as err:
         at = ("tag",) if config.tag is not None and f"tag {config.tag!r}" in str(err) else ("source",)
         issues.append(Issue(at, f"cannot be read: {err}"))
@@ -661,10 +704,18 @@ def _plan_target(config: MigrationConfig, target: TargetConfig, reader: Reader, 
     step: str | int = target.step
     try:
         plan = plan_native(facts, dp=target.dp, stage=target.stage, optimizer=target.optimizer, dtype=target.dtype,
-                           tag=target.tag, sub_group_size=target.sub_group_size, step=step)
+                           tag=target.tag, sub_group_size=target.sub_group_size, step=step, tp=target.tp)
     except ConfigError as err:
         issues.append(Issue(("target",), str(err)))
         return None
+    if target.tp > 1:
+        from ucp.targets.tensor_parallel import rank_layouts
+
+        try:
+            rank_layouts(TransformedReader(reader, tplan), target.tp, 0)
+        except UcpError as err:
+            issues.append(Issue(("target", "tp"), str(err)))
+            return None
     if step == "keep":
         issues += _step_conflicts(config, reader, tplan, plan)
     return plan
@@ -785,7 +836,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
                       "sub-group(s)")
         step = config.target.step
         step_text = {"keep": "kept", "reset": "reset to 0 (moments zeroed)"}.get(str(step), f"set to {step}")
-        out.append(f"write      {config.target.output}: native ZeRO-{native.stage} checkpoint for dp={native.dp}, "
+        tp = f" tp={native.tp}" if native.tp > 1 else ""
+        out.append(f"write      {config.target.output}: native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
                    f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}")
         out += [f"             note: {note}" for note in native.notes]
     for export in config.exports:
@@ -833,13 +885,14 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
     try:
         native = write_native(reader, target.output, dp=target.dp, stage=target.stage, optimizer=target.optimizer,
                               dtype=target.dtype, tag=target.tag, sub_group_size=target.sub_group_size,
-                              step=target.step, overwrite=overwrite, workers=workers)
+                              step=target.step, overwrite=overwrite, workers=workers, tp=target.tp)
     except StepConflictError as err:
         # plan_migration checks this up front; a source whose own steps disagree still lands here
         origin = plan.config.origin
         raise MigrationConfigError([origin.where(Issue(("target", "step"), f"{err}; set target.step to an "
                                                                            "integer or reset"))]) from None
-    return (f"wrote a native ZeRO-{native.stage} checkpoint for dp={native.dp} ({native.flavour.name}, "
+    tp = f" tp={native.tp}" if native.tp > 1 else ""
+    return (f"wrote a native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
             f"{native.dtype}) to {target.output}/{native.tag}")
 
 

@@ -274,6 +274,7 @@ def _new_facts(facts: Facts, names: list[_Name], plan: TransformPlan) -> Facts:
         facts, groups=groups, params=metas, tied=tied, buffer_names=[n.now for n in buffers],
         step=max(group_steps) if group_steps else (None if facts.step is None else 0),
         warnings=list(facts.warnings),
+        tp_rules={new: facts.tp_rules[old] for new, old in plan.origin.items() if old in facts.tp_rules},
     )
 
 

@@ -14,6 +14,7 @@ __all__ = ["CheckpointFiles", "find_checkpoint", "resolve_tag_dir"]
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
         paths = sorted(tag_dir.iterdir())
     except OSError as err:
         raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
+    if any(_PIPELINE_LAYER.match(path.name) for path in paths):
+        raise InputError(f"{tag_dir} is a pipeline-parallel checkpoint (layer_XX-model_YY files); ucp merges "
+                         "tensor-parallel ranks but not pipeline stages yet")
     for path in paths:
         if m := _OPTIM.match(path.name):
             key = (int(m.group(3)), int(m.group(2)))

@@ -23,7 +23,7 @@ from ucp.records import Facts, ParamMeta, ParamState, Reader
 from ucp.sources.files import CheckpointFiles
 from ucp.torchfile import TorchFile
 
-__all__ = ["TensorParallelSource", "checkpoint_tp_info"]
+__all__ = ["TensorParallelSource", "checkpoint_tp_info", "given_rules", "apply_tp_rules"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,16 @@ def given_rules(patterns: Sequence[tuple[str, tpl.TpRule]], names: Sequence[str]
                 out[name] = rule
                 break
     return out
+
+
+def apply_tp_rules(reader: Reader, patterns: Sequence[tuple[str, tpl.TpRule]]) -> None:
+    """Record given rules on a reader's facts (a source without TP, or a universal directory), so a
+    target can cut its full parameters for a TP degree. A merged TP source applied them already."""
+    if isinstance(reader, TensorParallelSource) or not patterns:
+        return
+    rules = dict(reader.facts.tp_rules)
+    rules.update({n: r.to_json() for n, r in given_rules(patterns, [m.name for m in reader.facts.params]).items()})
+    reader.facts = replace(reader.facts, tp_rules=rules)
 
 
 class TensorParallelSource:
