@@ -14,7 +14,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dsfixtures import Built, build, resume  # noqa: E402
 
-from ucp.harness import LoadSpec  # noqa: E402
+from ucp.harness import LoadSpec, ModelSpec  # noqa: E402
 
 #: The source checkpoints of the suite: ZeRO-3 across DP 1-4, fp32/bf16, three optimizers,
 #: one to three param groups, several sub-groups, frozen + tied params and buffers in every one;
@@ -35,11 +35,18 @@ SOURCES: dict[str, dict[str, Any]] = {
     "z1-bf16-dp2-bf16opt": dict(dp=2, stage=1, dtype="bf16", optimizer="torch-adamw", grad_accum_dtype="fp32"),
 }
 
+#: Tensor-parallel sources (DeepSpeed AutoTP, TP=2): their records hold each TP rank's shards, so
+#: they live apart from SOURCES (whose tests compare records with full tensors).
+TP_SOURCES: dict[str, dict[str, Any]] = {
+    "tp2-z1-bf16-dp2-glu": dict(dp=2, tp=2, stage=1, dtype="bf16", optimizer="torch-adamw", model=ModelSpec(glu=True)),
+    "tp2-z2-fp32-dp1": dict(dp=1, tp=2, stage=2, dtype="fp32", optimizer="torch-adamw"),
+}
+
 
 @pytest.fixture(scope="session")
 def source() -> Callable[[str], Built]:
-    """source(name) -> a cached real checkpoint from SOURCES."""
-    return lambda name: build(**SOURCES[name])
+    """source(name) -> a cached real checkpoint from SOURCES or TP_SOURCES."""
+    return lambda name: build(**{**SOURCES, **TP_SOURCES}[name])
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +66,7 @@ def native_resume(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Built],
 
 @pytest.fixture(scope="session")
 def universals(source: Callable[[str], Built], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """universals(name) -> a universal directory converted once from SOURCES[name]."""
+    """universals(name) -> a universal directory converted once from source(name)."""
     import ucp
 
     made: dict[str, Path] = {}

@@ -59,12 +59,10 @@ def test_every_example_config_is_valid_as_written(name):
 
 
 @pytest.mark.slow
-def test_tp2_to_tp1_example_merges_the_tensor_parallel_ranks(tmp_path):
-    from dsfixtures import build
-
+def test_tp2_to_tp1_example_merges_the_tensor_parallel_ranks(source, tmp_path):
     from ucp.sources import open_reader
 
-    built = build(dp=1, tp=2, stage=2, dtype="fp32", optimizer="torch-adamw")  # a real DeepSpeed AutoTP run
+    built = source("tp2-z2-fp32-dp1")  # a real DeepSpeed AutoTP run
     path = _example("tp2_to_tp1", tmp_path, source=str(built.path), universal="out/universal", output="out/tp1")
     assert "dp=2" in run_migration(path, dry_run=True)
     run_migration(path)

@@ -15,40 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from dsfixtures import Built, build, resume
+from conftest import TP_SOURCES
+from dsfixtures import Built, resume
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ucp
 from ucp import tp as tpl
 from ucp.errors import InputError
-from ucp.harness import LoadSpec, ModelSpec
+from ucp.harness import LoadSpec
 from ucp.harness.worker import record_path
 from ucp.sources import open_reader
-
-TP_SOURCES: dict[str, dict[str, Any]] = {
-    "tp2-z1-bf16-dp2-glu": dict(dp=2, tp=2, stage=1, dtype="bf16", optimizer="torch-adamw", model=ModelSpec(glu=True)),
-    "tp2-z2-fp32-dp1": dict(dp=1, tp=2, stage=2, dtype="fp32", optimizer="torch-adamw"),
-}
-
-
-@pytest.fixture(scope="module")
-def tp_source():
-    return lambda name: build(**TP_SOURCES[name])
-
-
-@pytest.fixture(scope="module")
-def tp_universal(tp_source, tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(tp_source(name).path, made[name])
-        return made[name]
-
-    return get
-
 
 @pytest.fixture(scope="module")
 def tp_native_resume(tmp_path_factory):
@@ -176,10 +153,10 @@ def test_megatron_style_info_patterns():
 
 # -- real AutoTP checkpoints -----------------------------------------------------------------
 @pytest.mark.parametrize("name", list(TP_SOURCES))
-def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, tp_source, tp_universal):
-    built = tp_source(name)
+def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, source, universals):
+    built = source(name)
     recs = [torch.load(record_path(str(built.record_path), r), weights_only=True) for r in range(2)]
-    reader = open_reader(tp_universal(name))
+    reader = open_reader(universals(name))
     try:
         facts = reader.facts
         assert facts.info.mp_world_size == 2
@@ -202,19 +179,19 @@ def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, tp_source, tp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,atol", [("tp2-z2-fp32-dp1", 1e-5), ("tp2-z1-bf16-dp2-glu", 2e-3)])
-def test_tp2_checkpoint_resumes_without_tp_like_the_native_tp2_resume(name, atol, tp_source, tp_universal,
+def test_tp2_checkpoint_resumes_without_tp_like_the_native_tp2_resume(name, atol, source, universals,
                                                                       tp_native_resume, tmp_path):
-    built = tp_source(name)
-    ucp.write_native(tp_universal(name), tmp_path / "n", dp=2, stage=built.spec.stage)
+    built = source(name)
+    ucp.write_native(universals(name), tmp_path / "n", dp=2, stage=built.spec.stage)
     ours = resume(built, LoadSpec(str(tmp_path / "n")), dp=2, tp=1, name="tp1", work=tmp_path)
     assert_training_close(full_record(tp_native_resume(built)), ours, atol=atol)
 
 
 @pytest.mark.slow
-def test_restore_into_live_tp2_engine_is_bit_identical_to_native_resume(tp_source, tp_universal, tp_native_resume,
+def test_restore_into_live_tp2_engine_is_bit_identical_to_native_resume(source, universals, tp_native_resume,
                                                                         tmp_path):
-    built = tp_source("tp2-z2-fp32-dp1")
-    resume(built, LoadSpec(str(tp_universal("tp2-z2-fp32-dp1")), kind="ucp"), name="live", work=tmp_path)
+    built = source("tp2-z2-fp32-dp1")
+    resume(built, LoadSpec(str(universals("tp2-z2-fp32-dp1")), kind="ucp"), name="live", work=tmp_path)
     ours = records(tmp_path / "live.pt", 2)
     for ref, got in zip(tp_native_resume(built), ours):
         assert ref["losses"] == got["losses"]
@@ -234,10 +211,10 @@ def test_checkpoint_without_tp_restores_into_a_live_tp2_engine(source, universal
     assert_training_close(native_resume(built), ours, atol=1e-5)
 
 
-def test_tp_checkpoint_without_info_needs_rules(tp_source, tmp_path):
+def test_tp_checkpoint_without_info_needs_rules(source, tmp_path):
     from ucp import torchfile
 
-    built = tp_source("tp2-z2-fp32-dp1")
+    built = source("tp2-z2-fp32-dp1")
     copy = tmp_path / "ckpt"
     import shutil
 
@@ -262,11 +239,11 @@ def test_tp_checkpoint_without_info_needs_rules(tp_source, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dp", [("tp2-z2-fp32-dp1", 1), ("tp2-z1-bf16-dp2-glu", 1)])
-def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp, tp_source, tp_universal,
+def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp, source, universals,
                                                                         tp_native_resume, tmp_path):
     """Re-split: universal -> mp_rank_00/01 files at TP=2 that stock DeepSpeed AutoTP loads natively."""
-    built = tp_source(name)
-    plan = ucp.write_native(tp_universal(name), tmp_path / "n", dp=dp, stage=built.spec.stage, tp=2)
+    built = source(name)
+    plan = ucp.write_native(universals(name), tmp_path / "n", dp=dp, stage=built.spec.stage, tp=2)
     tag_dir = tmp_path / "n" / plan.tag
     assert sorted(p.name for p in tag_dir.glob("mp_rank_*")) == ["mp_rank_00_model_states.pt",
                                                                 "mp_rank_01_model_states.pt"]
@@ -283,7 +260,7 @@ def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp
         assert_training_close(full_record(reference), full_record(ours), atol=2e-3)
     # and the written checkpoint converts back to the same universal state
     again = open_reader(tmp_path / "n")
-    first = open_reader(tp_universal(name))
+    first = open_reader(universals(name))
     try:
         assert again.facts.tp_rules == first.facts.tp_rules
         for meta in first.facts.params:
@@ -324,11 +301,11 @@ def test_tp_target_without_rules_is_refused_in_one_line(source, universals, tmp_
         ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=1, stage=3, tp=2)
 
 
-def test_pipeline_parallel_checkpoint_is_refused_in_one_line(tp_source, tmp_path):
+def test_pipeline_parallel_checkpoint_is_refused_in_one_line(source, tmp_path):
     import shutil
 
     copy = tmp_path / "ckpt"
-    shutil.copytree(tp_source("tp2-z2-fp32-dp1").path, copy)
+    shutil.copytree(source("tp2-z2-fp32-dp1").path, copy)
     tag = next(p for p in copy.iterdir() if p.is_dir())
     (tag / "layer_01-model_00-model_states.pt").write_bytes(b"")
     with pytest.raises(InputError, match="pipeline-parallel checkpoint .* not pipeline stages"):

@@ -239,7 +239,7 @@ def rules_from_info(info: Mapping[str, Any], rank_shapes: Mapping[str, Sequence[
     widths = dict(info.get("sub_param_shard_widths") or {})
     rules: dict[str, TpRule] = {}
     for name, shapes in rank_shapes.items():
-        def total(dim: int) -> int:
+        def total(dim: int, shapes: Sequence[Sequence[int]] = shapes) -> int:
             return sum(int(s[dim]) for s in shapes)
 
         if _match(replicated, name):
