@@ -8,13 +8,16 @@ directory are both readers, so every target accepts either.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ucp.flavors import Hyper
 
-__all__ = ["DTYPES", "dtype_name", "torch_dtype", "ParamMeta", "ParamState", "GroupMeta", "SourceInfo", "Facts",
+if TYPE_CHECKING:
+    from ucp.tensorfile import Pieces
+
+__all__ = ["DTYPES", "dtype_name", "torch_dtype", "ParamMeta", "ParamState", "PieceState", "GroupMeta", "SourceInfo", "Facts",
            "Reader"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,6 +57,17 @@ class ParamState:
     fp32: torch.Tensor
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
+    step: int | None = None
+
+
+@dataclass
+class PieceState:
+    """A :class:`ParamState` whose tensors are :class:`ucp.tensorfile.Pieces`: the copy-free fast path
+    from a source's mmapped shards into the universal writer (valid only while the source says so)."""
+
+    fp32: Pieces
+    exp_avg: Pieces | None = None
+    exp_avg_sq: Pieces | None = None
     step: int | None = None
 
 

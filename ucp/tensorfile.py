@@ -3,12 +3,15 @@
 ``torch.save`` stamps every file with a random serialization id (two runs never match byte for
 byte) and copies each tensor through its own buffers. This writer emits the same zip layout torch
 reads (``data.pkl`` + ``data/<key>`` records aligned to 64 bytes, zip64 when a record or offset
-needs it), writes each tensor's bytes straight from its memory, and computes the crc32 of every
-record once: the zip stores it, and ``crc32_combine`` turns the record CRCs into the whole file's
-crc32 for the manifest, without a second pass over the data.
+needs it), writes each tensor's bytes straight from its memory (or streams them from another file,
+see :class:`FileSpan`), and computes the crc32 of every record once: the zip stores it, and
+``crc32_combine`` turns the record CRCs into the whole file's crc32 for the manifest, without a
+second pass over the data.
 
 Anything ``torch.load(weights_only=True)`` can read back is fair game for ``obj``: dicts, lists,
-tuples, numbers, strings and tensors (each written from its own contiguous storage).
+tuples, numbers, strings and tensors (each written from its own contiguous storage), and
+:class:`Pieces`, a tensor given as the pieces its bytes are concatenated from (written exactly as
+the joined tensor would be, without ever joining it).
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ import io
 import os
 import pickle
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
-__all__ = ["WrittenFile", "write_torch_file", "crc32_combine"]
+from ucp.errors import CorruptFileError
+
+__all__ = ["WrittenFile", "FileSpan", "Pieces", "write_torch_file", "crc32_combine"]
 
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -38,6 +44,107 @@ _UTF8 = 0x800
 class WrittenFile:
     bytes: int
     crc32: str
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """``nbytes`` bytes at ``offset`` of an open file, copied with ``pread`` through a small reused
+    buffer: nothing is mapped, so a span adds nothing to resident memory, and CRC and write both
+    see bytes still hot in cache (measured 2x less CPU for the CRC than over a cold mmap)."""
+
+    file: io.RawIOBase  # kept open by its owner (ucp.torchfile.TorchFile); closed -> ValueError, never another file
+    offset: int
+    nbytes: int
+
+    def read_into(self, view: memoryview, skip: int = 0) -> None:
+        """Fill ``view`` with the span's bytes from ``skip`` on."""
+        fd, done = self.file.fileno(), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], self.offset + skip + done)
+            if got == 0:
+                raise CorruptFileError(f"{getattr(self.file, 'name', 'a file')} ends inside a tensor it holds: it was "
+                                       "truncated after it was opened")
+            done += got
+
+
+Part = Union[torch.Tensor, FileSpan]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor of ``shape`` whose flat (row-major) data is ``parts`` concatenated, all of ``dtype``.
+
+    Lets a ZeRO-3 parameter's rank slices go from the shards straight into an output record:
+    :func:`write_torch_file` writes it byte for byte as it would write :meth:`join`'s result.
+    """
+
+    parts: tuple[Part, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        item = _itemsize(self.dtype)
+        if (any(isinstance(p, FileSpan) and p.nbytes % item for p in self.parts)
+                or any(torch.is_tensor(p) and p.dtype != self.dtype for p in self.parts)
+                or sum(_part_numel(p, item) for p in self.parts) != numel):
+            raise ValueError(f"pieces {self.parts!r:.200} do not make a {self.dtype} tensor of shape {self.shape}")
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "Pieces":
+        """A whole tensor as one piece."""
+        return cls((tensor.reshape(-1),), tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        return sum(_part_numel(p, _itemsize(self.dtype)) for p in self.parts)
+
+    def join(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor itself, in new memory (converted to ``dtype`` when given); spans are read into place."""
+        out = torch.empty(self.numel, dtype=dtype or self.dtype)
+        self.copy_to(out)
+        return out.view(self.shape)
+
+    def copy_to(self, out: torch.Tensor) -> None:
+        """Fill the contiguous 1-D ``out`` with the flat data, converting dtype; spans are read into place."""
+        item = _itemsize(self.dtype)
+        offset = 0
+        for part in self.parts:
+            n = _part_numel(part, item)
+            target = out.narrow(0, offset, n)
+            if isinstance(part, FileSpan):
+                staging = target if out.dtype == self.dtype else torch.empty(n, dtype=self.dtype)
+                if n:
+                    part.read_into(memoryview(staging.view(torch.uint8).numpy()).cast("B"))
+                if staging is not target:
+                    target.copy_(staging)
+            else:
+                target.copy_(part.reshape(-1))
+            offset += n
+
+    def slice(self, start: int, end: int) -> "Pieces":
+        """Flat elements ``[start, end)`` as pieces (shape ``(end - start,)``), still without a copy."""
+        item = _itemsize(self.dtype)
+        parts: list[Part] = []
+        offset = 0
+        for part in self.parts:
+            n = _part_numel(part, item)
+            lo, hi = max(start - offset, 0), min(end - offset, n)
+            if hi > lo:
+                parts.append(FileSpan(part.file, part.offset + lo * item, (hi - lo) * item)
+                             if isinstance(part, FileSpan) else part.reshape(-1)[lo:hi])
+            offset += n
+        return Pieces(tuple(parts), (end - start,), self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _part_numel(part: Part, itemsize: int) -> int:
+    return part.nbytes // itemsize if isinstance(part, FileSpan) else part.numel()
 
 
 def _load_zlib_combine() -> Any:
@@ -114,7 +221,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc,name-defined]
 
     def __init__(self, buffer: io.BytesIO) -> None:
         super().__init__(buffer, protocol=2)
-        self.records: list[tuple[str, memoryview]] = []
+        self.records: list[tuple[str, list[memoryview | FileSpan]]] = []
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageRef):
@@ -125,11 +232,24 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc,name-defined]
 
     def reducer_override(self, obj: Any) -> Any:
         if torch.is_tensor(obj):
-            data = obj.detach().contiguous()
-            ref = _StorageRef(getattr(torch, _storage_type_name(data.dtype)), _tensor_bytes(data), data.numel())
+            obj = Pieces.of(obj.detach())
+        if isinstance(obj, Pieces):
+            item = _itemsize(obj.dtype)
+            data = [p if isinstance(p, FileSpan) else _tensor_bytes(p) for p in obj.parts if _part_numel(p, item)]
+            ref = _StorageRef(getattr(torch, _storage_type_name(obj.dtype)), data,
+                              sum(_part_numel(p, item) for p in obj.parts))
             return (torch._utils._rebuild_tensor_v2,
-                    (ref, 0, tuple(data.shape), tuple(data.stride()), False, _ordered_dict()))
+                    (ref, 0, obj.shape, _contiguous_strides(obj.shape), False, _ordered_dict()))
         return NotImplemented
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """What ``torch.empty(shape).stride()`` gives (a size-0 dim counts as 1, as in c10)."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _ordered_dict() -> Any:
@@ -155,7 +275,7 @@ def _storage_type_name(dtype: torch.dtype) -> str:
 @dataclass
 class _StorageRef:
     storage_type: Any
-    data: memoryview
+    data: list[memoryview | FileSpan]  # the record's bytes, in pieces
     numel: int
 
 
@@ -199,43 +319,123 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)
-    data_crcs = [zlib.crc32(data) for _, data in pickler.records]
-    serial = str(zlib.crc32(buffer.getbuffer(), data_crcs[0] if data_crcs else 0)).zfill(40).encode()
-    prefix = path.stem.encode() or b"archive"
-    records: list[tuple[bytes, memoryview | bytes, int]] = [
-        (b"data.pkl", buffer.getvalue(), zlib.crc32(buffer.getbuffer())),
-        (b".format_version", b"1", zlib.crc32(b"1")),
-        (b".storage_alignment", b"64", zlib.crc32(b"64")),
-        (b"byteorder", b"little", zlib.crc32(b"little")),
-    ]
-    records += [(b"data/" + key.encode(), data, crc) for (key, data), crc in zip(pickler.records, data_crcs)]
-    records += [(b"version", b"3\n", zlib.crc32(b"3\n")), (b".data/serialization_id", serial, zlib.crc32(serial))]
-    offset = 0
-    file_crc = 0
-    central = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        for name, data, crc in records:
-            full = prefix + b"/" + name
-            size = len(data)
-            header = _local_header(full, size, crc, offset)
-            _write_all(fd, header)
-            _write_all(fd, data)
-            file_crc = crc32_combine(zlib.crc32(header, file_crc), crc, size)
-            central.append(_central_entry(full, size, crc, offset))
-            offset += len(header) + size
-        tail = b"".join(central)
-        tail += _end_records(len(central), offset, len(tail))
-        _write_all(fd, tail)
-        file_crc = zlib.crc32(tail, file_crc)
-        offset += len(tail)
+        zip_out = _ZipStream(fd, path.stem.encode() or b"archive")
+        zip_out.record(b"data.pkl", [buffer.getbuffer()])
+        for name, value in ((b".format_version", b"1"), (b".storage_alignment", b"64"), (b"byteorder", b"little")):
+            zip_out.record(name, [value])
+        data_crcs = [zip_out.record(b"data/" + key.encode(), parts) for key, parts in pickler.records]
+        zip_out.record(b"version", [b"3\n"])
+        serial = str(zlib.crc32(buffer.getbuffer(), data_crcs[0] if data_crcs else 0)).zfill(40).encode()
+        zip_out.record(b".data/serialization_id", [serial])
+        size, crc = zip_out.finish()
     finally:
         os.close(fd)
-    return WrittenFile(bytes=offset, crc32=f"{file_crc & 0xFFFFFFFF:08x}")
+    return WrittenFile(bytes=size, crc32=f"{crc & 0xFFFFFFFF:08x}")
 
 
-def _write_all(fd: int, data: memoryview | bytes) -> None:
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    while len(view):
-        written = os.write(fd, view[: 1 << 30])
-        view = view[written:]
+_Chunk = Union[memoryview, bytes, FileSpan]
+
+
+class _ZipStream:
+    """Zip records, in order, onto ``fd``: small buffers go out together in one ``writev``; a
+    :class:`FileSpan` streams through a per-thread buffer, CRC'd while hot, and its record's local
+    header, written first with a zero CRC, is patched once the CRC is known."""
+
+    def __init__(self, fd: int, prefix: bytes) -> None:
+        self.fd, self.prefix = fd, prefix
+        self.offset = 0  # bytes placed so far, written or pending
+        self.pending: list[memoryview | bytes] = []
+        self.central: list[bytes] = []
+        self.crc = 0  # of the whole file so far
+
+    def record(self, name: bytes, parts: list[_Chunk]) -> int:
+        """Place one stored member; returns its crc32."""
+        full = self.prefix + b"/" + name
+        size = sum(p.nbytes if isinstance(p, FileSpan) else len(p) for p in parts)
+        start = self.offset
+        streamed = any(isinstance(p, FileSpan) for p in parts)
+        crc = 0
+        for part in parts if not streamed else ():
+            crc = zlib.crc32(part, crc)  # type: ignore[arg-type]
+        header = _local_header(full, size, crc, start)
+        self._add(header)
+        for part in parts:
+            if isinstance(part, FileSpan):
+                self._flush()
+                crc = _stream_span(self.fd, part, crc)
+                self.offset += part.nbytes
+            else:
+                if streamed:
+                    crc = zlib.crc32(part, crc)
+                self._add(part)
+        if streamed:
+            self._flush()
+            header = _local_header(full, size, crc, start)
+            if os.pwrite(self.fd, header, start) != len(header):
+                raise OSError(f"short write patching a zip header in {self.prefix.decode(errors='replace')}")
+        self.crc = crc32_combine(zlib.crc32(header, self.crc), crc, size)
+        self.central.append(_central_entry(full, size, crc, start))
+        return crc
+
+    def finish(self) -> tuple[int, int]:
+        """Write the central directory; returns the file's size and crc32."""
+        tail = b"".join(self.central)
+        tail += _end_records(len(self.central), self.offset, len(tail))
+        self._add(tail)
+        self.crc = zlib.crc32(tail, self.crc)
+        self._flush()
+        return self.offset, self.crc
+
+    def _add(self, data: memoryview | bytes) -> None:
+        self.pending.append(data)
+        self.offset += len(data)
+
+    def _flush(self) -> None:
+        _write_all(self.fd, self.pending)
+        self.pending = []
+
+
+_CHUNK = 2 << 20
+# One scratch buffer per writer thread, reused across files: allocating (and zero-filling) a fresh
+# one per file would cost as much as the copy it serves. It dies with its thread.
+_SCRATCH = threading.local()
+
+
+def _stream_span(fd: int, span: FileSpan, crc: int) -> int:
+    """Copy a span onto ``fd`` chunk by chunk, folding each chunk into ``crc`` while it is in cache."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None:
+        buf = _SCRATCH.buf = memoryview(bytearray(_CHUNK))
+    done = 0
+    while done < span.nbytes:
+        chunk = buf[: min(_CHUNK, span.nbytes - done)]
+        span.read_into(chunk, done)
+        crc = zlib.crc32(chunk, crc)
+        _write_all(fd, [chunk])
+        done += len(chunk)
+    return crc
+
+
+_IOV_MAX = 1024
+_MAX_WRITE = 1 << 30  # Linux moves at most ~2 GiB per write call; stay well under it
+
+
+def _write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
+    """Write the buffers in order with as few system calls as the kernel allows."""
+    pending = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers if len(b)]
+    while pending:
+        batch, total = [], 0
+        for view in pending[:_IOV_MAX]:
+            batch.append(view[: _MAX_WRITE - total])
+            total += len(batch[-1])
+            if total >= _MAX_WRITE:
+                break
+        written = os.writev(fd, batch)
+        while written:  # drop what went out; a short write leaves the rest of a buffer pending
+            if written >= len(pending[0]):
+                written -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][written:]
+                written = 0

@@ -25,11 +25,12 @@ import threading
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ucp.errors import CorruptFileError, UnsafeFileError
+from ucp.tensorfile import FileSpan
 
 __all__ = [
     "DSObject",
@@ -198,9 +199,9 @@ def _check_tensors(obj: Any, path: Path) -> None:
             stack.extend(item.__dict__.values())
 
 
-def load(path: str | os.PathLike) -> Any:
+def load(path: str | os.PathLike, *, check: Callable[[mmap.mmap], None] | None = None) -> Any:
     """Load a whole (small) torch file into memory, weights_only, with the DeepSpeed stand-ins."""
-    with TorchFile(path) as tf:
+    with TorchFile(path, check=check) as tf:
         try:
             return _detach(tf.obj)
         except RecursionError:
@@ -237,9 +238,12 @@ class TorchFile:
     (non-zip) files are loaded eagerly instead.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, check: Callable[[mmap.mmap], None] | None = None) -> None:
+        """``check(mapping)`` sees the file's bytes before anything is parsed (a checksum over the
+        same pages that then back the tensors: one pass over the file)."""
         self.path = Path(path)
         self._mm: mmap.mmap | None = None
+        self._file: io.RawIOBase | None = None
         self._storage: torch.UntypedStorage | None = None
         self._base = 0
         try:
@@ -253,12 +257,15 @@ class TorchFile:
         if size == 0:
             raise CorruptFileError(f"{self.path} is empty")
         try:
-            # read-only descriptor; ACCESS_COPY keeps any write to the mapping private to this process
-            with open(self.path, "rb") as handle:
-                self._mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            # read-only descriptor, kept for span(); ACCESS_COPY keeps any write to the mapping private
+            self._file = open(self.path, "rb", buffering=0)
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as err:
+            self._close_file()
             raise CorruptFileError(f"{self.path} cannot be read: {_one_line(err)}") from None
         try:
+            if check is not None:
+                check(self._mm)
             if self._mm[:4] != _ZIP_MAGIC:
                 self.obj = self._load_legacy()
                 self._close_mapping()
@@ -376,6 +383,17 @@ class TorchFile:
         _check_tensors(obj, self.path)
         return obj
 
+    def span(self, tensor: torch.Tensor) -> FileSpan | None:
+        """Where a contiguous tensor of this file lies on disk, for a pread instead of touching its
+        mapping; None when the tensor is not a view on this file (legacy files, copies)."""
+        if self._mm is None or self._file is None or not tensor.is_contiguous():
+            return None
+        start = tensor.data_ptr() - self._base
+        nbytes = tensor.numel() * tensor.element_size()
+        if start < 0 or start + nbytes > len(self._mm):
+            return None
+        return FileSpan(self._file, start, nbytes)
+
     def release(self, tensor: torch.Tensor) -> None:
         """Hand the pages under ``tensor`` back to the kernel; they are re-read from disk if touched."""
         if self._mm is None or tensor.numel() == 0:
@@ -397,6 +415,12 @@ class TorchFile:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()  # a FileSpan used after this raises ValueError: never reads a reused descriptor
+            self._file = None
 
     def close(self) -> None:
         """Drop this file's hold on the mapping; it is unmapped once no tensor from it is left.
@@ -408,6 +432,7 @@ class TorchFile:
         self.obj = None
         self._storage = None
         self._mm = None
+        self._close_file()
 
     def __enter__(self) -> "TorchFile":
         return self

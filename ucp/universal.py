@@ -16,11 +16,15 @@ it), else a reversible percent-encoding; ucp.json maps names to folders either w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import mmap
 import os
 import re
+import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -31,8 +35,8 @@ from ucp import __version__, torchfile
 from ucp.atomic import checksum, staged_output
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.flavors import Hyper
-from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo
-from ucp.tensorfile import write_torch_file
+from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo
+from ucp.tensorfile import FileSpan, Pieces, write_torch_file
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "folder_for", "write_universal", "write_params",
            "finish_universal", "ParamEntry", "open_universal",
@@ -145,11 +149,11 @@ def _manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, File
         "tied": dict(facts.tied),
         "buffers": list(facts.buffer_names),
         "files": {name: asdict(entry) for name, entry in files.items()},
+        **({"tensor_parallel": {"source_degree": facts.info.mp_world_size, "rules": dict(facts.tp_rules)}}
+           if facts.tp_rules else {}),
     }
 
 
-        **({"tensor_parallel": {"source_degree": facts.info.mp_world_size, "rules": dict(facts.tp_rules)}}
-           if facts.tp_rules else {}),
 def _facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry], dict[str, FileEntry]]:
     try:
         info = SourceInfo(**raw["source"])
@@ -167,10 +171,10 @@ def _facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry
             info=info, flavour=opt.get("flavour"), adam_w_mode=opt.get("adam_w_mode"), step=opt.get("step"),
             groups=groups, params=[p.meta() for p in params], tied=dict(raw.get("tied", {})),
             buffer_names=list(raw.get("buffers", [])), warnings=list(raw.get("warnings", [])),
+            tp_rules={k: dict(v) for k, v in (raw.get("tensor_parallel") or {}).get("rules", {}).items()},
         )
         files = {k: FileEntry(**v) for k, v in raw.get("files", {}).items()}
     except (KeyError, TypeError, ValueError) as err:
-            tp_rules={k: dict(v) for k, v in (raw.get("tensor_parallel") or {}).get("rules", {}).items()},
         raise CorruptFileError(f"{MANIFEST} is malformed: {type(err).__name__}: {err}") from None
     return facts, params, files
 
@@ -188,7 +192,7 @@ def _save_tensor(obj: Any, path: Path) -> FileEntry:
     return FileEntry(bytes=written.bytes, crc32=written.crc32)
 
 
-def _write_param(root: Path, meta: ParamMeta, state: ParamState) -> ParamEntry:
+def _write_param(root: Path, meta: ParamMeta, state: ParamState | PieceState) -> ParamEntry:
     if tuple(state.fp32.shape) != meta.shape:
         raise InputError(f"{meta.name}: source gave shape {tuple(state.fp32.shape)}, expected {meta.shape}")
     folder = folder_for(meta.name)
@@ -258,8 +262,18 @@ def _ds_compat_files(root: Path, facts: Facts, extras: Mapping[str, Any], buffer
 
 def write_params(reader: Reader, root: Path, metas: list[ParamMeta], workers: int,
                  transform: Callable[[ParamMeta, ParamState], ParamState] | None = None) -> list[ParamEntry]:
-    """Write the per-parameter folders of ``metas`` under ``root/zero``; returns their manifest entries."""
+    """Write the per-parameter folders of ``metas`` under ``root/zero``; returns their manifest entries.
+
+    A reader with ``read_pieces`` (a context manager: ``read`` giving :class:`ucp.tensorfile.Pieces`
+    instead of tensors) has its slices streamed from its files into the output records, never held
+    whole in memory; a ``transform`` needs whole tensors, so it always goes through ``read``.
+    """
+    read_pieces = getattr(reader, "read_pieces", None) if transform is None else None
+
     def one(meta: ParamMeta) -> ParamEntry:
+        if read_pieces is not None:
+            with read_pieces(meta.name) as pieces:
+                return _write_param(root, meta, pieces)
         state = reader.read(meta.name)
         if transform is not None:
             state = transform(meta, state)
@@ -315,6 +329,8 @@ class UniversalReader:
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
         self.manifest = raw
+        self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
+        self._memo: dict[Path, tuple[tuple[int, ...], Any]] = {}  # path -> (_stamp, what parsing it told)
         self.facts, entries, self._files = _facts_from_manifest(raw)
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()
@@ -329,28 +345,59 @@ class UniversalReader:
     def file_path(self, name: str, key: str) -> Path:
         return self.path / "zero" / self._entries[name].folder / key
 
-    def _load(self, path: Path, entry: FileEntry | None) -> Any:
+    def _check(self, path: Path, entry: FileEntry | None) -> Callable[[mmap.mmap], None] | None:
+        """What a file must match before it is parsed: its size now, its crc32 over the very pages that
+        then back its tensors (one pass over the file); None when not verifying, or when this reader
+        already verified the file and its size, mtime, ctime and inode are unchanged since."""
         if entry is None:
             raise CorruptFileError(f"{MANIFEST} lists no checksum for {path}")
         if not path.is_file():
             raise CorruptFileError(f"{path} is missing from the universal directory")
-        if self.verify:
-            size = path.stat().st_size
-            if size != entry.bytes or checksum(path) != entry.crc32:
-                raise ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is "
-                                    "corrupt")
-        return torchfile.load(path)
+        if not self.verify:
+            return None
 
-    def _tensor(self, name: str, key: str) -> torch.Tensor:
+        def mismatch() -> ChecksumError:
+            return ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt")
+
+        stat = path.stat()
+        if stat.st_size != entry.bytes:
+            raise mismatch()
+        stamp = _stamp(stat)
+        if self._verified.get(path) == stamp:
+            return None
+
+        def check(data: mmap.mmap) -> None:
+            if len(data) != entry.bytes or f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" != entry.crc32:
+                raise mismatch()
+            self._verified[path] = stamp
+
+        return check
+
+    def _load(self, path: Path, entry: FileEntry | None) -> Any:
+        return torchfile.load(path, check=self._check(path, entry))
+
+    def _open_tensor(self, name: str, key: str) -> tuple[torchfile.TorchFile, torch.Tensor]:
+        """A parameter file, checked, and its tensor (a view on the file's private mapping)."""
         entry = self._entries[name]
-        obj = self._load(self.file_path(name, key), entry.files.get(key))
+        path = self.file_path(name, key)
+        tf = torchfile.TorchFile(path, check=self._check(path, entry.files.get(key)))
+        obj = tf.obj
         tensor = obj.get("param") if isinstance(obj, Mapping) else obj
         if not torch.is_tensor(tensor):
-            raise CorruptFileError(f"{self.file_path(name, key)} holds no tensor under 'param'")
+            tf.close()
+            raise CorruptFileError(f"{path} holds no tensor under 'param'")
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != torch.float32:
-            raise CorruptFileError(f"{self.file_path(name, key)} holds a {str(tensor.dtype).replace('torch.', '')} "
+            tf.close()
+            raise CorruptFileError(f"{path} holds a {str(tensor.dtype).replace('torch.', '')} "
                                    f"tensor of shape {tuple(tensor.shape)}; {MANIFEST} says float32 "
                                    f"{tuple(entry.shape)}")
+        return tf, tensor
+
+    def _tensor(self, name: str, key: str) -> torch.Tensor:
+        """A parameter file's tensor with no copy: writes to it stay private, and the mapping lives
+        as long as the tensor does."""
+        tf, tensor = self._open_tensor(name, key)
+        tf.close()
         return tensor
 
     def _step(self, name: str) -> int | None:
@@ -358,10 +405,16 @@ class UniversalReader:
         entry = self._entries[name]
         if "step.pt" not in entry.files:
             return entry.step
-        raw = self._load(self.file_path(name, "step.pt"), entry.files["step.pt"])
+        path = self.file_path(name, "step.pt")
+        stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        known = self._memo.get(path)
+        if known is not None and stamp is not None and known[0] == stamp:
+            return known[1]
+        raw = self._load(path, entry.files["step.pt"])
         value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
         if not isinstance(value, (int, float)) or value != entry.step:
-            raise CorruptFileError(f"{self.file_path(name, 'step.pt')} holds {value!r}; {MANIFEST} says {entry.step}")
+            raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
+        self._memo[path] = (stamp, int(value))
         return int(value)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
@@ -373,6 +426,43 @@ class UniversalReader:
             return ParamState(fp32=fp32, step=entry.step)
         return ParamState(fp32=fp32, exp_avg=self._tensor(name, "exp_avg.pt"),
                           exp_avg_sq=self._tensor(name, "exp_avg_sq.pt"), step=self._step(name))
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        """:meth:`read` as spans of the parameter's files, valid inside the ``with`` block: a target
+        reads just the slices it needs (a rank's share) straight into place, and a file read again
+        by this reader is not checksummed again."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise InputError(f"parameter {name!r} is not in {self.path}")
+        keys = ["fp32.pt"]
+        if not (entry.frozen or not moments or "exp_avg.pt" not in entry.files):
+            keys += ["exp_avg.pt", "exp_avg_sq.pt"]
+        with ExitStack() as stack:
+            pieces = [self._file_pieces(name, key, stack) for key in keys]
+            step = self._step(name) if len(keys) > 1 else entry.step
+            yield PieceState(*pieces, step=step)  # type: ignore[arg-type]
+
+    def _file_pieces(self, name: str, key: str, stack: ExitStack) -> Pieces:
+        """One file's tensor as a span. Where its tensor lies is remembered, so reading the file again
+        (a restore reads each file once per target rank) costs an open, not a parse, while it is
+        still the file that was checked (same size, mtime, ctime and inode)."""
+        shape = tuple(self._entries[name].shape)
+        path = self.file_path(name, key)
+        known = self._memo.get(path)
+        if known is not None:
+            with contextlib.suppress(OSError):
+                handle = stack.enter_context(open(path, "rb", buffering=0))
+                if _stamp(os.fstat(handle.fileno())) == known[0]:
+                    return Pieces((FileSpan(handle, *known[1]),), shape, torch.float32)
+        stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        tf, tensor = self._open_tensor(name, key)
+        stack.callback(tf.close)
+        span = tf.span(tensor)
+        if span is None:
+            return Pieces.of(tensor)
+        self._memo[path] = (stamp, (span.offset, span.nbytes))
+        return Pieces((span,), shape, torch.float32)
 
     def _state(self) -> Mapping[str, Any]:
         if not hasattr(self, "_state_cache"):
@@ -390,6 +480,19 @@ class UniversalReader:
 
     def close(self) -> None:
         pass
+
+
+def _stamp(stat: os.stat_result) -> tuple[int, ...]:
+    """A file's identity for "is this still the file that was checked": a rewrite changes mtime and
+    ctime, a replacement the inode."""
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+
+
+def _stamp_of(path: Path) -> tuple[int, ...] | None:
+    try:
+        return _stamp(path.stat())
+    except OSError:
+        return None
 
 
 def open_universal(path: str | os.PathLike, *, verify: bool = True) -> UniversalReader:

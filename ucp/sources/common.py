@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -10,9 +11,10 @@ from ucp import flavors
 from ucp.errors import InputError
 from ucp.partition import zero3_rank_span
 from ucp.records import Facts, GroupMeta, dtype_name
+from ucp.tensorfile import Pieces
 from ucp.torchfile import TorchFile
 
-__all__ = ["build_facts", "group_meta", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["build_facts", "group_meta", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "zero3_pieces", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -234,19 +236,26 @@ def model_extras(model_states: Mapping[str, Any], zero: Mapping[str, Any] | None
     return out
 
 
-def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
-                 dp: int) -> torch.Tensor:
-    """A parameter from its ZeRO-3 partitions, as fp32 in its real shape.
+def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
+                 dp: int) -> Pieces:
+    """A parameter as its ZeRO-3 rank slices, without copying them (views on the fragments).
 
     ``fragment_of(rank)`` is asked only for ranks that hold part of the parameter, and must give at
-    least that many elements (the rest is padding).
+    least that many elements (the rest is padding, left out). Those ranks are always 0..k-1 (the
+    ceil split leaves only trailing ranks empty), so ``parts[r]`` is rank r's slice.
     """
-    out = torch.empty(numel, dtype=torch.float32)
+    parts = []
     for rank in range(dp):
         start, end = zero3_rank_span(numel, dp, rank)
         if end > start:
-            out[start:end].copy_(fragment_of(rank).detach().reshape(-1)[: end - start])
-    return out.view(shape)
+            parts.append(fragment_of(rank).detach().reshape(-1)[: end - start])
+    return Pieces(tuple(parts), shape, parts[0].dtype if parts else torch.float32)
+
+
+def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
+                 dp: int) -> torch.Tensor:
+    """A parameter from its ZeRO-3 partitions, as fp32 in its real shape (see :func:`zero3_pieces`)."""
+    return zero3_pieces(fragment_of, numel, shape, dp).join(torch.float32)
 
 
 def missing_ranks(rank_file: Callable[[int], str], found: int, count: int) -> str:

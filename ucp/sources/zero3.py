@@ -9,15 +9,16 @@ sub-group in order; the optimizer's param groups list which sub-groups each grou
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ucp import flavors, torchfile
 from ucp.errors import InputError
 from ucp.partition import zero3_partition_size, zero3_rank_span
-from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
+from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, SourceInfo, dtype_name
 from ucp.sources.common import (
     as_int,
     build_facts,
@@ -38,8 +39,10 @@ from ucp.sources.common import (
     sub_group_size,
     tensor_shape,
     zero3_gather,
+    zero3_pieces,
 )
 from ucp.sources.files import CheckpointFiles
+from ucp.tensorfile import Pieces
 from ucp.torchfile import TorchFile
 
 __all__ = ["Zero3Source"]
@@ -341,32 +344,45 @@ class Zero3Source:
                                  f"needs {end - start}")
 
     # -- tensors -----------------------------------------------------------------------------
-    def _assemble(self, where: _Where, pick: Any) -> torch.Tensor:
-        dp = len(self._optim)
-        out = torch.empty(where.numel, dtype=torch.float32)
-        for rank, tf in enumerate(self._optim):
-            start, end = zero3_rank_span(where.numel, dp, rank)
-            if end <= start:
-                continue
-            flat = pick(tf.obj["optimizer_state_dict"])
-            piece = flat.detach().narrow(0, where.offset, end - start)
-            out[start:end].copy_(piece)
-            tf.release(piece)
-        return out.view(where.shape)
+    def _pieces(self, where: _Where, pick: Callable[[Mapping[str, Any]], torch.Tensor]) -> Pieces:
+        """One flat state of a parameter as its rank slices, each where it lies in its shard on disk."""
+        def fragment_of(rank: int) -> torch.Tensor:
+            tf = self._optim[rank]
+            return pick(tf.obj["optimizer_state_dict"]).detach().narrow(0, where.offset, where.size)
 
-    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        pieces = zero3_pieces(fragment_of, where.numel, where.shape, len(self._optim))
+        spans = [self._optim[rank].span(part) for rank, part in enumerate(pieces.parts)]
+        if all(spans):
+            pieces = Pieces(tuple(spans), pieces.shape, pieces.dtype)  # type: ignore[arg-type]
+        # the universal format is fp32; a low-precision optimizer state is converted, at the cost of a copy
+        return pieces if pieces.dtype == torch.float32 else Pieces.of(pieces.join(torch.float32))
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        """:meth:`read` without the copy: each tensor as the spans of the shards that hold it, for a
+        writer to stream from disk (valid inside the ``with`` block; here, until :meth:`close`)."""
+        yield self._piece_state(name, moments)
+
+    def _piece_state(self, name: str, moments: bool) -> PieceState:
         if name in self._frozen:
-            return ParamState(fp32=self._frozen_tensor(name))
+            return PieceState(fp32=Pieces.of(self._frozen_tensor(name)))
         where = self._where.get(name)
         if where is None:
             raise InputError(f"parameter {name!r} is not in this checkpoint")
         sub = where.sub_group
-        fp32 = self._assemble(where, lambda block: block["fp32_flat_groups"][sub])
+        fp32 = self._pieces(where, lambda block: block["fp32_flat_groups"][sub])
         if not moments or not self._has_moments:
-            return ParamState(fp32=fp32, step=self._steps.get(name))
-        exp_avg = self._assemble(where, lambda block: block["optimizer_state_dict"]["state"][sub]["exp_avg"])
-        exp_avg_sq = self._assemble(where, lambda block: block["optimizer_state_dict"]["state"][sub]["exp_avg_sq"])
-        return ParamState(fp32=fp32, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._steps.get(name))
+            return PieceState(fp32=fp32, step=self._steps.get(name))
+        exp_avg = self._pieces(where, lambda block: block["optimizer_state_dict"]["state"][sub]["exp_avg"])
+        exp_avg_sq = self._pieces(where, lambda block: block["optimizer_state_dict"]["state"][sub]["exp_avg_sq"])
+        return PieceState(fp32=fp32, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._steps.get(name))
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        state = self._piece_state(name, moments)
+        return ParamState(fp32=state.fp32.join(torch.float32),
+                          exp_avg=state.exp_avg.join(torch.float32) if state.exp_avg is not None else None,
+                          exp_avg_sq=state.exp_avg_sq.join(torch.float32) if state.exp_avg_sq is not None else None,
+                          step=state.step)
 
     def _frozen_tensor(self, name: str) -> torch.Tensor:
         shape = self._frozen[name]

@@ -222,18 +222,14 @@ def optimizer_groups(reader: Reader, plan: NativePlan, members: list[list[int]],
 
 
 def _write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -> None:
+    """Rank by rank when the reader can hand out slices (``read_pieces``): each pass reads just that
+    rank's share, so memory is one rank's buffers; otherwise every parameter is read once into all
+    ranks' buffers together."""
     facts = reader.facts
     layout = plan.layout
     assert layout is not None
     dp = plan.dp
     moments = not plan.reset_moments
-    ranks, seen = fill_ranks(reader, layout, plan.group_names, range(dp), moments=moments, workers=workers,
-                             step_of=lambda state: param_step(plan, state))
-    steps = sub_group_steps(seen)
-    members = [layout.sub_groups_in(g) for g in range(len(plan.group_names))]
-    group_steps = [max((steps[s] for s in subs), default=0) for subs in members]
-    groups = optimizer_groups(reader, plan, members, group_steps)
-
     frozen = [m for m in facts.params if m.frozen]
     frozen_full = {m.name: reader.read(m.name, moments=False).fp32.reshape(-1) for m in frozen}
     param_shapes: list[OrderedDict] = [OrderedDict() for _ in layout.sub_group_numel]
@@ -242,21 +238,38 @@ def _write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
             param_shapes[layout.slots[g][i].sub_group][name] = torch.Size(facts.param(name).shape)
     lp = torch_dtype(plan.dtype)
     wrapper = zero_block(reader, plan)
-    for rank in range(dp):
-        fragments = OrderedDict()
-        for meta in frozen:
-            start, end = zero3_rank_span(meta.numel, dp, rank)
-            fragment = torch.zeros(zero3_partition_size(meta.numel, dp), dtype=lp)
-            fragment[: end - start].copy_(frozen_full[meta.name][start:end])
-            fragments[meta.name] = fragment
-        states = model_states(reader, plan, extra={
-            "param_shapes": param_shapes,
-            "frozen_param_shapes": OrderedDict((m.name, torch.Size(m.shape)) for m in frozen),
-            "shared_params": dict(facts.tied),
-            "frozen_param_fragments": fragments,
-        })
-        torchfile.save(states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_{plan.mp_rank:02d}_model_states.pt")
-        block = optim_block(wrapper=wrapper, flavour=plan.flavour, buffers=ranks.pop(rank), steps=steps,
-                            groups=groups, dp=dp, moments=moments or bool(plan.step))
-        torchfile.save({"optimizer_state_dict": block, "ds_config": facts.info.ds_config,
-                        "ds_version": facts.info.ds_version}, tag_dir / _rank_optim_name(plan, rank))
+    batches = [[rank] for rank in range(dp)] if hasattr(reader, "read_pieces") else [list(range(dp))]
+    settled: tuple[list[int], list[dict]] | None = None
+    for batch in batches:
+        ranks, seen = fill_ranks(reader, layout, plan.group_names, batch, moments=moments, workers=workers,
+                                 step_of=lambda state: param_step(plan, state))
+        if settled is None:  # every pass sees every parameter's step; the first settles them
+            steps = sub_group_steps(seen)
+            members = [layout.sub_groups_in(g) for g in range(len(plan.group_names))]
+            group_steps = [max((steps[s] for s in subs), default=0) for subs in members]
+            settled = steps, optimizer_groups(reader, plan, members, group_steps)
+        steps, groups = settled
+        for rank in batch:
+            fragments = OrderedDict()
+            for meta in frozen:
+                start, end = zero3_rank_span(meta.numel, dp, rank)
+                fragment = torch.zeros(zero3_partition_size(meta.numel, dp), dtype=lp)
+                fragment[: end - start].copy_(frozen_full[meta.name][start:end])
+                fragments[meta.name] = fragment
+            states = model_states(reader, plan, extra={
+                "param_shapes": param_shapes,
+                "frozen_param_shapes": OrderedDict((m.name, torch.Size(m.shape)) for m in frozen),
+                "shared_params": dict(facts.tied),
+                "frozen_param_fragments": fragments,
+            })
+            torchfile.save(states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_{plan.mp_rank:02d}_model_states.pt")
+            _save_optim(tag_dir / _rank_optim_name(plan, rank), facts, optim_block(
+                wrapper=wrapper, flavour=plan.flavour, buffers=ranks.pop(rank), steps=steps, groups=groups, dp=dp,
+                moments=moments or bool(plan.step)))
+        del ranks  # before the next pass allocates its rank's buffers
+
+
+def _save_optim(path: Path, facts: Facts, block: dict[str, Any]) -> None:
+    """A rank's optim file; its buffers are freed as soon as this returns."""
+    torchfile.save({"optimizer_state_dict": block, "ds_config": facts.info.ds_config,
+                    "ds_version": facts.info.ds_version}, path)

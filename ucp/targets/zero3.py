@@ -7,19 +7,21 @@ sub-group; :func:`optim_block` assembles what DeepSpeed's ``_rigid_load_state_di
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from ucp.errors import InputError
 from ucp.flavors import Flavour
 from ucp.partition import Zero3Layout, Zero3Slot, zero3_rank_span
-from ucp.records import ParamState, Reader
+from ucp.records import PieceState, Reader
 from ucp.targets.steps import settle_steps
+from ucp.tensorfile import Pieces
 from ucp.universal import parallel_map
 
-__all__ = ["RankBuffers", "fill_ranks", "sub_group_steps", "optim_block"]
+__all__ = ["RankBuffers", "fill_ranks", "read_state", "sub_group_steps", "optim_block"]
 
 
 @dataclass
@@ -43,16 +45,32 @@ class RankBuffers:
         return cls.of_sizes(list(layout.sub_group_numel))
 
 
-def _scatter(state: ParamState, slot: Zero3Slot, dp: int, ranks: dict[int, RankBuffers], moments: bool) -> None:
+def _scatter(state: PieceState, slot: Zero3Slot, dp: int, ranks: dict[int, RankBuffers], moments: bool) -> None:
+    """Each wanted rank's slice of a parameter into its flat buffers, read straight into place."""
     pairs = [("fp32", state.fp32)]
     if moments:
         pairs += [("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)]
-    for key, tensor in pairs:
-        values = tensor.reshape(-1)
+    for key, pieces in pairs:
         for rank, buffers in ranks.items():
             start, end = zero3_rank_span(slot.numel, dp, rank)
             if end > start:
-                getattr(buffers, key)[slot.sub_group].narrow(0, slot.offset, end - start).copy_(values[start:end])
+                pieces.slice(start, end).copy_to(getattr(buffers, key)[slot.sub_group].narrow(0, slot.offset,
+                                                                                            end - start))
+
+
+@contextmanager
+def read_state(reader: Reader, name: str, *, moments: bool) -> Iterator[PieceState]:
+    """A parameter's state as :class:`Pieces`: from ``read_pieces`` when the reader has it (a target
+    then reads only the slices it needs), else wrapping ``read``'s whole tensors."""
+    read_pieces = getattr(reader, "read_pieces", None)
+    if read_pieces is not None:
+        with read_pieces(name, moments=moments) as state:
+            yield state
+        return
+    whole = reader.read(name, moments=moments)
+    yield PieceState(fp32=Pieces.of(whole.fp32), step=whole.step,
+                     exp_avg=Pieces.of(whole.exp_avg) if whole.exp_avg is not None else None,
+                     exp_avg_sq=Pieces.of(whole.exp_avg_sq) if whole.exp_avg_sq is not None else None)
 
 
 def fill_ranks(reader: Reader, layout: Zero3Layout, names: list[list[str]], ranks: Iterable[int], *,
@@ -67,14 +85,14 @@ def fill_ranks(reader: Reader, layout: Zero3Layout, names: list[list[str]], rank
     slots = {name: layout.slots[g][i] for g, group in enumerate(names) for i, name in enumerate(group)}
 
     def one(name: str) -> None:
-        state = reader.read(name, moments=moments)
-        if moments and state.exp_avg is None:
-            raise InputError(f"{name} has no optimizer moments in the source; restore with step reset")
-        if tuple(state.fp32.shape) != tuple(reader.facts.param(name).shape):
-            raise InputError(f"{name}: state has shape {tuple(state.fp32.shape)}, expected "
-                             f"{reader.facts.param(name).shape}")
-        _scatter(state, slots[name], layout.dp, buffers, moments)
-        steps[slots[name].sub_group].add(step_of(state))
+        with read_state(reader, name, moments=moments) as state:
+            if moments and state.exp_avg is None:
+                raise InputError(f"{name} has no optimizer moments in the source; restore with step reset")
+            if tuple(state.fp32.shape) != tuple(reader.facts.param(name).shape):
+                raise InputError(f"{name}: state has shape {tuple(state.fp32.shape)}, expected "
+                                 f"{reader.facts.param(name).shape}")
+            _scatter(state, slots[name], layout.dp, buffers, moments)
+            steps[slots[name].sub_group].add(step_of(state))
 
     for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore"):
         pass

@@ -1,0 +1,147 @@
+"""ucp.tensorfile and the copy-free paths built on it.
+
+The promises kept here: a tensor given as pieces (in-memory slices or spans of a file on disk) is
+written byte for byte as the joined tensor would be, with the crc32 of the bytes on disk; slicing
+and joining pieces is exact; the ZeRO-3 fast path (rank slices streamed from the shards) writes the
+same universal directory as the whole-tensor path; a universal file read again by one reader is
+not checksummed again unless it changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucp.errors import ChecksumError, CorruptFileError
+from ucp.sources import open_reader
+from ucp.tensorfile import FileSpan, Pieces, write_torch_file
+from ucp.universal import open_universal, write_universal
+
+
+def _raw_file(tmp_path: Path, tensor: torch.Tensor, lead: bytes = b"xyz") -> Path:
+    """A file holding ``lead`` then the tensor's bytes, so spans start at odd offsets."""
+    path = tmp_path / "raw.bin"
+    path.write_bytes(lead + tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return path
+
+
+def _mixed_pieces(handle, tensor: torch.Tensor, lead: int = 3) -> Pieces:
+    """``tensor`` as a span, an in-memory slice and another span."""
+    flat = tensor.reshape(-1)
+    item = flat.element_size()
+    return Pieces((FileSpan(handle, lead, 10 * item), flat[10:30], FileSpan(handle, lead + 30 * item,
+                                                                           (flat.numel() - 30) * item)),
+                  tuple(tensor.shape), tensor.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pieces_are_written_byte_for_byte_as_the_joined_tensor(tmp_path: Path, dtype: torch.dtype) -> None:
+    tensor = torch.randn(300, 70).to(dtype)  # 21000 elements: several MB-sized chunks are not needed to split
+    with open(_raw_file(tmp_path, tensor), "rb", buffering=0) as handle:
+        flat = tensor.reshape(-1)
+        shapes = {
+            "whole": tensor,
+            "slices": Pieces((flat[:7], flat[7:20000], flat[20000:]), tuple(tensor.shape), dtype),
+            "spans": _mixed_pieces(handle, tensor),
+        }
+        written = {}
+        for name, value in shapes.items():
+            (tmp_path / name).mkdir()
+            written[name] = write_torch_file({"param": value, "other": [torch.arange(3)]}, tmp_path / name / "t.pt")
+    blobs = {name: (tmp_path / name / "t.pt").read_bytes() for name in shapes}
+    assert blobs["slices"] == blobs["whole"] and blobs["spans"] == blobs["whole"]
+    for name, info in written.items():
+        assert info.bytes == len(blobs[name]) and info.crc32 == f"{zlib.crc32(blobs[name]):08x}"
+    loaded = torch.load(tmp_path / "spans" / "t.pt", weights_only=True)
+    assert loaded["param"].dtype == dtype and torch.equal(loaded["param"], tensor)
+
+
+@pytest.mark.parametrize("start,end", [(0, 1000), (0, 0), (5, 9), (9, 10), (10, 30), (9, 31), (29, 31),
+                                       (250, 900), (999, 1000)])
+def test_pieces_slice_and_join_are_exact(tmp_path: Path, start: int, end: int) -> None:
+    tensor = torch.randn(10, 100)
+    with open(_raw_file(tmp_path, tensor), "rb", buffering=0) as handle:
+        pieces = _mixed_pieces(handle, tensor)
+        assert torch.equal(pieces.join(), tensor)
+        part = pieces.slice(start, end)
+        assert torch.equal(part.join(), tensor.reshape(-1)[start:end])
+        wider = torch.empty(end - start, dtype=torch.float64)
+        part.copy_to(wider)
+        assert torch.equal(wider, tensor.reshape(-1)[start:end].double())
+
+
+def test_pieces_refuse_parts_that_do_not_make_the_shape() -> None:
+    with pytest.raises(ValueError):
+        Pieces((torch.zeros(5),), (2, 3), torch.float32)
+    with pytest.raises(ValueError):
+        Pieces((torch.zeros(6, dtype=torch.bfloat16),), (2, 3), torch.float32)
+
+
+def test_a_span_past_the_end_of_a_truncated_file_is_a_one_line_corrupt_file_error(tmp_path: Path) -> None:
+    tensor = torch.randn(100)
+    path = _raw_file(tmp_path, tensor)
+    with open(path, "rb", buffering=0) as handle:
+        pieces = _mixed_pieces(handle, tensor)
+        with open(path, "r+b") as shrink:
+            shrink.truncate(200)
+        with pytest.raises(CorruptFileError) as err:
+            pieces.join()
+    assert "truncated" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_zero3_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(z3_bf16_dp2,
+                                                                                      tmp_path: Path) -> None:
+    fast, whole = tmp_path / "fast" / "u", tmp_path / "whole" / "u"
+    reader = open_reader(z3_bf16_dp2.path)
+    try:
+        assert hasattr(reader, "read_pieces")
+        write_universal(reader, fast)
+        write_universal(reader, whole, transform=lambda meta, state: state)  # a transform takes read()
+    finally:
+        reader.close()
+    files = sorted(p.relative_to(fast) for p in (fast / "zero").rglob("*.pt"))
+    assert files and files == sorted(p.relative_to(whole) for p in (whole / "zero").rglob("*.pt"))
+    for rel in files:
+        assert (fast / rel).read_bytes() == (whole / rel).read_bytes(), rel
+
+
+def test_zero3_pieces_match_read_bit_for_bit(z3_fp32_dp3) -> None:
+    reader = open_reader(z3_fp32_dp3.path)
+    try:
+        for meta in reader.facts.params:
+            whole = reader.read(meta.name)
+            with reader.read_pieces(meta.name) as pieces:
+                for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                    a, b = getattr(whole, key), getattr(pieces, key)
+                    assert (a is None) == (b is None), (meta.name, key)
+                    if a is not None:
+                        assert torch.equal(b.join(), a), (meta.name, key)
+                assert pieces.step == whole.step
+    finally:
+        reader.close()
+
+
+def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universals, tmp_path: Path) -> None:
+    root = tmp_path / "u"
+    shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
+    reader = open_universal(root)
+    name = next(m.name for m in reader.facts.params if not m.frozen)
+    with reader.read_pieces(name) as first:
+        expected = first.exp_avg.join()
+    with reader.read_pieces(name) as again:
+        assert torch.equal(again.exp_avg.join(), expected)
+    path = reader.file_path(name, "exp_avg.pt")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # same size, new bytes
+    stat = path.stat()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a clock coarser than the test
+    with pytest.raises(ChecksumError), reader.read_pieces(name):
+        pass
+    with pytest.raises(ChecksumError):
+        reader.read(name)
