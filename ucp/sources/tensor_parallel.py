@@ -150,8 +150,11 @@ class TensorParallelSource:
         return full, layouts
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
-        states = [reader.read(name, moments=moments) for reader in self._ranks]
         layouts = self.layouts[name]
+        # a replicated tensor is whole on every rank: rank 0's copy is the tensor (an embedding is
+        # often the largest parameter; reading it T times would cost T x its bytes)
+        holders = self._ranks[:1] if layouts[0].replicated and not layouts[0].average else self._ranks
+        states = [reader.read(name, moments=moments) for reader in holders]
         full = self.facts.param(name).shape
         steps = {s.step for s in states}
         if len(steps) > 1:
@@ -161,7 +164,7 @@ class TensorParallelSource:
             shards = [getattr(s, key) for s in states]
             if any(t is None for t in shards):
                 return None
-            return tpl.gather(shards, layouts, full)
+            return tpl.gather(shards, layouts[: len(shards)], full)
 
         try:
             return ParamState(fp32=merge("fp32"), exp_avg=merge("exp_avg"), exp_avg_sq=merge("exp_avg_sq"),
