@@ -310,3 +310,57 @@ def test_pipeline_parallel_checkpoint_is_refused_in_one_line(source, tmp_path):
     (tag / "layer_01-model_00-model_states.pt").write_bytes(b"")
     with pytest.raises(InputError, match="pipeline-parallel checkpoint .* not pipeline stages"):
         open_reader(copy)
+
+
+@pytest.mark.parametrize("damage", [
+    {"tp_replicated_parameter_patterns": ["("]},  # not a regex
+    {"parameter_with_sub_params": 5},
+    {"parameter_with_sub_params": [{"patterns": [r"^blocks\.0\.0\.weight$"], "shape": [7], "partition_dim": 3}]},
+    {"affine_map": {"version": 1, "params": {r"^embed\.weight$": {"logical_shape": [37, 10]}}}},
+    {"affine_map": {"version": 9, "params": {}}},
+    {"vocabulary_parameter_patterns": [r"^blocks\.0\.0\.weight$"]},  # no original_vocab_size
+])
+def test_damaged_universal_checkpoint_info_is_refused_in_one_line(source, tmp_path, damage):
+    import shutil
+
+    from ucp import torchfile
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(source("tp2-z2-fp32-dp1").path, copy)
+    for path in copy.glob("*/mp_rank_*_model_states.pt"):
+        states = torchfile.load(path)
+        info = dict(states["universal_checkpoint_info"])
+        if "affine_map" not in damage:
+            info.pop("affine_map")  # so that the pattern lists decide the layout
+        info.update(damage)
+        states["universal_checkpoint_info"] = info
+        torchfile.save(states, path)
+    with pytest.raises(InputError) as caught:
+        open_reader(copy)
+    assert "universal_checkpoint_info" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", list(TP_SOURCES))
+def test_pattern_lists_alone_merge_like_the_affine_map(name, source, tmp_path):
+    """Megatron-DeepSpeed writes only the pattern lists: without the affine map the merge is the same."""
+    import shutil
+
+    from ucp import torchfile
+
+    built = source(name)
+    copy = tmp_path / "ckpt"
+    shutil.copytree(built.path, copy)
+    for path in copy.glob("*/mp_rank_*_model_states.pt"):
+        states = torchfile.load(path)
+        states["universal_checkpoint_info"] = {k: v for k, v in states["universal_checkpoint_info"].items()
+                                               if k != "affine_map"}
+        torchfile.save(states, path)
+    ours, theirs = open_reader(copy), open_reader(built.path)
+    try:
+        assert ours.facts.tp_rules == theirs.facts.tp_rules
+        for meta in theirs.facts.params:
+            a, b = ours.read(meta.name), theirs.read(meta.name)
+            assert torch.equal(a.fp32, b.fp32) and (meta.frozen or torch.equal(a.exp_avg_sq, b.exp_avg_sq)), meta.name
+    finally:
+        ours.close()
+        theirs.close()

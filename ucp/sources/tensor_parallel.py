@@ -20,6 +20,7 @@ import torch
 from ucp import tp as tpl
 from ucp.errors import InputError
 from ucp.records import Facts, ParamMeta, ParamState, Reader
+from ucp.sources.common import MALFORMED, first_line
 from ucp.sources.files import CheckpointFiles
 from ucp.torchfile import TorchFile
 
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: The key DeepSpeed stores the conversion schema under, in model-states (and ZeRO-1/2 optim) files.
 INFO_KEY = "universal_checkpoint_info"
+
+#: What a damaged or hand-edited ``universal_checkpoint_info`` can raise on its way through ucp.tp
+#: (a bad regex, a list where a mapping belongs, a missing key): one line, never a traceback.
+_BAD_INFO = (tpl.TpInfoError, re.error) + MALFORMED
 
 
 def checkpoint_tp_info(files: CheckpointFiles) -> dict[str, Any]:
@@ -108,7 +113,7 @@ class TensorParallelSource:
         shapes = {n: [reader.facts.param(n).shape for reader in self._ranks] for n in names}
         try:
             rules = tpl.rules_from_info(self.info, shapes) if self.info else {}
-        except tpl.TpInfoError as err:
+        except _BAD_INFO as err:
             raise InputError(f"{self.files.tag_dir}: {INFO_KEY}: {err}") from None
         rules.update(given_rules(given, names))
         missing = [n for n in names if n not in rules]
@@ -141,8 +146,8 @@ class TensorParallelSource:
             else:
                 full = tpl.full_shape(rule, shapes)
                 layouts = tpl.layouts_for(rule, full, self.tp)
-        except tpl.TpInfoError as err:
-            raise InputError(f"{where}: {err}") from None
+        except _BAD_INFO as err:
+            raise InputError(f"{where}: {INFO_KEY}: {first_line(err)}") from None
         for r, (shape, layout) in enumerate(zip(shapes, layouts)):
             if tuple(shape) != tuple(layout.shard_shape):
                 raise InputError(f"{where}: TP rank {r} holds shape {tuple(shape)}, but its rule "

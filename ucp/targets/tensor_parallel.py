@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from ucp import tp as tpl
-from ucp.errors import InputError
+from ucp.errors import CorruptFileError, InputError
 from ucp.records import ParamMeta, ParamState, Reader
 
 __all__ = ["TpShardReader", "rank_layouts", "target_tp_info", "live_tp_view"]
@@ -33,7 +33,10 @@ def rank_layouts(reader: Reader, tp: int, rank: int, *, rules: Mapping[str, tpl.
     the target's shard shapes where known (a live engine): a parameter with no rule whose target
     shape is its full shape is replicated, and every layout is checked against them.
     """
-    recorded = {n: tpl.TpRule.from_json(r) for n, r in reader.facts.tp_rules.items()}
+    try:
+        recorded = {n: tpl.TpRule.from_json(r) for n, r in reader.facts.tp_rules.items()}
+    except (tpl.TpInfoError, AttributeError) as err:
+        raise CorruptFileError(f"the checkpoint's tensor-parallel rules are malformed: {err}") from None
     rules = dict(recorded if rules is None else rules)
     out = {}
     for meta in reader.facts.params:
