@@ -94,10 +94,11 @@ def test_a_span_past_the_end_of_a_truncated_file_is_a_one_line_corrupt_file_erro
     assert "truncated" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_zero3_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(z3_bf16_dp2,
-                                                                                      tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"])
+def test_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(source, name: str,
+                                                                                tmp_path: Path) -> None:
     fast, whole = tmp_path / "fast" / "u", tmp_path / "whole" / "u"
-    reader = open_reader(z3_bf16_dp2.path)
+    reader = open_reader(source(name).path)
     try:
         assert hasattr(reader, "read_pieces")
         write_universal(reader, fast)
@@ -110,8 +111,9 @@ def test_zero3_fast_path_writes_the_same_universal_directory_as_the_whole_tensor
         assert (fast / rel).read_bytes() == (whole / rel).read_bytes(), rel
 
 
-def test_zero3_pieces_match_read_bit_for_bit(z3_fp32_dp3) -> None:
-    reader = open_reader(z3_fp32_dp3.path)
+@pytest.mark.parametrize("name", ["z3-fp32-dp3-adamw", "z2-bf16-dp3-adamw"])
+def test_pieces_match_read_bit_for_bit(source, name: str) -> None:
+    reader = open_reader(source(name).path)
     try:
         for meta in reader.facts.params:
             whole = reader.read(meta.name)

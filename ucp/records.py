@@ -70,6 +70,14 @@ class PieceState:
     exp_avg_sq: Pieces | None = None
     step: int | None = None
 
+    def joined(self) -> ParamState:
+        """The same state as whole fp32 tensors (what :meth:`Reader.read` returns)."""
+        def join(pieces: "Pieces | None") -> torch.Tensor | None:
+            return None if pieces is None else pieces.join(torch.float32)
+
+        return ParamState(fp32=join(self.fp32), exp_avg=join(self.exp_avg), exp_avg_sq=join(self.exp_avg_sq),
+                          step=self.step)
+
 
 @dataclass
 class GroupMeta:

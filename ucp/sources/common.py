@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -14,7 +13,7 @@ from ucp.records import Facts, GroupMeta, dtype_name
 from ucp.tensorfile import Pieces
 from ucp.torchfile import TorchFile
 
-__all__ = ["build_facts", "group_meta", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "zero3_pieces", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
+__all__ = ["build_facts", "group_meta", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "zero3_pieces", "file_pieces", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
            "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
 
 #: ZeRO stages whose checkpoints ucp reads.
@@ -250,6 +249,21 @@ def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: 
         if end > start:
             parts.append(fragment_of(rank).detach().reshape(-1)[: end - start])
     return Pieces(tuple(parts), shape, parts[0].dtype if parts else torch.float32)
+
+
+def file_pieces(parts: Iterable[tuple[TorchFile, torch.Tensor]], shape: tuple[int, ...]) -> Pieces:
+    """A parameter's flat state from slices of its shards, in order, as fp32 :class:`Pieces`.
+
+    When every slice lies in its file, the pieces are byte spans of the files (the universal writer
+    streams them from disk; nothing is mapped or copied); otherwise the slices themselves. The
+    universal format is fp32: a low-precision state is converted, at the cost of one copy.
+    """
+    parts = list(parts)
+    tensors = tuple(t for _, t in parts)
+    dtype = tensors[0].dtype if tensors else torch.float32
+    spans = [tf.span(t) for tf, t in parts]
+    pieces = Pieces(tuple(spans) if spans and all(spans) else tensors, tuple(shape), dtype)  # type: ignore[arg-type]
+    return pieces if dtype == torch.float32 else Pieces.of(pieces.join(torch.float32))
 
 
 def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],

@@ -12,19 +12,21 @@ order (``param_shapes``) and holds the low-precision module, frozen parameters i
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ucp import flavors
 from ucp.errors import InputError
 from ucp.partition import Zero12Group, zero12_group
-from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, SourceInfo, dtype_name
+from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, SourceInfo, dtype_name
 from ucp.sources.common import (
     as_int,
     build_facts,
     check_name,
     engine_counters,
+    file_pieces,
     group_meta,
     jsonable,
     missing_ranks,
@@ -40,6 +42,7 @@ from ucp.sources.common import (
     zero12_frozen_names,
 )
 from ucp.sources.files import CheckpointFiles
+from ucp.tensorfile import Pieces
 from ucp.torchfile import TorchFile
 
 __all__ = ["Zero12Source"]
@@ -383,31 +386,36 @@ class Zero12Source:
         return out
 
     # -- tensors -----------------------------------------------------------------------------
-    def _assemble(self, pname: str, pick: Any) -> torch.Tensor:
+    def _pieces(self, pname: str, pick: Any) -> Pieces:
+        """One flat state of a parameter as its slices of the ranks' flat partitions, in order."""
         g, i = self._where[pname]
-        layout = self._layouts_[g]
-        out = torch.empty(layout.numels[i], dtype=torch.float32)
-        for span in layout.spans(i):
+        parts = []
+        for span in self._layouts_[g].spans(i):
             tf = self._optim[span.rank]
-            flat = pick(tf.obj["optimizer_state_dict"], g)
-            piece = flat.detach().narrow(0, span.partition_start, span.length)
-            out[span.param_start : span.param_start + span.length].copy_(piece)
-            tf.release(piece)
-        return out.view(self._shape[pname])
+            parts.append((tf, pick(tf.obj["optimizer_state_dict"], g).detach().narrow(0, span.partition_start,
+                                                                                       span.length)))
+        return file_pieces(parts, self._shape[pname])
 
-    def read(self, name: str, *, moments: bool = True) -> ParamState:
+    def _piece_state(self, name: str, moments: bool) -> PieceState:
         if name in self._frozen:
-            return ParamState(fp32=self._frozen[name].detach().to(torch.float32, copy=True))
+            return PieceState(fp32=Pieces.of(self._frozen[name].detach().to(torch.float32, copy=True)))
         if name not in self._where:
             raise InputError(f"parameter {name!r} is not in this checkpoint")
-        g = self._where[name][0]
-        step = self.facts.groups[g].step
-        fp32 = self._assemble(name, lambda block, g: block[_FP32][g])
+        step = self.facts.groups[self._where[name][0]].step
+        fp32 = self._pieces(name, lambda block, g: block[_FP32][g])
         if not moments or not self._has_moments:
-            return ParamState(fp32=fp32, step=step)
-        exp_avg = self._assemble(name, lambda block, g: block[_BASE]["state"][g]["exp_avg"])
-        exp_avg_sq = self._assemble(name, lambda block, g: block[_BASE]["state"][g]["exp_avg_sq"])
-        return ParamState(fp32=fp32, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step)
+            return PieceState(fp32=fp32, step=step)
+        return PieceState(fp32=fp32, exp_avg=self._pieces(name, lambda block, g: block[_BASE]["state"][g]["exp_avg"]),
+                          exp_avg_sq=self._pieces(name, lambda block, g: block[_BASE]["state"][g]["exp_avg_sq"]),
+                          step=step)
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        """:meth:`read` without the copy: the universal writer streams the spans from the shards."""
+        yield self._piece_state(name, moments)
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        return self._piece_state(name, moments).joined()
 
     def buffers(self) -> dict[str, torch.Tensor]:
         assert self._model is not None

@@ -24,6 +24,7 @@ from ucp.sources.common import (
     build_facts,
     check_name,
     engine_counters,
+    file_pieces,
     group_meta,
     jsonable,
     missing_ranks,
@@ -351,11 +352,8 @@ class Zero3Source:
             return pick(tf.obj["optimizer_state_dict"]).detach().narrow(0, where.offset, where.size)
 
         pieces = zero3_pieces(fragment_of, where.numel, where.shape, len(self._optim))
-        spans = [self._optim[rank].span(part) for rank, part in enumerate(pieces.parts)]
-        if all(spans):
-            pieces = Pieces(tuple(spans), pieces.shape, pieces.dtype)  # type: ignore[arg-type]
-        # the universal format is fp32; a low-precision optimizer state is converted, at the cost of a copy
-        return pieces if pieces.dtype == torch.float32 else Pieces.of(pieces.join(torch.float32))
+        # the ceil split leaves only trailing ranks empty: parts[r] is rank r's slice
+        return file_pieces(zip(self._optim, pieces.parts), pieces.shape)
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
@@ -378,11 +376,7 @@ class Zero3Source:
         return PieceState(fp32=fp32, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._steps.get(name))
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
-        state = self._piece_state(name, moments)
-        return ParamState(fp32=state.fp32.join(torch.float32),
-                          exp_avg=state.exp_avg.join(torch.float32) if state.exp_avg is not None else None,
-                          exp_avg_sq=state.exp_avg_sq.join(torch.float32) if state.exp_avg_sq is not None else None,
-                          step=state.step)
+        return self._piece_state(name, moments).joined()
 
     def _frozen_tensor(self, name: str) -> torch.Tensor:
         shape = self._frozen[name]
