@@ -10,8 +10,9 @@ hand, independently of ucp.tp.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ucp
+from ucp import torchfile
 from ucp import tp as tpl
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
@@ -80,6 +82,34 @@ def assert_training_close(reference: dict[str, Any], other: dict[str, Any], *, a
     # ranks as if they were data parallel: runs at other TP degrees add different amounts per step
     for key in ("global_steps", "skipped_steps"):
         assert other["counters"][key] == reference["counters"][key]
+
+
+def with_info(built: Built, folder: Path, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> Path:
+    """A copy of ``built``'s checkpoint whose ``universal_checkpoint_info`` is ``edit(info)`` (None: removed)."""
+    copy = folder / "ckpt"
+    shutil.copytree(built.path, copy)
+    for path in copy.glob("*/mp_rank_*_model_states.pt"):
+        states = torchfile.load(path)
+        info = edit(dict(states.pop("universal_checkpoint_info")))
+        if info is not None:
+            states["universal_checkpoint_info"] = info
+        torchfile.save(states, path)
+    return copy
+
+
+def assert_same_state(ours_path: Path, theirs_path: Path, **ours_options: Any) -> None:
+    """Both paths read as the same rules and the same tensors, bit for bit."""
+    ours, theirs = open_reader(ours_path, **ours_options), open_reader(theirs_path)
+    try:
+        assert ours.facts.tp_rules == theirs.facts.tp_rules
+        for meta in theirs.facts.params:
+            a, b = ours.read(meta.name), theirs.read(meta.name)
+            assert torch.equal(a.fp32, b.fp32), meta.name
+            assert meta.frozen or (torch.equal(a.exp_avg, b.exp_avg) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+                                   and a.step == b.step), meta.name
+    finally:
+        ours.close()
+        theirs.close()
 
 
 # -- the layout maths ------------------------------------------------------------------------
@@ -212,29 +242,13 @@ def test_checkpoint_without_tp_restores_into_a_live_tp2_engine(source, universal
 
 
 def test_tp_checkpoint_without_info_needs_rules(source, tmp_path):
-    from ucp import torchfile
-
     built = source("tp2-z2-fp32-dp1")
-    copy = tmp_path / "ckpt"
-    import shutil
-
-    shutil.copytree(built.path, copy)
-    for path in copy.glob("*/mp_rank_*_model_states.pt"):
-        states = torchfile.load(path)
-        del states["universal_checkpoint_info"]
-        torchfile.save(states, path)
+    copy = with_info(built, tmp_path, lambda info: None)
     with pytest.raises(InputError, match="no rule for .*tensor_parallel.rules"):
         open_reader(copy)
     rules = [(r"^blocks\.\d+\.0\.", tpl.TpRule("split", dim=0)), (r"^blocks\.\d+\.2\.weight$", tpl.TpRule("split", dim=1)),
              (r".*", tpl.REPLICATED)]
-    ours, theirs = open_reader(copy, tp_rules=rules), open_reader(built.path)
-    try:
-        assert ours.facts.tp_rules == theirs.facts.tp_rules
-        for meta in theirs.facts.params:
-            assert torch.equal(ours.read(meta.name).fp32, theirs.read(meta.name).fp32), meta.name
-    finally:
-        ours.close()
-        theirs.close()
+    assert_same_state(copy, built.path, tp_rules=rules)
 
 
 @pytest.mark.slow
@@ -259,16 +273,7 @@ def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp
     else:
         assert_training_close(full_record(reference), full_record(ours), atol=2e-3)
     # and the written checkpoint converts back to the same universal state
-    again = open_reader(tmp_path / "n")
-    first = open_reader(universals(name))
-    try:
-        assert again.facts.tp_rules == first.facts.tp_rules
-        for meta in first.facts.params:
-            a, b = again.read(meta.name), first.read(meta.name)
-            assert torch.equal(a.fp32, b.fp32) and (meta.frozen or torch.equal(a.exp_avg, b.exp_avg)), meta.name
-    finally:
-        again.close()
-        first.close()
+    assert_same_state(tmp_path / "n", universals(name))
 
 
 @pytest.mark.slow
@@ -302,8 +307,6 @@ def test_tp_target_without_rules_is_refused_in_one_line(source, universals, tmp_
 
 
 def test_pipeline_parallel_checkpoint_is_refused_in_one_line(source, tmp_path):
-    import shutil
-
     copy = tmp_path / "ckpt"
     shutil.copytree(source("tp2-z2-fp32-dp1").path, copy)
     tag = next(p for p in copy.iterdir() if p.is_dir())
@@ -321,20 +324,12 @@ def test_pipeline_parallel_checkpoint_is_refused_in_one_line(source, tmp_path):
     {"vocabulary_parameter_patterns": [r"^blocks\.0\.0\.weight$"]},  # no original_vocab_size
 ])
 def test_damaged_universal_checkpoint_info_is_refused_in_one_line(source, tmp_path, damage):
-    import shutil
-
-    from ucp import torchfile
-
-    copy = tmp_path / "ckpt"
-    shutil.copytree(source("tp2-z2-fp32-dp1").path, copy)
-    for path in copy.glob("*/mp_rank_*_model_states.pt"):
-        states = torchfile.load(path)
-        info = dict(states["universal_checkpoint_info"])
+    def edit(info: dict[str, Any]) -> dict[str, Any]:
         if "affine_map" not in damage:
             info.pop("affine_map")  # so that the pattern lists decide the layout
-        info.update(damage)
-        states["universal_checkpoint_info"] = info
-        torchfile.save(states, path)
+        return {**info, **damage}
+
+    copy = with_info(source("tp2-z2-fp32-dp1"), tmp_path, edit)
     with pytest.raises(InputError) as caught:
         open_reader(copy)
     assert "universal_checkpoint_info" in str(caught.value) and "\n" not in str(caught.value)
@@ -343,24 +338,6 @@ def test_damaged_universal_checkpoint_info_is_refused_in_one_line(source, tmp_pa
 @pytest.mark.parametrize("name", list(TP_SOURCES))
 def test_pattern_lists_alone_merge_like_the_affine_map(name, source, tmp_path):
     """Megatron-DeepSpeed writes only the pattern lists: without the affine map the merge is the same."""
-    import shutil
-
-    from ucp import torchfile
-
     built = source(name)
-    copy = tmp_path / "ckpt"
-    shutil.copytree(built.path, copy)
-    for path in copy.glob("*/mp_rank_*_model_states.pt"):
-        states = torchfile.load(path)
-        states["universal_checkpoint_info"] = {k: v for k, v in states["universal_checkpoint_info"].items()
-                                               if k != "affine_map"}
-        torchfile.save(states, path)
-    ours, theirs = open_reader(copy), open_reader(built.path)
-    try:
-        assert ours.facts.tp_rules == theirs.facts.tp_rules
-        for meta in theirs.facts.params:
-            a, b = ours.read(meta.name), theirs.read(meta.name)
-            assert torch.equal(a.fp32, b.fp32) and (meta.frozen or torch.equal(a.exp_avg_sq, b.exp_avg_sq)), meta.name
-    finally:
-        ours.close()
-        theirs.close()
+    copy = with_info(built, tmp_path, lambda info: {k: v for k, v in info.items() if k != "affine_map"})
+    assert_same_state(copy, built.path)
