@@ -198,9 +198,10 @@ def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, source, unive
             if meta.frozen:
                 assert torch.equal(state.fp32, expected_full(meta.name, [r["module"][meta.name] for r in recs]).float())
                 continue
+            assert list(state.optim) == ["exp_avg", "exp_avg_sq"], meta.name
             for key in ("params", "exp_avg", "exp_avg_sq"):
                 want = expected_full(meta.name, [r[key][meta.name] for r in recs])
-                got = state.fp32 if key == "params" else getattr(state, key)
+                got = state.fp32 if key == "params" else state.optim[key]
                 assert torch.equal(got, want), (meta.name, key)
             assert state.step == built.spec.steps
         assert facts.tied == recs[0]["tied"]

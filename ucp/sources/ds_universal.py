@@ -211,10 +211,11 @@ class DsUniversalSource(Reader):
                                  "are mixed")
         return head
 
-    def _require(self, pname: str, leaf: str) -> Path:
+    def _require(self, pname: str, leaf: str, keys: tuple[str, ...] = ()) -> Path:
         path = self._zero / pname / leaf
         if not path.is_file():
-            needs = "fp32.pt, its optimizer state and step.pt" if self._step_files else "fp32.pt and its optimizer state"
+            files = [_FP32] + [k + ".pt" for k in keys] + ([_STEP] if self._step_files else [])
+            needs = ", ".join(files[:-1]) + f" and {files[-1]}" if len(files) > 1 else files[0]
             raise InputError(f"zero/{pname}/{leaf} is missing from {self.root}: every optimized parameter needs "
                              f"{needs}; the folder is incomplete, so rerun ds_to_universal")
         return path
@@ -225,11 +226,7 @@ class DsUniversalSource(Reader):
             leaves = [p.name for p in (self._zero / pname).iterdir() if p.name.endswith(".pt")]
         except OSError as err:
             raise InputError(f"cannot list zero/{pname} in {self.root}: {err.strerror}") from None
-        keys = tuple(sorted(leaf[:-3] for leaf in leaves if leaf not in (_FP32, _STEP)))
-        if not keys:
-            raise InputError(f"zero/{pname} in {self.root} holds no optimizer state beside fp32.pt: the folder is "
-                             "incomplete, so rerun ds_to_universal")
-        return keys
+        return tuple(sorted(leaf[:-3] for leaf in leaves if leaf not in (_FP32, _STEP)))
 
     def _facts(self, optimizer: str | None) -> Facts:
         optim = self._optimizer_state()
@@ -274,17 +271,21 @@ class DsUniversalSource(Reader):
                     self._group_of[pname] = g
                     for leaf in leaves:
                         self._require(pname, leaf)
-                    self._keys[pname] = self._state_keys(pname)
                     names.append(pname)
                     params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
             member_steps = [sub_steps[s] for s in members[g] if sub_steps[s] is not None]
-            keys = {self._keys[n] for n in names}
-            if len(keys) > 1:
-                raise InputError(f"the parameters of param group {g} hold different optimizer state files "
-                                 f"{sorted(keys)}: the folder is incomplete, so rerun ds_to_universal")
-            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode,
-                                     keys.pop() if keys else ()))
+            keys = tuple(sorted({k for n in names for k in self._state_keys(n)}))
+            for pname in names:  # every member holds every key of its group
+                for key in keys:
+                    self._require(pname, key + ".pt", keys)
+                self._keys[pname] = keys
+            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode, keys))
         self._groups_raw = groups_raw
+        # ds_to_universal writes every key for every optimized parameter: a key one lacks is a missing file
+        every = tuple(sorted({k for keys in self._keys.values() for k in keys}))
+        for pname in self._keys:
+            for key in every:
+                self._require(pname, key + ".pt", every)
 
         tied = dict(head.get("shared_params") or {})
         buffer_names = list(head.get("buffer_names") or [])
