@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from dsfixtures import Built, build, resume  # noqa: E402
+from tests.support.fixtures import Built, build, resume  # noqa: E402
 
 from ucp.harness import LoadSpec, ModelSpec  # noqa: E402
 

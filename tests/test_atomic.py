@@ -1,4 +1,4 @@
-"""ucp.atomic.staged_output: OUT is absent or whole, and an existing OUT is only ever replaced whole."""
+"""ucp.io.atomic.staged_output: OUT is absent or whole, and an existing OUT is only ever replaced whole."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ucp import atomic
-from ucp.atomic import staged_output
+from ucp.io import atomic
+from ucp.io.atomic import staged_output
 from ucp.errors import OutputExistsError
 
 

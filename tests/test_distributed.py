@@ -10,9 +10,9 @@ import sys
 import pytest
 
 import ucp
-from ucp.distributed import assign
+from ucp.ops.distributed import assign
 from ucp.harness.launch import free_port
-from ucp.records import ParamMeta
+from ucp.model.records import ParamMeta
 
 
 def test_assign_balances_by_size_and_covers_every_parameter_once():

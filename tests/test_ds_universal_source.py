@@ -12,15 +12,15 @@ import subprocess
 import sys
 
 import pytest
-from checks import assert_reader_matches_record, assert_state_equals_record
-from dsfixtures import resume
+from tests.support.checks import assert_reader_matches_record, assert_state_equals_record
+from tests.support.fixtures import resume
 
 import ucp
 from ucp.cli import main as cli
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
 from ucp.sources import open_reader
-from ucp.sources.dsuniversal import DsUniversalSource
+from ucp.sources.ds_universal import DsUniversalSource
 
 NAMES = ["z3-bf16-dp2-adamw", "z2-bf16-dp3-adamw"]
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ucp.cli import main
-from ucp.convert import to_universal
+from ucp.ops.convert import to_universal
 from ucp.errors import ConfigError, OutputExistsError, UcpError
 from ucp.targets import export as export_mod
 from ucp.targets.export import export, parse_size, plan_shards

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import ucp
-from ucp import flavors
+from ucp.model import flavours
 from ucp.sources import open_reader
-from ucp.torchfile import load, save
+from tests.support.files import resave
+from ucp.io.torchfile import load
 
 
 def _zero3_optim(path):
@@ -50,37 +51,37 @@ def test_apex_layout_reads_back_bit_exact_with_its_group_step(source, universals
     record = built.record
     for name, value in record["exp_avg"].items():
         state = reader.read(name)
-        assert torch.equal(state.exp_avg, value) and torch.equal(state.fp32, record["params"][name])
+        assert torch.equal(state.optim["exp_avg"], value) and torch.equal(state.fp32, record["params"][name])
         assert state.step == 3
 
 
 def test_detection_tells_every_flavour_apart_on_a_real_state_dict(source):
     built = source("z3-bf16-dp2-adamw")
     base = load(_zero3_optim(built.tag_dir)[0])["optimizer_state_dict"]["optimizer_state_dict"]
-    assert flavors.detect(base).flavour.name == "torch-adam"
+    assert flavours.detect(base).flavour.name == "torch-adam"
     fused = copy.deepcopy(base)
     for state in fused["state"].values():
         state["step"] = int(state["step"])
     for group in fused["param_groups"]:
         group["step"] = 0  # DeepSpeed FusedAdam's stale copy
         group["bias_correction"] = True
-    found = flavors.detect(fused)
+    found = flavours.detect(fused)
     assert found.flavour.name == "ds-fused-adam" and any("stale" in w for w in found.warnings)
     cpu = copy.deepcopy(fused)
     for group in cpu["param_groups"]:
         del group["step"]
-    assert flavors.detect(cpu, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).flavour.name == \
+    assert flavours.detect(cpu, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).flavour.name == \
         "ds-cpu-adam"
     apex = copy.deepcopy(base)
     for state in apex["state"].values():
         del state["step"]
     for group in apex["param_groups"]:
         group["step"] = 3
-    found = flavors.detect(apex)
+    found = flavours.detect(apex)
     assert found.flavour.name == "apex-fused-adam"
     assert found.flavour.read_step(apex["param_groups"][0], apex["state"][0]) == 3
-    assert flavors.detect({"state": {}, "param_groups": base["param_groups"]}).flavour is None
-    assert flavors.detect(base, override="ds-cpu-adam").flavour.name == "ds-cpu-adam"
+    assert flavours.detect({"state": {}, "param_groups": base["param_groups"]}).flavour is None
+    assert flavours.detect(base, override="ds-cpu-adam").flavour.name == "ds-cpu-adam"
 
 
 def test_converting_an_apex_checkpoint_keeps_its_step_and_moments(source, tmp_path):
@@ -97,7 +98,7 @@ def test_converting_an_apex_checkpoint_keeps_its_step_and_moments(source, tmp_pa
         for group in inner["param_groups"]:
             group["step"] = 3
             group["bias_correction"] = True
-        save(raw, path)
+        resave(raw, path)
     manifest = ucp.to_universal(ckpt, tmp_path / "u")
     assert manifest["optimizer"]["flavour"] == "apex-fused-adam" and manifest["optimizer"]["step"] == 3
     moments = ucp.load_optimizer_moments(ckpt)

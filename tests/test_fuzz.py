@@ -6,7 +6,7 @@ Two fuzzers, both seeded from real DeepSpeed checkpoints (a ZeRO-3 and a ZeRO-1 
   the pickle (with its zip CRC left stale, or patched so the damage reaches the unpickler) and
   the tensor bytes;
 * structure: one value deep in a rank file's object tree swapped for something of the wrong
-  type, size or sign, re-saved with ucp.torchfile.save as a hand-made hostile file would be.
+  type, size or sign, re-saved with ucp's own writer (tests.support.files.resave) as a hand-made hostile file would be.
 
 Never another exception type, never a hang (a SIGALRM watchdog turns one into a failure). When the
 conversion succeeds, its output must read back with checksums.
@@ -28,14 +28,16 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from dsfixtures import Built
+from tests.support.fixtures import Built
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp import torchfile
-from ucp.convert import to_universal
+from tests.support.files import resave
+from ucp.io import standins
+from ucp.io import torchfile
+from ucp.ops.convert import to_universal
 from ucp.errors import UcpError
-from ucp.universal import UniversalReader
+from ucp.universal.reader import UniversalReader
 
 # CI runs 60 derandomized examples per fuzzer; by hand, UCP_FUZZ_EXAMPLES=5000 digs deeper and
 # UCP_FUZZ_RANDOM=1 draws fresh cases on every run.
@@ -200,7 +202,7 @@ def _slots(obj: Any, path: tuple[Any, ...] = (), depth: int = 0) -> Iterator[tup
         items = list(obj.items())
     elif isinstance(obj, list):
         items = list(enumerate(obj))
-    elif isinstance(obj, torchfile.DSObject):
+    elif isinstance(obj, standins.DSObject):
         items = [(("attr", k), v) for k, v in obj.__dict__.items()]
     else:
         return
@@ -288,5 +290,5 @@ def test_structural_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str,
             _delete(container, key)
         else:
             _set(container, key, _replacement(_get(container, key), how))
-        torchfile.save(obj, target)
+        resave(obj, target)
         convert_or_clean_error(ckpt, work)

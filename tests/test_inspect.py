@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from ucp import torchfile
+from tests.support.files import resave
+from ucp.io import torchfile
 from ucp.cli import main
-from ucp.convert import to_universal
-from ucp.inspect import format_report, inspect_path
+from ucp.ops.convert import to_universal
+from ucp.ops.inspect import format_report, inspect_path
 from ucp.sources.zero3 import Zero3Source
-from ucp.universal import UniversalReader
+from ucp.universal.reader import UniversalReader
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_inspect_surfaces_fused_adam_stale_group_step(z3_bf16_dp2, tmp_path):
                         "decoupled_weight_decay"):
                 group.pop(key)
             group.update(bias_correction=True, step=0)
-        torchfile.save(obj, path)
+        resave(obj, path)
     report = inspect_path(ckpt)
     assert report["optimizer"] == "ds-fused-adam" and report["step"] == 3
     assert len(report["warnings"]) == 1 and "stale" in report["warnings"][0]

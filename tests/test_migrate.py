@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsfixtures import resume
+from tests.support.fixtures import resume
 
 from ucp.cli import main
 from ucp.errors import ConfigError, OutputExistsError
 from ucp.harness import LoadSpec
 from ucp.migrate import MigrationConfigError, load_config, run_migration
 from ucp.sources import open_reader
-from ucp.universal import open_universal
+from ucp.universal.reader import open_universal
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 EXAMPLES = ("dp8_to_dp4", "adamw_to_ds_fused_adam", "hf_export", "drop_head_reset", "tp2_to_tp1")
@@ -76,7 +76,7 @@ def test_tp2_to_tp1_example_merges_the_tensor_parallel_ranks(source, tmp_path):
         for meta in merged.facts.params:
             a, b = native.read(meta.name), merged.read(meta.name)
             assert a.fp32.shape == meta.shape and torch.equal(a.fp32, b.fp32), meta.name
-            assert meta.frozen or (torch.equal(a.exp_avg, b.exp_avg) and a.step == b.step), meta.name
+            assert meta.frozen or (torch.equal(a.optim["exp_avg"], b.optim["exp_avg"]) and a.step == b.step), meta.name
     finally:
         native.close()
         merged.close()
@@ -162,9 +162,9 @@ def test_drop_head_reset_example_drops_the_head_and_zeroes_the_norms_moments(z3_
         if meta.frozen:
             continue
         if meta.name.startswith("norm."):  # the example keeps the step (see its comments)
-            assert not ours.exp_avg.any() and not ours.exp_avg_sq.any(), meta.name
+            assert not ours.optim["exp_avg"].any() and not ours.optim["exp_avg_sq"].any(), meta.name
         else:
-            assert torch.equal(ours.exp_avg, theirs.exp_avg) and torch.equal(ours.exp_avg_sq, theirs.exp_avg_sq)
+            assert torch.equal(ours.optim["exp_avg"], theirs.optim["exp_avg"]) and torch.equal(ours.optim["exp_avg_sq"], theirs.optim["exp_avg_sq"])
         assert ours.step == theirs.step == 3, meta.name
     assert set(out.buffers()) == {"calls"}
     source.close()
@@ -249,7 +249,7 @@ def test_a_reset_that_keeps_the_step_zeroes_only_the_moments(reset, extra, z3_bf
             continue
         state = native.read(meta.name)
         assert state.step == 3
-        assert state.exp_avg.any() != meta.name.startswith("norm."), meta.name
+        assert state.optim["exp_avg"].any() != meta.name.startswith("norm."), meta.name
     native.close()
 
 

@@ -6,18 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucp.partition import (
-    zero3_layout,
-    zero3_partition_size,
-    zero3_rank_span,
-    zero3_sub_groups,
-    zero12_group,
-    zero12_group_padding,
-    zero12_padded_numel,
-    zero12_param_spans,
-    zero12_partition_size,
-    zero12_rank_slice,
-)
+from ucp.model.partition import zero12_group, zero12_group_padding, zero12_padded_numel, zero12_param_spans, zero12_partition_size, zero12_rank_slice, zero3_layout, zero3_partition_size, zero3_rank_span, zero3_sub_groups
 
 
 @pytest.mark.parametrize("numel, dp, expected", [(66, 2, 33), (42, 2, 21), (7, 2, 4), (49, 2, 25), (7, 4, 2),

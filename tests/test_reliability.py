@@ -1,7 +1,7 @@
 """Issue 7: what ucp promises when its input is damaged, hostile or interrupted.
 
 Every damaged checkpoint here starts as a real DeepSpeed checkpoint (conftest fixtures), copied to
-tmp_path and broken one way; rank files are re-saved with ucp.torchfile.save so DeepSpeed's class
+tmp_path and broken one way; rank files are re-saved with ucp's own writer (tests.support.files.resave) so DeepSpeed's class
 names stay as DeepSpeed wrote them. Errors are checked through the CLI: a non-zero exit and exactly
 one line on stderr.
 """
@@ -22,17 +22,20 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from dsfixtures import Built, build
+from tests.support.fixtures import Built, build
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ucp import torchfile
-from ucp.atomic import PARTIAL_MARK
+from tests.support.files import resave
+from ucp.io import standins
+from ucp.io import torchfile
+from ucp.io.atomic import PARTIAL_MARK
 from ucp.cli import main
-from ucp.convert import to_universal
+from ucp.ops.convert import to_universal
 from ucp.errors import CorruptFileError, InputError
 from ucp.harness.spec import ModelSpec
-from ucp.universal import MANIFEST, UniversalReader, folder_for
+from ucp.universal.manifest import MANIFEST, folder_for
+from ucp.universal.reader import UniversalReader
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +63,7 @@ def edit(path: Path, change: Callable[[Any], None]) -> None:
     """Load a rank file, change it in place, and save it back under DeepSpeed's class names."""
     obj = torchfile.load(path)
     change(obj)
-    torchfile.save(obj, path)
+    resave(obj, path)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -265,12 +268,12 @@ def _moment_too_short(ckpt: Path) -> None:
 def _unsupported_stage(ckpt: Path) -> None:
     for rank in (0, 1):
         edit(optim_file(ckpt, rank), lambda o: o["optimizer_state_dict"].__setitem__(
-            "zero_stage", torchfile.ZeroStageEnum(4)))
+            "zero_stage", standins.ZeroStageEnum(4)))
 
 
 def _stage_mismatch(ckpt: Path) -> None:
     edit(optim_file(ckpt, 1), lambda o: o["optimizer_state_dict"].__setitem__(
-        "zero_stage", torchfile.ZeroStageEnum(1)))
+        "zero_stage", standins.ZeroStageEnum(1)))
 
 
 def _latest_points_outside(ckpt: Path) -> None:

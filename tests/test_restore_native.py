@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import assert_same_training
-from dsfixtures import resume
+from tests.support.checks import assert_same_training
+from tests.support.fixtures import resume
 
 import ucp
 from ucp.cli import main as cli

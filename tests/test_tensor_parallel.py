@@ -17,13 +17,14 @@ from typing import Any, Callable
 import pytest
 import torch
 from conftest import TP_SOURCES
-from dsfixtures import Built, resume
+from tests.support.fixtures import Built, resume
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ucp
-from ucp import torchfile
-from ucp import tp as tpl
+from tests.support.files import resave
+from ucp.io import torchfile
+from ucp.model import tp as tpl
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
 from ucp.harness.worker import record_path
@@ -93,7 +94,7 @@ def with_info(built: Built, folder: Path, edit: Callable[[dict[str, Any]], dict[
         info = edit(dict(states.pop("universal_checkpoint_info")))
         if info is not None:
             states["universal_checkpoint_info"] = info
-        torchfile.save(states, path)
+        resave(states, path)
     return copy
 
 
@@ -105,7 +106,7 @@ def assert_same_state(ours_path: Path, theirs_path: Path, **ours_options: Any) -
         for meta in theirs.facts.params:
             a, b = ours.read(meta.name), theirs.read(meta.name)
             assert torch.equal(a.fp32, b.fp32), meta.name
-            assert meta.frozen or (torch.equal(a.exp_avg, b.exp_avg) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+            assert meta.frozen or (torch.equal(a.optim["exp_avg"], b.optim["exp_avg"]) and torch.equal(a.optim["exp_avg_sq"], b.optim["exp_avg_sq"])
                                    and a.step == b.step), meta.name
     finally:
         ours.close()
@@ -197,9 +198,10 @@ def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, source, unive
             if meta.frozen:
                 assert torch.equal(state.fp32, expected_full(meta.name, [r["module"][meta.name] for r in recs]).float())
                 continue
+            assert list(state.optim) == ["exp_avg", "exp_avg_sq"], meta.name
             for key in ("params", "exp_avg", "exp_avg_sq"):
                 want = expected_full(meta.name, [r[key][meta.name] for r in recs])
-                got = state.fp32 if key == "params" else getattr(state, key)
+                got = state.fp32 if key == "params" else state.optim[key]
                 assert torch.equal(got, want), (meta.name, key)
             assert state.step == built.spec.steps
         assert facts.tied == recs[0]["tied"]

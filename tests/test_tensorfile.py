@@ -1,4 +1,4 @@
-"""ucp.tensorfile and the copy-free paths built on it.
+"""ucp.io.torchzip, ucp.io.pieces and the copy-free paths built on it.
 
 The promises kept here: a tensor given as pieces (in-memory slices or spans of a file on disk) is
 written byte for byte as the joined tensor would be, with the crc32 of the bytes on disk; slicing
@@ -19,8 +19,11 @@ import torch
 
 from ucp.errors import ChecksumError, CorruptFileError
 from ucp.sources import open_reader
-from ucp.tensorfile import FileSpan, Pieces, write_torch_file
-from ucp.universal import open_universal, write_universal
+from ucp.io.pieces import FileSpan, Pieces
+from ucp.model.records import Reader, ReaderView
+from ucp.io.torchzip import write_torch_file
+from ucp.universal.reader import open_universal
+from ucp.universal.writer import write_universal
 
 
 def _raw_file(tmp_path: Path, tensor: torch.Tensor, lead: bytes = b"xyz") -> Path:
@@ -94,15 +97,22 @@ def test_a_span_past_the_end_of_a_truncated_file_is_a_one_line_corrupt_file_erro
     assert "truncated" in str(err.value) and "\n" not in str(err.value)
 
 
+class _WholeTensors(ReaderView):
+    """The same source through ``read`` alone (whole tensors), as a non-streaming reader gives it."""
+
+    streams = False
+    read_pieces = Reader.read_pieces
+
+
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"])
 def test_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(source, name: str,
                                                                                 tmp_path: Path) -> None:
     fast, whole = tmp_path / "fast" / "u", tmp_path / "whole" / "u"
     reader = open_reader(source(name).path)
     try:
-        assert hasattr(reader, "read_pieces")
+        assert reader.streams
         write_universal(reader, fast)
-        write_universal(reader, whole, transform=lambda meta, state: state)  # a transform takes read()
+        write_universal(_WholeTensors(reader, reader.facts), whole)
     finally:
         reader.close()
     files = sorted(p.relative_to(fast) for p in (fast / "zero").rglob("*.pt"))
@@ -118,11 +128,10 @@ def test_pieces_match_read_bit_for_bit(source, name: str) -> None:
         for meta in reader.facts.params:
             whole = reader.read(meta.name)
             with reader.read_pieces(meta.name) as pieces:
-                for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                    a, b = getattr(whole, key), getattr(pieces, key)
-                    assert (a is None) == (b is None), (meta.name, key)
-                    if a is not None:
-                        assert torch.equal(b.join(), a), (meta.name, key)
+                assert torch.equal(pieces.fp32.join(), whole.fp32), meta.name
+                assert list(pieces.optim) == list(whole.optim) == ([] if meta.frozen else ["exp_avg", "exp_avg_sq"])
+                for key, a in whole.optim.items():
+                    assert torch.equal(pieces.optim[key].join(), a), (meta.name, key)
                 assert pieces.step == whole.step
     finally:
         reader.close()
@@ -134,9 +143,9 @@ def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universal
     reader = open_universal(root)
     name = next(m.name for m in reader.facts.params if not m.frozen)
     with reader.read_pieces(name) as first:
-        expected = first.exp_avg.join()
+        expected = first.optim["exp_avg"].join()
     with reader.read_pieces(name) as again:
-        assert torch.equal(again.exp_avg.join(), expected)
+        assert torch.equal(again.optim["exp_avg"].join(), expected)
     path = reader.file_path(name, "exp_avg.pt")
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01  # same size, new bytes

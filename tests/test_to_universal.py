@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from checks import assert_reader_matches_record
+from tests.support.checks import assert_reader_matches_record
 from conftest import SOURCES
-from dsfixtures import resume
+from tests.support.fixtures import resume
 
 import ucp
 from ucp.harness import LoadSpec

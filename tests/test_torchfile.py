@@ -1,4 +1,4 @@
-"""ucp.torchfile: the only door by which checkpoint bytes enter ucp.
+"""ucp.io.torchfile: the only door by which checkpoint bytes enter ucp.
 
 The promises kept here: every load is weights_only with ucp's own allow-list, a hostile global is
 refused by name before anything runs, damaged files end in one-line CorruptFileErrors, and a
@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ucp import torchfile
+from tests.support.files import resave
+from ucp.io import standins
+from ucp.io import torchfile
 from ucp.errors import CorruptFileError, UnsafeFileError
 
 CALLS: list[str] = []
@@ -60,16 +62,16 @@ def _no_calls() -> None:
 
 def test_round_trip_keeps_deepspeed_standins(tmp_path: Path) -> None:
     obj = {
-        "zero_stage": torchfile.ZeroStageEnum(3),
-        "loss_scaler": torchfile.LossScaler(cur_scale=2.0, dynamic=False),
-        "dyn": torchfile.DynamicLossScaler(cur_scale=4.0, cur_iter=7),
-        "args": torchfile.Namespace(lr=0.1),
+        "zero_stage": standins.ZeroStageEnum(3),
+        "loss_scaler": standins.LossScaler(cur_scale=2.0, dynamic=False),
+        "dyn": standins.DynamicLossScaler(cur_scale=4.0, cur_iter=7),
+        "args": standins.Namespace(lr=0.1),
         "tensors": [torch.arange(6, dtype=torch.bfloat16).view(2, 3), torch.ones(3)],
         "nested": {"t": (torch.zeros(2), 1, "x")},
     }
-    torchfile.save(obj, tmp_path / "f.pt")
+    resave(obj, tmp_path / "f.pt")
     back = torchfile.load(tmp_path / "f.pt")
-    assert back["zero_stage"] == 3 and isinstance(back["zero_stage"], torchfile.ZeroStageEnum)
+    assert back["zero_stage"] == 3 and isinstance(back["zero_stage"], standins.ZeroStageEnum)
     assert back["loss_scaler"] == obj["loss_scaler"]
     assert back["dyn"] == obj["dyn"] and back["args"] == obj["args"]
     assert torch.equal(back["tensors"][0], obj["tensors"][0])
@@ -224,7 +226,7 @@ def test_source_file_is_never_written_through_its_mapping(tmp_path: Path) -> Non
 
 def test_tensors_stay_valid_after_the_file_is_closed(tmp_path: Path) -> None:
     """close() must not unmap memory that live tensors still view (it used to: a segfault)."""
-    torchfile.save({"w": torch.arange(4096.0), "scaler": torchfile.LossScaler(cur_scale=torch.tensor(8.0))},
+    resave({"w": torch.arange(4096.0), "scaler": standins.LossScaler(cur_scale=torch.tensor(8.0))},
                    tmp_path / "f.pt")
     with torchfile.TorchFile(tmp_path / "f.pt") as tf:
         kept = tf.obj["w"][10:20]

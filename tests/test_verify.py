@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ucp import torchfile
-from ucp.atomic import checksum
+from tests.support.files import resave
+from ucp.io import torchfile
+from ucp.io.atomic import checksum
 from ucp.cli import main
-from ucp.convert import to_universal
+from ucp.ops.convert import to_universal
 from ucp.errors import InputError
-from ucp.verify import first_difference, verify_model, verify_universal
+from ucp.ops.verify import first_difference, verify_model, verify_universal
 
 PARAM = "blocks.0.0.weight"
 
@@ -51,7 +52,7 @@ def _nudge_one_exp_avg(root: Path, index: int) -> tuple[float, float]:
     flat = obj["param"].view(-1)
     old = flat[index].item()
     flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf")))
-    torchfile.save(obj, path)
+    resave(obj, path)
     return old, flat[index].item()
 
 
@@ -85,7 +86,7 @@ def test_verify_catches_one_changed_exp_avg_value_with_a_stale_checksum(z3_bf16_
 
 def test_verify_catches_a_changed_step_file(z3_bf16_dp2, copy):
     path = copy / "zero" / "norm.bias" / "step.pt"
-    torchfile.save(torch.tensor(4.0), path)
+    resave(torch.tensor(4.0), path)
     assert "step.pt does not match its checksum" in verify_universal(z3_bf16_dp2.path, copy).message
     _fix_checksum(copy, "norm.bias", "step.pt")
     result = verify_universal(z3_bf16_dp2.path, copy)
@@ -97,7 +98,7 @@ def test_verify_catches_a_changed_frozen_weight_and_a_missing_file(z3_bf16_dp2, 
     path = copy / "zero" / "proj.bias" / "fp32.pt"
     obj = torchfile.load(path)
     obj["param"][9] = -obj["param"][9]
-    torchfile.save(obj, path)
+    resave(obj, path)
     _fix_checksum(copy, "proj.bias", "fp32.pt")
     result = verify_universal(z3_bf16_dp2.path, copy)
     assert result.message.startswith("MISMATCH: proj.bias fp32: first of 1 differing elements at index [9]")
@@ -109,7 +110,7 @@ def test_verify_catches_a_changed_frozen_weight_and_a_missing_file(z3_bf16_dp2, 
 def test_verify_catches_a_changed_buffer(z3_bf16_dp2, copy):
     state = torchfile.load(copy / "state.pt")
     state["buffers"]["calls"][1] += 1
-    torchfile.save(state, copy / "state.pt")
+    resave(state, copy / "state.pt")
     assert "state.pt does not match its checksum" in verify_universal(z3_bf16_dp2.path, copy).message
     manifest = json.loads((copy / "ucp.json").read_text())
     manifest["files"]["state.pt"] = {"bytes": (copy / "state.pt").stat().st_size, "crc32": checksum(copy / "state.pt")}

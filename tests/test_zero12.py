@@ -11,14 +11,15 @@ import shutil
 
 import pytest
 import torch
-from checks import assert_reader_matches_record, assert_same_training, assert_state_equals_record
-from dsfixtures import resume
+from tests.support.checks import assert_reader_matches_record, assert_same_training, assert_state_equals_record
+from tests.support.fixtures import resume
 
 import ucp
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
 from ucp.sources import open_reader
-from ucp.torchfile import load, save
+from tests.support.files import resave
+from ucp.io.torchfile import load
 
 Z12 = ["z1-fp32-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"]
 
@@ -85,21 +86,21 @@ def _break_shapes(tag):
     group = model["param_shapes"][0]
     first = next(iter(group))
     group[first] = torch.Size([group[first][0] + 1, *group[first][1:]])
-    save(model, tag / "mp_rank_00_model_states.pt")
+    resave(model, tag / "mp_rank_00_model_states.pt")
 
 
 def _mix_versions(tag):
     path = next(tag.glob("*zero_pp_rank_1_*"))
     optim = load(path)
     optim["ds_version"] = optim["optimizer_state_dict"]["ds_version"] = "0.18.0"
-    save(optim, path)
+    resave(optim, path)
 
 
 def _say_stage3(tag):
     path = next(tag.glob("*zero_pp_rank_0_*"))
     optim = load(path)
     optim["optimizer_state_dict"]["zero_stage"] = type(optim["optimizer_state_dict"]["zero_stage"])(3)
-    save(optim, path)
+    resave(optim, path)
 
 
 def _drop_last_rank(tag):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ucp.convert import load_optimizer_moments, to_universal  # noqa: E402
+from ucp.ops.convert import load_optimizer_moments, to_universal
 from ucp.errors import UcpError  # noqa: E402
 from ucp.sources import open_reader  # noqa: E402
-from ucp.universal import open_universal  # noqa: E402
+from ucp.universal.reader import open_universal
 
 
 def restore(engine, universal_dir, **kwargs):  # type: ignore[no-untyped-def]

@@ -32,12 +32,12 @@ def _positive(text: str) -> int:
 
 def _cmd_to_universal(args: argparse.Namespace) -> int:
     if args.distributed:
-        from ucp.distributed import to_universal_distributed
+        from ucp.ops.distributed import to_universal_distributed
 
         to_universal_distributed(args.src, args.out, tag=args.tag, optimizer=args.optimizer,
                                  workers=args.workers, overwrite=args.overwrite)
         return 0
-    from ucp.convert import to_universal
+    from ucp.ops.convert import to_universal
 
     manifest = to_universal(args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers,
                             overwrite=args.overwrite, fsync=args.fsync)
@@ -63,7 +63,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ucp.inspect import format_report, inspect_path
+    from ucp.ops.inspect import format_report, inspect_path
 
     report = inspect_path(args.path, tag=args.tag, optimizer=args.optimizer)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
@@ -71,7 +71,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ucp.verify import verify_model, verify_universal
+    from ucp.ops.verify import verify_model, verify_universal
 
     if args.model and args.universal:
         raise UcpError("give either UNIVERSAL or --model, not both")

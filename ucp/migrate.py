@@ -14,7 +14,6 @@ Relative paths in a config file resolve against the folder that holds the file.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import inspect
 import logging
 import os
@@ -27,9 +26,10 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import yaml
 
-from ucp import flavors
+from ucp.model import flavours
 from ucp.errors import ConfigError, OutputExistsError, StepConflictError, UcpError
-from ucp.records import DTYPES, Facts, Reader
+from ucp.model.options import RestoreOptions
+from ucp.model.records import DTYPES, Facts, Reader
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step, TransformedReader, TransformPlan, plan_transforms
 
 __all__ = ["MigrationConfig", "TransformConfig", "RenameConfig", "ResetConfig", "TargetConfig", "ExportConfig",
@@ -243,7 +243,7 @@ class TpRuleConfig(_Node):
             yield Issue(("vocab",), "vocabulary rows are on dim 0")
 
     def to_rule(self) -> Any:
-        from ucp.tp import TpRule
+        from ucp.model.tp import TpRule
 
         return TpRule(self.kind, dim=self.dim, parts=tuple(self.parts or ()), vocab=self.vocab)
 
@@ -265,12 +265,16 @@ class TargetConfig(_Node):
     output: Path
     dp: int = _checked(_positive)
     stage: int = _checked(_one_of((1, 2, 3)), default=3)
-    optimizer: str | None = _checked(_one_of(flavors.FLAVOURS), default=None)  # None: the source's
+    optimizer: str | None = _checked(_one_of(flavours.FLAVOURS), default=None)  # None: the source's
     dtype: str | None = _checked(_one_of(DTYPES), default=None)  # None: the source's
     step: str | int = _checked(_step_value, default="keep")
     tag: str | None = _checked(_tag, default=None)  # None: global_step<N>
     sub_group_size: int | None = _checked(lambda v: _positive(v) if v is not None else (), default=None)
     tp: int = _checked(_positive, default=1)  # tensor-parallel degree of the new run
+
+    def options(self) -> RestoreOptions:
+        """The same choices as the CLI's and the API's: one RestoreOptions, planned once."""
+        return RestoreOptions(**{name: getattr(self, name) for name in RestoreOptions.field_names()})
 
 
 @dataclass
@@ -653,15 +657,13 @@ def _open_source(config: MigrationConfig, issues: list[Issue]) -> Reader | None:
     try:
         reader = open_reader(config.source, tag=config.tag, tp_rules=rules)
         if rules:
-            from ucp.sources.tensor_parallel import apply_tp_rules
+            from ucp.sources.tensor_parallel import with_tp_rules
 
-            apply_tp_rules(reader, rules)
+            return with_tp_rules(reader, rules)
         return reader
     except UcpError as err:
         at = ("tag",) if config.tag is not None and f"tag {config.tag!r}" in str(err) else ("source",)
         issues.append(Issue(at, f"cannot be read: {err}"))
-    except ImportError as err:  # a layout whose reader this ucp does not have yet (ZeRO-1/2 before ucp.sources.zero12)
-        issues.append(Issue(("source",), f"cannot be read by this ucp: {err}"))
     return None
 
 
@@ -690,12 +692,9 @@ def _plan_target(config: MigrationConfig, target: TargetConfig, reader: Reader, 
 
     facts = tplan.facts
     start = len(issues)
-    if target.stage != 3 and importlib.util.find_spec("ucp.targets.native12") is None:
-        issues.append(Issue(("target", "stage"), f"ZeRO-{target.stage} targets are not in this ucp yet "
-                                                 "(ucp.targets.native12 is missing); use stage: 3"))
     if target.optimizer is None and facts.flavour is None:
         issues.append(Issue(("target", "optimizer"), "is required: the source's optimizer cannot be told from its "
-                                                     f"files; name it ({', '.join(flavors.FLAVOURS)})"))
+                                                     f"files; name it ({', '.join(flavours.FLAVOURS)})"))
     if not any(g.params for g in facts.groups):
         issues.append(Issue(("target",), "the transforms leave no trained parameter; a native checkpoint needs at "
                                          "least one param group"))
@@ -703,8 +702,7 @@ def _plan_target(config: MigrationConfig, target: TargetConfig, reader: Reader, 
         return None
     step: str | int = target.step
     try:
-        plan = plan_native(facts, dp=target.dp, stage=target.stage, optimizer=target.optimizer, dtype=target.dtype,
-                           tag=target.tag, sub_group_size=target.sub_group_size, step=step, tp=target.tp)
+        plan = plan_native(facts, target.options())
     except ConfigError as err:
         issues.append(Issue(("target",), str(err)))
         return None
@@ -724,8 +722,7 @@ def _plan_target(config: MigrationConfig, target: TargetConfig, reader: Reader, 
 def _param_steps(reader: Reader, tplan: TransformPlan) -> dict[str, int]:
     """The step each trained (renamed) parameter will carry: 0 when reset, else the source's
     (a native writer reads "never stepped" as 0 too)."""
-    entries = getattr(reader, "entries", None)  # a universal directory records a step per parameter
-    per_param = {e.name: e.step for e in entries()} if callable(entries) else {}
+    per_param = reader.param_steps()
     source = reader.facts
     group_step = {g.index: g.step for g in source.groups}
     steps: dict[str, int] = {}
@@ -853,7 +850,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
 # -- running ----------------------------------------------------------------------------------
 def execute(plan: MigrationPlan, *, overwrite: bool = False, workers: int | None = None) -> list[str]:
     """Do what the plan says, in order; returns one line per output written. Closes the plan's source."""
-    from ucp.universal import open_universal, write_universal
+    from ucp.universal.reader import open_universal
+    from ucp.universal.writer import write_universal
 
     config = plan.config
     tplan = plan.transforms
@@ -877,15 +875,13 @@ def execute(plan: MigrationPlan, *, overwrite: bool = False, workers: int | None
 
 
 def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
-    from ucp.targets.native import write_native
+    from ucp.targets.native import write_plan
 
     target = plan.config.target
-    if target is None:
+    if target is None or plan.native is None:
         raise ValueError("the plan has no target")
     try:
-        native = write_native(reader, target.output, dp=target.dp, stage=target.stage, optimizer=target.optimizer,
-                              dtype=target.dtype, tag=target.tag, sub_group_size=target.sub_group_size,
-                              step=target.step, overwrite=overwrite, workers=workers, tp=target.tp)
+        native = write_plan(reader, plan.native, target.output, overwrite=overwrite, workers=workers)
     except StepConflictError as err:
         # plan_migration checks this up front; a source whose own steps disagree still lands here
         origin = plan.config.origin

@@ -4,7 +4,7 @@ A migration's transforms become one :class:`TransformedReader` around the source
 universal writer, the native writer and the exporters consume a transformed checkpoint exactly as
 they would an untouched one.
 
-Call order: :func:`plan_transforms` turns the source's :class:`~ucp.records.Facts` and a list of
+Call order: :func:`plan_transforms` turns the source's :class:`~ucp.model.records.Facts` and a list of
 steps into a :class:`TransformPlan` (pure data: every rename, drop and reset, the new facts, and
 the problems found, nothing read from disk beyond the facts); the caller checks
 ``plan.problems``; only then :class:`TransformedReader` wraps the source reader with the plan.
@@ -36,7 +36,7 @@ from typing import Any, Union
 import torch
 
 from ucp.errors import InputError
-from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, Reader
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader
 
 __all__ = ["Rename", "Drop", "ResetOptimizer", "Step", "Problem", "TransformPlan", "plan_transforms",
            "TransformedReader"]
@@ -278,8 +278,8 @@ def _new_facts(facts: Facts, names: list[_Name], plan: TransformPlan) -> Facts:
     )
 
 
-class TransformedReader:
-    """A :class:`~ucp.records.Reader` showing ``inner`` as the plan's steps leave it.
+class TransformedReader(Reader):
+    """A :class:`~ucp.model.records.Reader` showing ``inner`` as the plan's steps leave it.
 
     Call order as for any reader; ``close`` closes ``inner``. Reads are stateless (thread-safe as
     far as ``inner`` is).
@@ -301,8 +301,7 @@ class TransformedReader:
             return state
         return ParamState(
             fp32=state.fp32,
-            exp_avg=None if state.exp_avg is None else torch.zeros_like(state.exp_avg),
-            exp_avg_sq=None if state.exp_avg_sq is None else torch.zeros_like(state.exp_avg_sq),
+            optim={k: torch.zeros_like(v) for k, v in state.optim.items()},
             step=0 if name in self.plan.restarted and state.step is not None else state.step,
         )
 

@@ -1,4 +1,4 @@
-"""Sources: read a checkpoint into :class:`ucp.records.Reader` form.
+"""Sources: read a checkpoint into :class:`~ucp.model.records.Reader` form.
 
 ``open_reader`` decides what PATH is (a universal directory, DeepSpeed's own ``ds_to_universal``
 output, or a DeepSpeed checkpoint of some ZeRO stage) and returns the matching reader; nothing
@@ -10,18 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ucp.errors import InputError
-from ucp.records import Reader
-from ucp.sources.files import find_checkpoint
+from ucp.deepspeed.layout import find_checkpoint
+from ucp.model.records import Reader
+from ucp.universal.reader import is_universal, open_universal
 
 if TYPE_CHECKING:
-    from ucp.tp import TpRule
+    from ucp.model.tp import TpRule
 
 __all__ = ["open_reader", "is_universal"]
-
-
-def is_universal(path: str | Path) -> bool:
-    return (Path(path) / "ucp.json").is_file()
 
 
 def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | None = None,
@@ -36,18 +32,14 @@ def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | No
     """
     path = Path(path)
     if is_universal(path):
-        from ucp.universal import open_universal
-
         return open_universal(path, verify=verify)
-    from ucp.sources.dsuniversal import find_ds_universal
+    from ucp.sources.ds_universal import find_ds_universal
 
     found = find_ds_universal(path, tag)
     if found is not None:
         if is_universal(found):
-            from ucp.universal import open_universal
-
-            return open_universal(found, verify=verify)
-        from ucp.sources.dsuniversal import DsUniversalSource
+                return open_universal(found, verify=verify)
+        from ucp.sources.ds_universal import DsUniversalSource
 
         return DsUniversalSource(found, optimizer=optimizer)
     files = find_checkpoint(path, tag)
@@ -59,8 +51,6 @@ def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | No
         from ucp.sources.zero3 import Zero3Source
 
         return Zero3Source(files, optimizer=optimizer)
-    try:
-        from ucp.sources.zero12 import Zero12Source
-    except ImportError:
-        raise InputError(f"{files.tag_dir} is a ZeRO-1/2 checkpoint; this ucp reads ZeRO-3 only") from None
+    from ucp.sources.zero12 import Zero12Source
+
     return Zero12Source(files, optimizer=optimizer)

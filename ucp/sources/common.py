@@ -1,4 +1,4 @@
-"""Small readers of DeepSpeed checkpoint fields that every ZeRO stage shares."""
+"""What the ZeRO readers share beyond DeepSpeed's fields: rank slices as pieces, param-group records."""
 
 from __future__ import annotations
 
@@ -6,233 +6,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from ucp import flavors
-from ucp.errors import InputError
-from ucp.partition import zero3_rank_span
-from ucp.records import Facts, GroupMeta, dtype_name
-from ucp.tensorfile import Pieces
-from ucp.torchfile import TorchFile
+from ucp.io.pieces import Pieces
+from ucp.io.torchfile import TorchFile
+from ucp.model import flavours
+from ucp.model.partition import zero3_rank_span
+from ucp.model.records import GroupMeta
 
-__all__ = ["build_facts", "group_meta", "zero12_frozen_names", "missing_ranks", "module_buffers", "model_extras", "zero3_gather", "zero3_pieces", "file_pieces", "MALFORMED", "check_name", "first_line", "sub_group_size", "jsonable", "optimizer_block", "stage_of", "partition_count", "tensor_shape", "model_dtype", "engine_counters",
-           "client_state", "DS_MODEL_KEYS", "SUPPORTED_STAGES", "as_int", "need_mapping", "need_list", "need_tensor"]
-
-#: ZeRO stages whose checkpoints ucp reads.
-SUPPORTED_STAGES = (1, 2, 3)
-
-#: Keys DeepSpeed itself writes into model-states files; anything else is the user's client state.
-DS_MODEL_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autoep_layers", "num_experts",
-})
-
-
-def as_int(value: Any, what: str) -> int:
-    """An int field of a checkpoint (a Python int, an int-valued tensor or float, a DeepSpeed enum)."""
-    if isinstance(value, bool):
-        raise InputError(f"{what} is {value!r}, not an integer")
-    if torch.is_tensor(value) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int):
-        raise InputError(f"{what} is {value!r:.60}, not an integer")
-    return int(value)
-
-
-def need_mapping(value: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise InputError(f"{what} is a {type(value).__name__}, expected a dict: the file is damaged or not from "
-                         "DeepSpeed")
-    return value
-
-
-def need_list(value: Any, what: str) -> list[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise InputError(f"{what} is a {type(value).__name__}, expected a list: the file is damaged or not from "
-                         "DeepSpeed")
-    return list(value)
-
-
-def need_tensor(value: Any, what: str, *, floating: bool = True) -> torch.Tensor:
-    if not torch.is_tensor(value) or value.layout != torch.strided or (floating and not value.is_floating_point()):
-        kind = f"a {value.dtype} tensor" if torch.is_tensor(value) else f"a {type(value).__name__}"
-        raise InputError(f"{what} is {kind}, expected a {'floating-point ' if floating else ''}tensor: the file is "
-                         "damaged or not from DeepSpeed")
-    return value
-
-
-def optimizer_block(tf: TorchFile) -> Mapping[str, Any]:
-    """The ZeRO optimizer's dict inside an optim-states file."""
-    obj = tf.obj
-    block = obj.get("optimizer_state_dict") if isinstance(obj, Mapping) else None
-    if not isinstance(block, Mapping):
-        raise InputError(f"{tf.path.name} has no optimizer_state_dict: not a ZeRO optim-states file")
-    return block
-
-
-def stage_of(block: Mapping[str, Any]) -> int:
-    stage = block.get("zero_stage")
-    if stage is None:
-        raise InputError("optim-states file does not say its zero_stage")
-    stage = as_int(stage, "zero_stage")
-    if stage not in SUPPORTED_STAGES:
-        raise InputError(f"zero_stage={stage} is not supported: ucp reads ZeRO stage 1, 2 and 3 checkpoints")
-    return stage
-
-
-def partition_count(block: Mapping[str, Any]) -> int:
-    """DeepSpeed writes an int (ZeRO-3) or one count per param group (ZeRO-1/2)."""
-    count = block.get("partition_count")
-    if isinstance(count, (list, tuple)):
-        counts = [as_int(c, "partition_count") for c in count]
-        if len(set(counts)) != 1:
-            raise InputError(f"param groups were partitioned differently: partition_count={counts}")
-        count = counts[0]
-    if count is None:
-        raise InputError("optim-states file does not say its partition_count")
-    count = as_int(count, "partition_count")
-    if count < 1:
-        raise InputError(f"partition_count={count} is not a positive number of ranks")
-    return count
-
-
-def tensor_shape(shape: Any) -> tuple[int, ...]:
-    if torch.is_tensor(shape) or isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise InputError(f"parameter shape {shape!r:.60} is not a sequence of ints")
-    dims = tuple(shape)
-    if len(dims) > 64 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise InputError(f"parameter shape {shape!r:.60} is not a sequence of non-negative ints")
-    return tuple(int(d) for d in dims)
-
-
-def model_dtype(model_states: Mapping[str, Any], shapes: Any, *, files_bf16: bool) -> str:
-    """The model's weight dtype: read off a parameter placeholder, else from the config."""
-    module = model_states.get("module") or {}
-    if not isinstance(module, Mapping):
-        module = {}
-    names = [n for group in (shapes or []) if isinstance(group, Mapping) for n in group]
-    for name in names:
-        value = module.get(name)
-        if torch.is_tensor(value) and value.is_floating_point():
-            return dtype_name(value.dtype)
-    config = model_states.get("ds_config") or {}
-    if not isinstance(config, Mapping):
-        config = {}
-
-    def enabled(key: str) -> bool:
-        section = config.get(key) or {}
-        return isinstance(section, Mapping) and bool(section.get("enabled"))
-
-    if files_bf16 or enabled("bf16"):
-        return "bf16"
-    if enabled("fp16"):
-        return "fp16"
-    return "fp32"
-
-
-def engine_counters(model_states: Mapping[str, Any]) -> dict[str, Any]:
-    def count(key: str) -> int | None:
-        value = model_states.get(key)
-        return None if value is None else as_int(value, key)
-
-    return {
-        "global_steps": count("global_steps") or 0,
-        "skipped_steps": count("skipped_steps") or 0,
-        "global_samples": count("global_samples"),
-        "iteration": count("iteration"),
-    }
-
-
-def client_state(model_states: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in model_states.items() if k not in DS_MODEL_KEYS}
-
-
-#: What a damaged or hand-made file can raise while its structure is walked; readers turn these
-#: into one-line InputErrors and keep the cause for --debug.
-MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError, RuntimeError)
-
-
-def check_name(name: Any, where: str) -> None:
-    """Parameter names become folder names later (ucp.universal.folder_for): text only, no NUL."""
-    if not isinstance(name, str):
-        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not a string")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError(f"{where} holds a parameter name {name!r:.60} that is not valid text") from None
-    if not name or "\x00" in name:
-        raise InputError(f"{where} holds a parameter name {name!r:.60} that is empty or holds a NUL byte")
-
-
-def first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0][:160] if lines else ""
-
-
-def sub_group_size(ds_config: Mapping[str, Any]) -> int | None:
-    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
-    if isinstance(zero, Mapping) and zero.get("sub_group_size") is not None:
-        return as_int(zero["sub_group_size"], "zero_optimization.sub_group_size")
-    return None
-
-
-def jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value)
-
-
-def build_facts(build: Callable[[], Facts], *, close: Callable[[], None], where: str) -> Facts:
-    """Run a reader's fact-building; on any failure close its files first.
-
-    The explicit checks inside ``build`` cover what DeepSpeed writes; the rest of what a damaged or
-    hand-made file can hold (MALFORMED) becomes one line naming ``where``, the cause kept for --debug.
-    """
-    try:
-        return build()
-    except InputError:
-        close()
-        raise
-    except MALFORMED as err:
-        close()
-        raise InputError(f"{where} ({type(err).__name__}: {first_line(err)}); rerun with --debug for details") from err
-    except BaseException:
-        close()
-        raise
-
-
-def module_buffers(model_states: Mapping[str, Any], file_name: str) -> dict[str, torch.Tensor]:
-    """The persistent buffers DeepSpeed keeps in a model-states file's ``module``."""
-    module = model_states.get("module") or {}
-    out = {}
-    for name in model_states.get("buffer_names") or []:
-        if name in module:
-            value = need_tensor(module[name], f"{file_name}: buffer {name!r}", floating=False)
-            out[name] = value.detach().clone()
-    return out
-
-
-def model_extras(model_states: Mapping[str, Any], zero: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Scheduler, sampler, client state and loss-scaler fields, as every reader's ``extras``."""
-    out = {
-        "lr_scheduler": model_states.get("lr_scheduler"),
-        "data_sampler": model_states.get("data_sampler"),
-        "random_ltd": model_states.get("random_ltd"),
-        "client_state": client_state(model_states),
-    }
-    for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
-        if zero is not None and key in zero:
-            value = zero.get(key)
-            if key in ("dynamic_loss_scale", "overflow") and not isinstance(value, (bool, int, type(None))):
-                raise InputError(f"the optimizer state's {key} is a {type(value).__name__}, not a flag: file damaged")
-            out[key] = value
-    return out
+__all__ = ["zero3_pieces", "file_pieces", "zero3_gather", "group_meta"]
 
 
 def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
@@ -272,27 +52,8 @@ def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: 
     return zero3_pieces(fragment_of, numel, shape, dp).join(torch.float32)
 
 
-def missing_ranks(rank_file: Callable[[int], str], found: int, count: int) -> str:
-    """'rank file X is' / 'rank files X, Y, Z and N more are': a bounded list, whatever count claims."""
-    names = [rank_file(r) for r in range(found, min(count, found + 3))]
-    if count - found > len(names):
-        names.append(f"and {count - found - len(names)} more")
-    return f"rank files {', '.join(names)} are" if len(names) > 1 else f"rank file {names[0]} is"
-
-
-def zero12_frozen_names(model_states: Mapping[str, Any], optimized: Iterable[str], tied: Iterable[str],
-                        buffer_names: Iterable[str]) -> list[str]:
-    """Parameters outside ZeRO-1/2's flat groups: stage 2 lists them (frozen_param_shapes); stage 1 leaves
-    them in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
-    listed = model_states.get("frozen_param_shapes")
-    if listed is not None:
-        return list(listed)
-    skip = set(optimized) | set(tied) | set(buffer_names)
-    return [k for k in (model_states.get("module") or {}) if k not in skip]
-
-
 def group_meta(index: int, group: Mapping[str, Any], names: list[str], step: int | None,
-               adam_w_mode: bool | None) -> GroupMeta:
+               adam_w_mode: bool | None, state_keys: tuple[str, ...] = ()) -> GroupMeta:
     """A DeepSpeed param group as the pipeline's record: neutral hyperparameters plus its own keys."""
-    return GroupMeta(index=index, hyper=flavors.hyper_from_group(group, adam_w_mode), raw=flavors.raw_group(group),
-                     params=names, step=step)
+    return GroupMeta(index=index, hyper=flavours.hyper_from_group(group, adam_w_mode), raw=flavours.raw_group(group),
+                     params=names, step=step, state_keys=state_keys)

@@ -2,7 +2,7 @@
 
 Each TP rank's files form an ordinary ZeRO checkpoint of that rank's shards; one per-rank reader
 (ZeRO-1/2 or ZeRO-3) reads each. This reader merges their shards parameter by parameter with the
-rules of :mod:`ucp.tp`, taken from DeepSpeed's ``universal_checkpoint_info`` (AutoTP and
+rules of :mod:`ucp.model.tp`, taken from DeepSpeed's ``universal_checkpoint_info`` (AutoTP and
 Megatron-DeepSpeed write it into the model-states files) or from rules the caller gives (the
 migration YAML), which win over the checkpoint's. An affine map in the info gives exact per-rank
 layouts; otherwise the layouts follow from the rules, and are checked against every rank's shapes.
@@ -17,21 +17,21 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ucp import tp as tpl
+from ucp.model import tp as tpl
 from ucp.errors import InputError
-from ucp.records import Facts, ParamMeta, ParamState, Reader
-from ucp.sources.common import MALFORMED, first_line
-from ucp.sources.files import CheckpointFiles
-from ucp.torchfile import TorchFile
+from ucp.model.records import Facts, ParamMeta, ParamState, Reader, ReaderView
+from ucp.deepspeed.fields import MALFORMED, first_line
+from ucp.deepspeed.layout import CheckpointFiles
+from ucp.io.torchfile import TorchFile
 
-__all__ = ["TensorParallelSource", "checkpoint_tp_info", "given_rules", "apply_tp_rules"]
+__all__ = ["TensorParallelSource", "checkpoint_tp_info", "given_rules", "with_tp_rules"]
 
 logger = logging.getLogger(__name__)
 
 #: The key DeepSpeed stores the conversion schema under, in model-states (and ZeRO-1/2 optim) files.
 INFO_KEY = "universal_checkpoint_info"
 
-#: What a damaged or hand-edited ``universal_checkpoint_info`` can raise on its way through ucp.tp
+#: What a damaged or hand-edited ``universal_checkpoint_info`` can raise on its way through ucp.model.tp
 #: (a bad regex, a list where a mapping belongs, a missing key): one line, never a traceback.
 _BAD_INFO = (tpl.TpInfoError, re.error) + MALFORMED
 
@@ -72,17 +72,17 @@ def given_rules(patterns: Sequence[tuple[str, tpl.TpRule]], names: Sequence[str]
     return out
 
 
-def apply_tp_rules(reader: Reader, patterns: Sequence[tuple[str, tpl.TpRule]]) -> None:
-    """Record given rules on a reader's facts (a source without TP, or a universal directory), so a
+def with_tp_rules(reader: Reader, patterns: Sequence[tuple[str, tpl.TpRule]]) -> Reader:
+    """The reader seen with given rules recorded (a source without TP, or a universal directory), so a
     target can cut its full parameters for a TP degree. A merged TP source applied them already."""
     if isinstance(reader, TensorParallelSource) or not patterns:
-        return
+        return reader
     rules = dict(reader.facts.tp_rules)
     rules.update({n: r.to_json() for n, r in given_rules(patterns, [m.name for m in reader.facts.params]).items()})
-    reader.facts = replace(reader.facts, tp_rules=rules)
+    return ReaderView(reader, replace(reader.facts, tp_rules=rules))
 
 
-class TensorParallelSource:
+class TensorParallelSource(Reader):
     """A ZeRO checkpoint saved at TP degree > 1, read as full parameters."""
 
     def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None,
@@ -165,15 +165,17 @@ class TensorParallelSource:
         if len(steps) > 1:
             logger.warning("%s: TP ranks hold steps %s; using rank 0's", name, sorted(map(str, steps)))
 
-        def merge(key: str) -> torch.Tensor | None:
-            shards = [getattr(s, key) for s in states]
-            if any(t is None for t in shards):
-                return None
+        keys = list(states[0].optim)
+        if any(list(s.optim) != keys for s in states[1:]):
+            raise InputError(f"{self.files.tag_dir}: {name}: TP ranks hold different optimizer state "
+                             f"{sorted({tuple(s.optim) for s in states})}")
+
+        def merge(shards: list[torch.Tensor]) -> torch.Tensor:
             return tpl.gather(shards, layouts[: len(shards)], full)
 
         try:
-            return ParamState(fp32=merge("fp32"), exp_avg=merge("exp_avg"), exp_avg_sq=merge("exp_avg_sq"),
-                              step=states[0].step)
+            return ParamState(fp32=merge([s.fp32 for s in states]),
+                              optim={k: merge([s.optim[k] for s in states]) for k in keys}, step=states[0].step)
         except tpl.TpInfoError as err:
             raise InputError(f"{self.files.tag_dir}: {name}: {err}") from None
 

@@ -2,7 +2,7 @@
 
 Two wrappers write these files: ``DeepSpeedZeroOptimizer`` (stage 1 and 2, fp32/bf16/fp16) and
 ``BF16_Optimizer`` (bf16 with ``data_types.grad_accum_dtype=fp32``). Both keep, per param group,
-one flat buffer cut into ``dp`` equal partitions (``ucp.partition.zero12_group``): each rank's
+one flat buffer cut into ``dp`` equal partitions (``ucp.model.partition.zero12_group``): each rank's
 file holds its partition of the fp32 masters (``single_partition_of_fp32_groups``; DeepSpeedZeroOptimizer
 strips the end padding, BF16_Optimizer keeps it) and of the Adam moments (torch state of the flat
 partition, always padded). The one model-states file names the members of each group in flat
@@ -17,33 +17,15 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ucp import flavors
+from ucp.model import flavours
 from ucp.errors import InputError
-from ucp.partition import Zero12Group, zero12_group
-from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, SourceInfo, dtype_name
-from ucp.sources.common import (
-    as_int,
-    build_facts,
-    check_name,
-    engine_counters,
-    file_pieces,
-    group_meta,
-    jsonable,
-    missing_ranks,
-    model_dtype,
-    model_extras,
-    module_buffers,
-    need_list,
-    need_mapping,
-    need_tensor,
-    optimizer_block,
-    partition_count,
-    tensor_shape,
-    zero12_frozen_names,
-)
-from ucp.sources.files import CheckpointFiles
-from ucp.tensorfile import Pieces
-from ucp.torchfile import TorchFile
+from ucp.model.partition import Zero12Group, zero12_group
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
+from ucp.deepspeed.fields import as_int, build_facts, check_name, engine_counters, jsonable, missing_ranks, model_dtype, model_extras, module_buffers, need_list, need_mapping, need_tensor, optimizer_block, partition_count, tensor_shape, zero12_frozen_names, flat_state_keys
+from ucp.sources.common import file_pieces, group_meta
+from ucp.deepspeed.layout import CheckpointFiles
+from ucp.io.pieces import Pieces
+from ucp.io.torchfile import TorchFile
 
 __all__ = ["Zero12Source"]
 
@@ -53,12 +35,14 @@ _FP32 = "single_partition_of_fp32_groups"
 _BASE = "base_optimizer_state"
 
 
-class Zero12Source:
-    """A ZeRO-1/2 checkpoint as a :class:`ucp.records.Reader` (one mp rank).
+class Zero12Source(Reader):
+    """A ZeRO-1/2 checkpoint as a :class:`~ucp.model.records.Reader` (one mp rank).
 
     Call order: construct (reads and checks every file's small object tree; tensors stay on the
     mmap), then ``read`` per parameter from any thread, ``buffers``/``extras``, ``close``.
     """
+
+    streams = True
 
     def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, mp_rank: int = 0) -> None:
         self.files = files
@@ -221,6 +205,7 @@ class Zero12Source:
                            layouts: list[Zero12Group], states: list[Mapping[Any, Any]]) -> None:
         """Every rank's buffers must be exactly the sizes the parameters imply at this DP size."""
         dp = len(self._optim)
+        self._keys: list[tuple[str, ...]] = [() for _ in layouts]
         for rank, (tf, block, state) in enumerate(zip(self._optim, blocks, states)):
             name = tf.path.name
             fp32 = need_list(block[_FP32], f"{name}: {_FP32}")
@@ -240,13 +225,8 @@ class Zero12Source:
                         f"with padding {pad}: the group sizes do not add up (param_shapes do not match the shards)")
                 if state:
                     entry = need_mapping(state.get(g), f"{name}: optimizer state of param group {g}")
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if key not in entry:
-                            raise InputError(f"{name}: param group {g} has no {key}; not an Adam checkpoint")
-                        moment = need_tensor(entry[key], f"{name}: param group {g} {key}")
-                        if moment.dim() != 1 or moment.numel() != size:
-                            raise InputError(f"param group {g} on rank {rank}: {key} holds {moment.numel()} elements, "
-                                             f"expected the partition size {size} at dp={dp}")
+                    self._keys[g] = flat_state_keys(entry, size, f"{name}: param group {g}",
+                                                    self._keys[g] if rank else None)
                 if mappings is not None:
                     mapping = need_mapping(need_list(mappings, f"{name}: param_slice_mappings")[g],
                                            f"{name}: param_slice_mappings[{g}]")
@@ -292,7 +272,7 @@ class Zero12Source:
         self._layouts_ = self._layouts(shapes, blocks)
         self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
 
-        detection = flavors.detect(blocks[0][_BASE], ds_config, optimizer)
+        detection = flavours.detect(blocks[0][_BASE], ds_config, optimizer)
         group_steps: list[int | None] = []
         for g, group in enumerate(groups_raw):
             steps = set()
@@ -317,7 +297,7 @@ class Zero12Source:
                 self._shape[pname] = tensor_shape(shape)
                 names.append(pname)
                 params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
-            groups.append(group_meta(g, group, names, group_steps[g], detection.adam_w_mode))
+            groups.append(group_meta(g, group, names, group_steps[g], detection.adam_w_mode, self._keys[g]))
 
         tied = dict(head.get("shared_params") or {})
         buffer_names = list(head.get("buffer_names") or [])
@@ -405,9 +385,9 @@ class Zero12Source:
         fp32 = self._pieces(name, lambda block, g: block[_FP32][g])
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=step)
-        return PieceState(fp32=fp32, exp_avg=self._pieces(name, lambda block, g: block[_BASE]["state"][g]["exp_avg"]),
-                          exp_avg_sq=self._pieces(name, lambda block, g: block[_BASE]["state"][g]["exp_avg_sq"]),
-                          step=step)
+        g = self._where[name][0]
+        optim = {key: self._pieces(name, lambda block, g, key=key: block[_BASE]["state"][g][key]) for key in self._keys[g]}
+        return PieceState(fp32=fp32, optim=optim, step=step)
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:

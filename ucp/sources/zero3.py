@@ -2,7 +2,7 @@
 
 Each rank's optim file holds, per sub-group, a flat fp32 buffer and Adam moments of the same
 layout: the rank's ``ceil(numel/dp)`` partition of each member parameter, concatenated
-(``ucp.partition``). ``param_shapes`` in the model-states files names the members of each
+(``ucp.model.partition``). ``param_shapes`` in the model-states files names the members of each
 sub-group in order; the optimizer's param groups list which sub-groups each group owns.
 """
 
@@ -15,36 +15,16 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ucp import flavors, torchfile
+from ucp.model import flavours
 from ucp.errors import InputError
-from ucp.partition import zero3_partition_size, zero3_rank_span
-from ucp.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, SourceInfo, dtype_name
-from ucp.sources.common import (
-    as_int,
-    build_facts,
-    check_name,
-    engine_counters,
-    file_pieces,
-    group_meta,
-    jsonable,
-    missing_ranks,
-    model_dtype,
-    model_extras,
-    module_buffers,
-    need_list,
-    need_mapping,
-    need_tensor,
-    optimizer_block,
-    partition_count,
-    stage_of,
-    sub_group_size,
-    tensor_shape,
-    zero3_gather,
-    zero3_pieces,
-)
-from ucp.sources.files import CheckpointFiles
-from ucp.tensorfile import Pieces
-from ucp.torchfile import TorchFile
+from ucp.model.partition import zero3_partition_size, zero3_rank_span
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
+from ucp.deepspeed.fields import as_int, build_facts, check_name, engine_counters, jsonable, missing_ranks, model_dtype, model_extras, module_buffers, need_list, need_mapping, need_tensor, flat_state_keys, optimizer_block, partition_count, stage_of, sub_group_size, tensor_shape
+from ucp.sources.common import file_pieces, group_meta, zero3_gather, zero3_pieces
+from ucp.deepspeed.layout import CheckpointFiles
+from ucp.io.pieces import Pieces
+from ucp.io.standins import DynamicLossScaler, LossScaler
+from ucp.io.torchfile import TorchFile
 
 __all__ = ["Zero3Source"]
 
@@ -60,8 +40,10 @@ class _Where:
     shape: tuple[int, ...]
 
 
-class Zero3Source:
-    """A ZeRO-3 checkpoint as a :class:`ucp.records.Reader` (one mp rank)."""
+class Zero3Source(Reader):
+    """A ZeRO-3 checkpoint as a :class:`~ucp.model.records.Reader` (one mp rank)."""
+
+    streams = True
 
     def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, mp_rank: int = 0) -> None:
         self.files = files
@@ -177,7 +159,7 @@ class Zero3Source:
 
         for tf, block in zip(self._optim, blocks):
             scaler = block.get("loss_scaler")
-            if scaler is not None and not isinstance(scaler, (torchfile.LossScaler, torchfile.DynamicLossScaler)):
+            if scaler is not None and not isinstance(scaler, (LossScaler, DynamicLossScaler)):
                 raise InputError(f"{tf.path.name}: loss_scaler is a {type(scaler).__name__}, not a DeepSpeed loss "
                                  "scaler: the file is damaged or not from DeepSpeed")
             for key in ("dynamic_loss_scale", "overflow"):
@@ -192,7 +174,7 @@ class Zero3Source:
                 raise InputError(f"{tf.path.name} and {self._optim[0].path.name} group their sub-groups differently: "
                                  "ranks from different runs are mixed")
         base = blocks[0]["optimizer_state_dict"]
-        detection = flavors.detect(base, ds_config, optimizer)
+        detection = flavours.detect(base, ds_config, optimizer)
         flat = [need_list(b.get("fp32_flat_groups"), f"{tf.path.name}: fp32_flat_groups")
                 for tf, b in zip(self._optim, blocks)]
         for tf, rank_flat in zip(self._optim, flat):
@@ -235,8 +217,9 @@ class Zero3Source:
             if sub not in sub_of_group:
                 raise InputError(f"sub-group {sub} belongs to no param group in the optimizer state")
 
-        # moments: every sub-group on every rank, or none at all
+        # optimizer state: every sub-group on every rank, the same keys everywhere, or none at all
         self._has_moments = bool(state)
+        self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(len(shapes))}
         for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
             if bool(rank_state) != self._has_moments:
                 raise InputError(f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
@@ -249,16 +232,8 @@ class Zero3Source:
                 if entry is None:
                     raise InputError(f"{tf.path.name} has no optimizer state for sub-group {sub}")
                 entry = need_mapping(entry, f"{tf.path.name}: optimizer state of sub-group {sub}")
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in entry:
-                        raise InputError(f"{tf.path.name}: sub-group {sub} has no {key}; not an Adam checkpoint")
-                    moment = need_tensor(entry[key], f"{tf.path.name}: sub-group {sub} {key}")
-                    if moment.dim() != 1:
-                        raise InputError(f"{tf.path.name}: sub-group {sub} {key} has shape {tuple(moment.shape)}; "
-                                         "expected a flat buffer")
-                    if moment.numel() != flat[rank][sub].numel():
-                        raise InputError(f"rank {rank} sub-group {sub}: {key} holds {moment.numel()} elements, fp32 "
-                                         f"holds {flat[rank][sub].numel()}")
+                self._keys[sub] = flat_state_keys(entry, flat[rank][sub].numel(), f"{tf.path.name}: sub-group {sub}",
+                                                  self._keys[sub] if rank else None)
 
         # steps, per sub-group, checked across ranks
         sub_steps: dict[int, int | None] = {}
@@ -282,7 +257,11 @@ class Zero3Source:
                     names.append(name)
                     params.append(ParamMeta(name, self._where[name].shape, dtype, g, False))
             member_steps = [sub_steps[s] for s in layout[g] if sub_steps[s] is not None]
-            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode))
+            keys = {self._keys[s] for s in layout[g]}
+            if len(keys) > 1:
+                raise InputError(f"the sub-groups of param group {g} hold different optimizer state {sorted(keys)}")
+            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode,
+                                     keys.pop() if keys else ()))
         self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
 
         frozen_shapes = head.get("frozen_param_shapes") or {}
@@ -371,9 +350,9 @@ class Zero3Source:
         fp32 = self._pieces(where, lambda block: block["fp32_flat_groups"][sub])
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=self._steps.get(name))
-        exp_avg = self._pieces(where, lambda block: block["optimizer_state_dict"]["state"][sub]["exp_avg"])
-        exp_avg_sq = self._pieces(where, lambda block: block["optimizer_state_dict"]["state"][sub]["exp_avg_sq"])
-        return PieceState(fp32=fp32, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._steps.get(name))
+        optim = {key: self._pieces(where, lambda block, key=key: block["optimizer_state_dict"]["state"][sub][key])
+                 for key in self._keys[sub]}
+        return PieceState(fp32=fp32, optim=optim, step=self._steps.get(name))
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         return self._piece_state(name, moments).joined()

@@ -26,11 +26,11 @@ from typing import Any, Mapping
 
 import torch
 
-from ucp.atomic import PARTIAL_MARK, staged_output
+from ucp.io.atomic import PARTIAL_MARK, staged_output
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
-from ucp.records import DTYPES, Reader, torch_dtype
+from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import open_reader
-from ucp.universal import default_workers, parallel_map
+from ucp.io.pool import default_workers, parallel_map
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
@@ -224,7 +224,7 @@ def _export(reader: Reader, out: Path, file_name: str | None, fmt: str, dtype: s
 
 
 class _staged:
-    """A folder OUT goes through :func:`ucp.atomic.staged_output`; a file OUT is written beside
+    """A folder OUT goes through :func:`ucp.io.atomic.staged_output`; a file OUT is written beside
     itself under a temporary name and renamed into place, so a failure leaves no half file."""
 
     def __init__(self, out: Path, file_name: str | None, overwrite: bool) -> None:
@@ -241,7 +241,7 @@ class _staged:
             self.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise UcpError(f"cannot create {self.out.parent}: {err.strerror}") from None
-        # the name ucp.atomic recognises as a leftover, so a later run for OUT clears it after a kill
+        # the name ucp.io.atomic recognises as a leftover, so a later run for OUT clears it after a kill
         self._stage = self.out.parent / f".{self.out.name}{PARTIAL_MARK}{secrets.token_hex(4)}-{os.getpid()}"
         self._stage.mkdir()
         return self._stage

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ucp import tp as tpl
+from ucp.model import tp as tpl
 from ucp.errors import CorruptFileError, InputError
-from ucp.records import ParamMeta, ParamState, Reader
+from ucp.model.records import ParamMeta, ParamState, Reader
 
 __all__ = ["TpShardReader", "rank_layouts", "target_tp_info", "live_tp_view"]
 
@@ -62,8 +62,8 @@ def rank_layouts(reader: Reader, tp: int, rank: int, *, rules: Mapping[str, tpl.
     return out
 
 
-class TpShardReader:
-    """TP rank ``rank``'s view of a reader of full parameters."""
+class TpShardReader(Reader):
+    """TP rank ``rank``'s view of a reader of full parameters (closing it leaves that reader open)."""
 
     def __init__(self, reader: Reader, layouts: Mapping[str, tpl.RankLayout], *, tp: int, rank: int) -> None:
         self.full = reader  # the reader of full parameters this view cuts
@@ -77,21 +77,17 @@ class TpShardReader:
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         state = self.full.read(name, moments=moments)
         layout = self.layouts[name]
+        return ParamState(fp32=tpl.scatter(state.fp32, layout),
+                          optim={k: tpl.scatter(v, layout) for k, v in state.optim.items()}, step=state.step)
 
-        def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tpl.scatter(tensor, layout)
-
-        return ParamState(fp32=cut(state.fp32), exp_avg=cut(state.exp_avg), exp_avg_sq=cut(state.exp_avg_sq),
-                          step=state.step)
+    def param_steps(self) -> dict[str, int | None]:
+        return self.full.param_steps()
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return self.full.buffers()
 
     def extras(self) -> dict[str, Any]:
         return self.full.extras()
-
-    def close(self) -> None:
-        pass  # the wrapped reader belongs to the caller
 
 
 def target_tp_info(reader: Reader, tp: int) -> dict[str, Any]:

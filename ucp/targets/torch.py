@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ucp import flavors
+from ucp.model import flavours
 from ucp.errors import InputError
-from ucp.records import Reader
+from ucp.model.records import Reader
 from ucp.sources import open_reader
 from ucp.targets.engine import match_groups
 
@@ -38,16 +38,15 @@ def restore_torch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         live_members = [[names_of[id(p)] for p in g["params"] if id(p) in names_of]
                         for g in (optimizer.param_groups if optimizer else [])]
         matched = match_groups(reader, live_members, strict=strict) if optimizer else []
-        kind = flavors.get(flavour) if flavour else flavors.detect_live(optimizer) if optimizer else None
+        kind = flavours.get(flavour) if flavour else flavours.detect_live(optimizer) if optimizer else None
         for name, param in params.items():
             if name not in expected:
                 continue
             state = reader.read(name, moments=optimizer is not None)
             with torch.no_grad():
                 param.copy_(state.fp32.to(param.dtype))
-            if optimizer is not None and kind is not None and state.exp_avg is not None and param.requires_grad:
-                new = kind.make_state(state.exp_avg.to(param.device), state.exp_avg_sq.to(param.device),
-                                      int(state.step or 0))
+            if optimizer is not None and kind is not None and state.optim and param.requires_grad:
+                new = kind.make_state({k: v.to(param.device) for k, v in state.optim.items()}, int(state.step or 0))
                 if torch.is_tensor(new.get("step")) and _on_device(optimizer, param):
                     new["step"] = new["step"].to(param.device)
                 optimizer.state[param] = new

@@ -1,0 +1,1 @@
+"""Test helpers: real DeepSpeed fixtures, the assertions every test shares, hostile-file tools."""

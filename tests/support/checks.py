@@ -1,0 +1,76 @@
+"""Assertions shared by the tests: what a converted state must equal, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ucp.model.records import Reader
+
+__all__ = ["assert_reader_matches_record", "assert_same_training", "assert_state_equals_record"]
+
+
+def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, steps: int | None = None) -> None:
+    """Every tensor the reader gives equals what the live engine held, in its real shape."""
+    facts = reader.facts
+    trainable = set(record["params"])
+    assert {m.name for m in facts.params if not m.frozen} == trainable
+    for meta in facts.params:
+        state = reader.read(meta.name)
+        if meta.frozen:
+            expected = record["module"][meta.name]
+            assert state.fp32.shape == expected.shape, meta.name
+            assert torch.equal(state.fp32, expected.float()), meta.name
+            continue
+        assert list(state.optim) == ["exp_avg", "exp_avg_sq"], (meta.name, list(state.optim))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state.optim[key], record[key][meta.name]), (meta.name, key)
+        assert state.fp32.shape == record["params"][meta.name].shape, meta.name
+        assert torch.equal(state.fp32, record["params"][meta.name]), meta.name
+        assert state.step == (steps if steps is not None else int(record["state_steps"][0])), meta.name
+    assert facts.tied == record["tied"]
+    buffers = reader.buffers()
+    assert set(buffers) == set(facts.buffer_names)
+    for name, value in buffers.items():
+        assert torch.equal(value, record["buffers"][name]), name
+    for group, live in zip(facts.groups, record["group_hparams"]):
+        assert group.hyper.lr == live["lr"] and group.hyper.weight_decay == live["weight_decay"]
+        assert tuple(group.hyper.betas) == tuple(live["betas"]) and group.hyper.eps == live["eps"]
+
+
+def assert_same_training(reference: dict[str, Any], other: dict[str, Any], *, atol: float = 0.0) -> None:
+    """Losses, fp32 masters, moments, steps, lrs and counters agree (exactly when atol == 0)."""
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if atol == 0 else torch.allclose(a, b, rtol=0, atol=atol)
+
+    assert len(reference["losses"]) == len(other["losses"])
+    for a, b in zip(reference["losses"], other["losses"]):
+        assert (a == b) if atol == 0 else abs(a - b) <= atol * 10, (reference["losses"], other["losses"])
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        for name, value in reference[key].items():
+            assert close(value, other[key][name]), (key, name, (value - other[key][name]).abs().max().item())
+    for name, value in reference["module"].items():
+        assert value.shape == other["module"][name].shape, name
+    assert set(other["state_steps"]) == set(reference["state_steps"]), (other["state_steps"], reference["state_steps"])
+    assert other["lrs"] == reference["lrs"]
+    assert other["counters"] == reference["counters"]
+    assert other["lr_scheduler"]["last_epoch"] == reference["lr_scheduler"]["last_epoch"]
+    for name, value in reference["buffers"].items():
+        assert torch.equal(value, other["buffers"][name]), name
+
+
+def assert_state_equals_record(after, record, *, steps, buffers=True):
+    """What a freshly loaded engine holds equals what the source engine held, bit for bit."""
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert set(after[key]) == set(record[key]), key
+        for name, value in record[key].items():
+            assert torch.equal(after[key][name], value), (key, name)
+    for name, value in record["module"].items():  # low-precision weights and frozen parameters too
+        assert after["module"][name].dtype == value.dtype and torch.equal(after["module"][name], value), name
+    assert set(after["state_steps"]) == {float(steps)}
+    assert after["lrs"] == record["lrs"] and after["counters"] == record["counters"]
+    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
+        [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
+    if buffers:
+        assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())

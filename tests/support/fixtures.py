@@ -1,0 +1,86 @@
+"""Real DeepSpeed checkpoints for the tests, built once and cached on disk.
+
+Every fixture is a real run of the harness (gloo ranks on CPU). The cache key is the run's full
+spec, so changing a spec rebuilds only that fixture. ``UCP_TEST_CACHE`` moves the cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp.harness import LoadSpec, RunSpec, run_ranks
+
+__all__ = ["Built", "build", "cache_root", "resume"]
+
+_VERSION = "1"  # bump when the harness model or data change
+
+
+def cache_root() -> Path:
+    root = os.environ.get("UCP_TEST_CACHE")
+    return Path(root) if root else Path(__file__).resolve().parents[2] / ".ucp-cache" / "fixtures"
+
+
+@dataclass(frozen=True)
+class Built:
+    """A checkpoint DeepSpeed wrote, and what the live engine held when it wrote it."""
+
+    path: Path  # the folder holding `latest`
+    record_path: Path
+    spec: RunSpec
+
+    @property
+    def record(self) -> dict[str, Any]:
+        return torch.load(self.record_path, weights_only=True)
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.path / (self.path / "latest").read_text().strip()
+
+
+def _key(spec: RunSpec) -> str:
+    fields = asdict(replace(spec, save_dir=None, record=None, port=0))
+    # fields added later: runs that leave them at their defaults keep their cached keys
+    for key, default in (("grad_accum_dtype", None), ("tp", 1)):
+        if fields.get(key) == default:
+            del fields[key]
+    if not fields["model"].get("glu"):
+        del fields["model"]["glu"]
+    raw = json.dumps({"v": _VERSION, **fields}, sort_keys=True)
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def build(**fields: Any) -> Built:
+    """Train and save a checkpoint with RunSpec(**fields), or return the cached one."""
+    spec = RunSpec(**fields)
+    tp = f"-tp{spec.tp}" if spec.tp > 1 else ""
+    folder = cache_root() / f"{spec.stage}-{spec.dtype}-dp{spec.dp}{tp}-{spec.optimizer}-{_key(spec)}"
+    done = folder / "DONE"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per fixture, even across test processes
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
+            run_ranks(spec, log_dir=folder / "logs")
+            done.write_text("ok")
+    spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
+    return Built(folder / "ckpt", folder / "record.pt", spec)
+
+
+def resume(base: Built, load: LoadSpec, *, dp: int | None = None, steps: int = 3, name: str,
+           work: Path, **overrides: Any) -> dict[str, Any]:
+    """Continue ``base``'s run from ``load`` for ``steps`` more steps; return the live record."""
+    spec = replace(base.spec, dp=dp or base.spec.dp, steps=steps, first_step=base.spec.steps, load=load,
+                   save_dir=None, record=str(work / f"{name}.pt"), port=0, **overrides)
+    run_ranks(spec, log_dir=work / f"{name}-logs")
+    return torch.load(spec.record, weights_only=True)

@@ -1,0 +1,193 @@
+"""Finding a DeepSpeed checkpoint's files and checking that they form one whole checkpoint."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ucp.errors import InputError
+
+__all__ = ["CheckpointFiles", "find_checkpoint", "resolve_tag_dir", "read_latest", "optim_file", "zero3_model_file",
+           "model_file", "LATEST", "LATEST_UNIVERSAL", "UNIVERSAL_OPTIM", "UNIVERSAL_MODEL_FILES"]
+
+#: The file naming the tag folder a plain ``engine.load_checkpoint(dir)`` loads.
+LATEST = "latest"
+#: Its twin for ``load_universal``; "." names the folder itself.
+LATEST_UNIVERSAL = "latest_universal"
+#: What DeepSpeed's ``load_universal`` reads besides the per-parameter folders.
+UNIVERSAL_OPTIM = "zero/optimizer_state.pt"
+UNIVERSAL_MODEL_FILES = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
+
+
+def optim_file(dp_rank: int, mp_rank: int = 0, *, bf16: bool = False) -> str:
+    """A rank's optim-states file (BF16_Optimizer and bf16 ZeRO write the ``bf16_`` prefix)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def zero3_model_file(dp_rank: int, mp_rank: int = 0) -> str:
+    """A ZeRO-3 rank's model-states file."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def model_file(mp_rank: int = 0) -> str:
+    """The model-states file of a ZeRO-1/2 TP rank."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The rank files of one tag folder, indexed [mp rank][dp rank]."""
+
+    tag_dir: Path
+    tag: str
+    stage3: bool  # per-rank model states (ZeRO-3) rather than one per mp rank
+    bf16_prefix: bool
+    optim: tuple[tuple[Path, ...], ...]
+    model: tuple[tuple[Path, ...], ...]  # ZeRO-3: [mp][dp]; ZeRO-1/2: [mp][0]
+
+    @property
+    def dp(self) -> int:
+        return len(self.optim[0])
+
+    @property
+    def mp(self) -> int:
+        return len(self.optim)
+
+
+def _safe_tag(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\x00") and len(name) <= 255
+
+
+def read_latest(latest: Path) -> str:
+    try:
+        raw = latest.read_bytes()[:4097]
+    except OSError as err:
+        raise InputError(f"cannot read {latest}: {err.strerror}") from None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = ""
+    if len(raw) > 4096 or not name.isprintable() or not _safe_tag(name):
+        raise InputError(f"{latest} names {raw[:60]!r}, which is not a tag folder; fix the file or pass --tag")
+    return name
+
+
+def resolve_tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
+    """SRC may be the folder holding ``latest`` or a tag folder inside it."""
+    if "\x00" in str(src) or (tag is not None and "\x00" in tag):
+        raise InputError(f"{str(src)!r} (tag {tag!r}) holds a NUL byte; not a path")
+    try:
+        if not src.exists():
+            raise InputError(f"{src} does not exist")
+        if not src.is_dir():
+            raise InputError(f"{src} is not a folder; give the checkpoint folder (the one holding 'latest') or a tag "
+                             "folder")
+        if tag is not None:
+            tag_dir = src / tag
+            if not tag_dir.is_dir():
+                if src.name == tag:
+                    return src, tag
+                raise InputError(f"tag {tag!r} not found in {src}")
+            return tag_dir, tag
+        latest = src / LATEST
+        if latest.is_file():
+            name = read_latest(latest)
+            if not (src / name).is_dir():
+                raise InputError(f"{latest} names tag {name!r} but {src / name} does not exist")
+            return src / name, name
+        if any(src.glob("*_optim_states.pt")) or any(src.glob("*_model_states.pt")):
+            return src, src.name
+    except OSError as err:
+        raise InputError(f"cannot read {src}: {err.strerror}") from None
+    raise InputError(f"{src} holds no DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files")
+
+
+def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path,
+          name_of: Callable[[int, int], str] | None = None) -> tuple[tuple[Path, ...], ...]:
+    mps = sorted({mp for mp, _ in found})
+    if mps != list(range(len(mps))):
+        shown = ", ".join(map(str, mps[:8])) + (", ..." if len(mps) > 8 else "")
+        raise InputError(f"{tag_dir}: {what} files cover mp ranks {shown}; expected 0..{len(mps) - 1}")
+    rows = []
+    for mp in mps:
+        dps = sorted(dp for m, dp in found if m == mp)
+        if dps != list(range(len(dps))):
+            # rank numbers come from file names: find the first gap without counting up to them
+            first = next(i for i, dp in enumerate(dps) if dp != i)
+            if name_of is not None:
+                raise InputError(f"rank file {name_of(mp, first)} (dp rank {first}) is missing from "
+                                 f"{tag_dir}: higher ranks are there; copy the whole tag folder")
+            raise InputError(f"{tag_dir}: {what} file for dp rank {first} (mp rank {mp}) is missing")
+        rows.append(tuple(found[(mp, dp)] for dp in dps))
+    if len({len(r) for r in rows}) != 1:
+        raise InputError(f"{tag_dir}: mp ranks hold different numbers of {what} files")
+    return tuple(rows)
+
+
+def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
+    """Index the rank files of a DeepSpeed ZeRO checkpoint and refuse incomplete or mixed sets."""
+    tag_dir, tag = resolve_tag_dir(Path(src), tag)
+    optim: dict[tuple[int, int], Path] = {}
+    z3_model: dict[tuple[int, int], Path] = {}
+    model: dict[tuple[int, int], Path] = {}
+    prefixes: set[bool] = set()
+    try:
+        paths = sorted(tag_dir.iterdir())
+    except OSError as err:
+        raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
+    if any(_PIPELINE_LAYER.match(path.name) for path in paths):
+        raise InputError(f"{tag_dir} is a pipeline-parallel checkpoint (layer_XX-model_YY files); ucp merges "
+                         "tensor-parallel ranks but not pipeline stages yet")
+    for path in paths:
+        if m := _OPTIM.match(path.name):
+            key = (int(m.group(3)), int(m.group(2)))
+            if key in optim:
+                raise InputError(f"{tag_dir}: both bf16_ and plain optim files exist for dp rank {key[1]}")
+            optim[key] = path
+            prefixes.add(bool(m.group(1)))
+        elif m := _Z3_MODEL.match(path.name):
+            key = (int(m.group(2)), int(m.group(1)))
+            if key in z3_model:
+                raise InputError(f"{tag_dir}: two model files for dp rank {key[1]} mp rank {key[0]} "
+                                 f"({z3_model[key].name}, {path.name})")
+            z3_model[key] = path
+        elif m := _MODEL.match(path.name):
+            key = (int(m.group(1)), 0)
+            if key in model:
+                raise InputError(f"{tag_dir}: two model files for mp rank {key[0]} ({model[key].name}, {path.name})")
+            model[key] = path
+    if not optim:
+        raise InputError(f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without "
+                         "optimizer state)")
+    if len(prefixes) > 1:
+        raise InputError(f"{tag_dir} mixes bf16_ and plain optim files: two runs were saved into one tag")
+    bf16 = prefixes.pop()
+    if z3_model:
+        for mp, dp in sorted(set(z3_model) - set(optim)):
+            raise InputError(f"rank file {optim_file(dp, mp, bf16=bf16)} is missing from {tag_dir}: its model-states file is there; copy the whole tag folder")
+        for mp, dp in sorted(set(optim) - set(z3_model)):
+            raise InputError(f"rank file {zero3_model_file(dp, mp)} is missing from "
+                             f"{tag_dir}: its optim-states file is there; copy the whole tag folder")
+    optim_grid = _grid(optim, "optim", tag_dir,
+                       lambda mp, dp: optim_file(dp, mp, bf16=bf16))
+    if z3_model:
+        model_grid = _grid(z3_model, "model", tag_dir, lambda mp, dp: zero3_model_file(dp, mp))
+        if len(model_grid) != len(optim_grid) or len(model_grid[0]) != len(optim_grid[0]):
+            raise InputError(f"{tag_dir}: {sum(map(len, model_grid))} model files but "
+                             f"{sum(map(len, optim_grid))} optim files")
+        stage3 = True
+    elif model:
+        model_grid = _grid(model, "model", tag_dir)
+        if len(model_grid) != len(optim_grid):
+            raise InputError(f"{tag_dir}: model files for {len(model_grid)} mp ranks, optim for {len(optim_grid)}")
+        stage3 = False
+    else:
+        raise InputError(f"{tag_dir} has optim files but no *_model_states.pt")
+    return CheckpointFiles(tag_dir, tag, stage3, bf16, optim_grid, model_grid)

@@ -1,0 +1,196 @@
+"""Building the dicts DeepSpeed saves and loads: model states, ZeRO optimizer blocks, universal extras.
+
+Targets decide what goes where (DP size, stage, flavour, buffers); this module knows only how
+DeepSpeed 0.19.8 spells it, so a DeepSpeed field change is one edit here. Call order for a native
+target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, then
+:func:`zero3_optim_block` or :func:`zero12_optim_block` per rank.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ucp.io.standins import FragmentAddress, LossScaler, ZeroStageEnum
+from ucp.model.flavours import Flavour
+from ucp.model.partition import Zero12Group
+from ucp.model.records import Facts, torch_dtype
+
+__all__ = ["lp_placeholder", "model_states", "zero_wrapper", "flat_state", "zero3_optim_block", "zero12_optim_block",
+           "optim_file_dict", "clip_grad", "config_for_stage", "universal_optimizer_state", "universal_model_states"]
+
+
+def lp_placeholder(dtype: str) -> torch.Tensor:
+    """ZeRO-3 model-states files hold an empty tensor where each partitioned parameter goes."""
+    return torch.empty(0, dtype=torch_dtype(dtype))
+
+
+def model_states(facts: Facts, extras: Mapping[str, Any], buffers: Mapping[str, torch.Tensor], *, dtype: str, dp: int,
+                 tp: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a model-states file every stage shares (engine counters, scheduler, buffers);
+    ``extra`` adds the stage's own (param shapes, frozen parameters, TP info) before the client state."""
+    info = facts.info
+    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for meta in facts.params:
+        module[meta.name] = lp_placeholder(dtype)
+    for alias in facts.tied:
+        module[alias] = lp_placeholder(dtype)
+    module.update(buffers)
+    states: dict[str, Any] = {
+        "module": module,
+        "buffer_names": list(facts.buffer_names),
+        "optimizer": None,
+        "lr_scheduler": extras.get("lr_scheduler"),
+        "data_sampler": extras.get("data_sampler"),
+        "random_ltd": extras.get("random_ltd"),
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": info.skipped_steps,
+        "global_steps": info.global_steps,
+        "global_samples": info.global_samples if info.global_samples is not None else 0,
+        "dp_world_size": dp,
+        "mp_world_size": tp,
+        "ds_config": info.ds_config,
+        "ds_version": info.ds_version,
+    }
+    states.update(extra)
+    states.update(extras.get("client_state") or {})
+    return states
+
+
+def zero_wrapper(extras: Mapping[str, Any], *, source_dtype: str, dtype: str, stage: int) -> dict[str, Any]:
+    """The ZeRO wrapper fields shared by every rank's optim file; a loss scaler survives only at the same dtype."""
+    scaler = extras.get("loss_scaler")
+    if scaler is None or dtype != source_dtype:
+        scaler = LossScaler(cur_scale=1.0, dynamic=False)
+    return {
+        "zero_stage": ZeroStageEnum(stage),
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": extras.get("dynamic_loss_scale") is True and dtype == "fp16",
+        "overflow": False,
+    }
+
+
+def flat_state(flavour: Flavour, optim: Sequence[Mapping[str, torch.Tensor]], steps: Sequence[int],
+               moments: bool) -> dict[int, dict[str, Any]]:
+    """The torch optimizer state of flat tensors: one entry per flat tensor, as the flavour keeps it."""
+    if not moments:
+        return {}
+    return {i: flavour.make_state(tensors, step) for i, (tensors, step) in enumerate(zip(optim, steps))}
+
+
+def zero3_optim_block(*, wrapper: Mapping[str, Any], flavour: Flavour, fp32: list[torch.Tensor],
+                      optim: Sequence[Mapping[str, torch.Tensor]], steps: Sequence[int],
+                      groups: list[dict[str, Any]], dp: int, moments: bool) -> dict[str, Any]:
+    """The dict DeepSpeed's ZeRO-3 optimizer saves for one rank (and loads back)."""
+    inner = {"state": flat_state(flavour, optim, steps, moments), "param_groups": groups}
+    return {**wrapper, "partition_count": dp, "optimizer_state_dict": inner, "fp32_flat_groups": fp32}
+
+
+def zero12_optim_block(*, wrapper: Mapping[str, Any], flavour: Flavour, fp32: list[torch.Tensor],
+                       optim: Sequence[Mapping[str, torch.Tensor]], layouts: list[Zero12Group],
+                       names: list[list[str]], index: int, steps: Sequence[int], groups: list[dict[str, Any]],
+                       clip_grad: float, ds_version: str | None, moments: bool,
+                       alignment_paddings: list[list[int]] | None = None) -> dict[str, Any]:
+    """The dict DeepSpeedZeroOptimizer saves for rank ``index`` (and its ``load_state_dict`` takes back)."""
+    paddings = [layout.padding(index) for layout in layouts]
+    mappings = []
+    for g, layout in enumerate(layouts):
+        mapping = OrderedDict()
+        for i, name in enumerate(names[g]):
+            where = layout.rank_slice(i, index)
+            if where is not None:
+                mapping[name] = FragmentAddress(numel=where[1], start=where[0])
+        mappings.append(mapping)
+    if alignment_paddings is None:
+        alignment_paddings = [[0] * len(group) for group in names]
+    return {
+        "loss_scaler": wrapper["loss_scaler"],
+        "dynamic_loss_scale": wrapper["dynamic_loss_scale"],
+        "overflow": wrapper["overflow"],
+        "clip_grad": clip_grad,
+        "base_optimizer_state": {"state": flat_state(flavour, optim, steps, moments), "param_groups": groups},
+        # DeepSpeedZeroOptimizer strips the end padding; its loader (and BF16_Optimizer's) pads it back
+        "single_partition_of_fp32_groups": [fp32[g][: layout.partition_size - paddings[g]]
+                                            for g, layout in enumerate(layouts)],
+        "zero_stage": wrapper["zero_stage"],
+        "group_paddings": paddings,
+        "param_alignment_paddings": alignment_paddings,
+        "partition_count": [layout.dp for layout in layouts],
+        "ds_version": ds_version,
+        "param_slice_mappings": mappings,
+    }
+
+
+def optim_file_dict(block: Mapping[str, Any], ds_config: Mapping[str, Any], ds_version: str | None) -> dict[str, Any]:
+    """What one ``*_optim_states.pt`` file holds around its optimizer block."""
+    return {"optimizer_state_dict": block, "ds_config": ds_config, "ds_version": ds_version}
+
+
+def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any]) -> float:
+    """ZeRO-1/2 records its gradient clipping; else the config's."""
+    value = extras.get("clip_grad")
+    if value is None:
+        value = ds_config.get("gradient_clipping", 0.0)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def config_for_stage(config: Mapping[str, Any], stage: int) -> dict[str, Any]:
+    """The source's config with the stage it is now written for."""
+    out = dict(config)
+    zero = dict(out.get("zero_optimization") or {})
+    zero["stage"] = stage
+    out["zero_optimization"] = zero
+    return out
+
+
+def universal_optimizer_state(facts: Facts, extras: Mapping[str, Any]) -> dict[str, Any]:
+    """``zero/optimizer_state.pt`` of a universal directory: what DeepSpeed's ``load_universal`` reads
+    besides the per-parameter folders (param groups, loss scaler, the stage)."""
+    info = facts.info
+    group_dicts = []
+    for g in facts.groups:
+        raw = {k: (tuple(v) if k == "betas" else v) for k, v in g.raw.items()}
+        raw.setdefault("lr", g.hyper.lr)
+        raw["params"] = []
+        group_dicts.append(raw)
+    step = torch.tensor(float(facts.step or 0), dtype=torch.float32)
+    inner = {"state": {0: {"step": step}}, "param_groups": group_dicts}
+    return {
+        "zero_stage": ZeroStageEnum(info.zero_stage),
+        "loss_scaler": (extras["loss_scaler"] if extras.get("loss_scaler") is not None
+                        else LossScaler(cur_scale=1.0, dynamic=False)),
+        "dynamic_loss_scale": extras.get("dynamic_loss_scale") is True,
+        "overflow": extras.get("overflow") is True,
+        "partition_count": info.dp_world_size,
+        "optimizer_state_dict": inner,
+        "param_groups": group_dicts,
+        "ds_version": info.ds_version,  # DeepSpeed's ZeRO-1/2 universal loader asserts it
+    }
+
+
+def universal_model_states(facts: Facts, extras: Mapping[str, Any],
+                           buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The model-states file of a universal directory (buffers, scheduler, counters) for ``load_universal``."""
+    info = facts.info
+    return {
+        "module": dict(buffers),
+        "buffer_names": list(facts.buffer_names),
+        "optimizer": None,
+        "param_shapes": None,
+        "lr_scheduler": extras.get("lr_scheduler"),
+        "data_sampler": extras.get("data_sampler"),
+        "random_ltd": extras.get("random_ltd"),
+        "global_steps": info.global_steps,
+        "global_samples": info.global_samples if info.global_samples is not None else 0,
+        "skipped_steps": info.skipped_steps,
+        "dp_world_size": info.dp_world_size,
+        "mp_world_size": info.mp_world_size,
+        "ds_config": info.ds_config,
+        "ds_version": info.ds_version,
+        **dict(extras.get("client_state") or {}),
+    }

@@ -1,0 +1,115 @@
+"""A tensor given as the pieces its bytes are concatenated from: slices of tensors or byte spans of files.
+
+Lets a parameter's rank slices go from the shards straight into an output record (or into a
+target rank's flat buffer) without ever joining them in memory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from ucp.errors import CorruptFileError
+
+__all__ = ["FileSpan", "Part", "Pieces", "part_numel"]
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """``nbytes`` bytes at ``offset`` of an open file, copied with ``pread`` through a small reused
+    buffer: nothing is mapped, so a span adds nothing to resident memory, and CRC and write both
+    see bytes still hot in cache (measured 2x less CPU for the CRC than over a cold mmap)."""
+
+    file: io.RawIOBase  # kept open by its owner (ucp.io.torchfile.TorchFile); closed -> ValueError, never another file
+    offset: int
+    nbytes: int
+
+    def read_into(self, view: memoryview, skip: int = 0) -> None:
+        """Fill ``view`` with the span's bytes from ``skip`` on."""
+        fd, done = self.file.fileno(), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], self.offset + skip + done)
+            if got == 0:
+                raise CorruptFileError(f"{getattr(self.file, 'name', 'a file')} ends inside a tensor it holds: it was "
+                                       "truncated after it was opened")
+            done += got
+
+
+Part = Union[torch.Tensor, FileSpan]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor of ``shape`` whose flat (row-major) data is ``parts`` concatenated, all of ``dtype``.
+
+    Lets a ZeRO-3 parameter's rank slices go from the shards straight into an output record:
+    :func:`write_torch_file` writes it byte for byte as it would write :meth:`join`'s result.
+    """
+
+    parts: tuple[Part, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        item = self.dtype.itemsize
+        if (any(isinstance(p, FileSpan) and p.nbytes % item for p in self.parts)
+                or any(torch.is_tensor(p) and p.dtype != self.dtype for p in self.parts)
+                or sum(part_numel(p, item) for p in self.parts) != numel):
+            raise ValueError(f"pieces {self.parts!r:.200} do not make a {self.dtype} tensor of shape {self.shape}")
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "Pieces":
+        """A whole tensor as one piece."""
+        return cls((tensor.reshape(-1),), tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        return sum(part_numel(p, self.dtype.itemsize) for p in self.parts)
+
+    def join(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor itself, in new memory (converted to ``dtype`` when given); spans are read into place."""
+        out = torch.empty(self.numel, dtype=dtype or self.dtype)
+        self.copy_to(out)
+        return out.view(self.shape)
+
+    def copy_to(self, out: torch.Tensor) -> None:
+        """Fill the contiguous 1-D ``out`` with the flat data, converting dtype; spans are read into place."""
+        item = self.dtype.itemsize
+        offset = 0
+        for part in self.parts:
+            n = part_numel(part, item)
+            target = out.narrow(0, offset, n)
+            if isinstance(part, FileSpan):
+                staging = target if out.dtype == self.dtype else torch.empty(n, dtype=self.dtype)
+                if n:
+                    part.read_into(memoryview(staging.view(torch.uint8).numpy()).cast("B"))
+                if staging is not target:
+                    target.copy_(staging)
+            else:
+                target.copy_(part.reshape(-1))
+            offset += n
+
+    def slice(self, start: int, end: int) -> "Pieces":
+        """Flat elements ``[start, end)`` as pieces (shape ``(end - start,)``), still without a copy."""
+        item = self.dtype.itemsize
+        parts: list[Part] = []
+        offset = 0
+        for part in self.parts:
+            n = part_numel(part, item)
+            lo, hi = max(start - offset, 0), min(end - offset, n)
+            if hi > lo:
+                parts.append(FileSpan(part.file, part.offset + lo * item, (hi - lo) * item)
+                             if isinstance(part, FileSpan) else part.reshape(-1)[lo:hi])
+            offset += n
+        return Pieces(tuple(parts), (end - start,), self.dtype)
+
+
+def part_numel(part: Part, itemsize: int) -> int:
+    return part.nbytes // itemsize if isinstance(part, FileSpan) else part.numel()

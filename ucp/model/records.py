@@ -1,0 +1,221 @@
+"""The records that flow from a source through the universal format to a target.
+
+A :class:`Reader` is anything that can answer "what is in this checkpoint" (:class:`Facts`) and
+"give me one parameter's state" (:meth:`Reader.read`): a DeepSpeed ZeRO checkpoint and a universal
+directory are both readers, so every target accepts either. State is named, not Adam-shaped: a
+parameter carries its fp32 master and whatever tensors its optimizer keeps, by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from ucp.io.pieces import Pieces
+from ucp.model.flavours import Hyper
+
+
+__all__ = ["DTYPES", "dtype_name", "torch_dtype", "ParamMeta", "ParamState", "PieceState", "GroupMeta", "SourceInfo",
+           "Facts", "Reader", "ReaderView"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """One distinct parameter tensor. Tied aliases are not parameters; Facts.tied maps them."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # dtype of the model (low-precision) weight: fp32 | bf16 | fp16
+    group: int | None  # param group index; None when frozen
+    frozen: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class ParamState:
+    """One parameter's full, unpadded state in its real shape.
+
+    ``optim`` holds every per-parameter tensor its optimizer keeps, by the optimizer's own key and
+    in its order (``exp_avg``, ``exp_avg_sq`` for Adam; ``momentum_buffer`` for SGD; ...); it is
+    empty for a frozen parameter or when the state was not asked for. ``step`` is the number of
+    updates applied to the parameter (None: never stepped, or frozen).
+    """
+
+    fp32: torch.Tensor
+    optim: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: int | None = None
+
+
+@dataclass
+class PieceState:
+    """A :class:`ParamState` whose tensors are :class:`ucp.io.pieces.Pieces`: the copy-free path from
+    a source's files into a writer or a target's flat buffers (valid only while the source says so)."""
+
+    fp32: Pieces
+    optim: dict[str, Pieces] = field(default_factory=dict)
+    step: int | None = None
+
+    @classmethod
+    def of(cls, state: ParamState) -> "PieceState":
+        """Whole tensors as one piece each."""
+        return cls(fp32=Pieces.of(state.fp32), optim={k: Pieces.of(v) for k, v in state.optim.items()},
+                   step=state.step)
+
+    def joined(self) -> ParamState:
+        """The same state as whole fp32 tensors (what :meth:`Reader.read` returns)."""
+        return ParamState(fp32=self.fp32.join(torch.float32),
+                          optim={k: v.join(torch.float32) for k, v in self.optim.items()}, step=self.step)
+
+
+@dataclass
+class GroupMeta:
+    """A param group: neutral hyperparameters, the source's own keys, and its members in order."""
+
+    index: int
+    hyper: Hyper
+    raw: dict[str, Any]
+    params: list[str]
+    step: int | None = None
+    #: what the optimizer keeps per member parameter, besides the step (empty: no state yet)
+    state_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Facts about where a checkpoint came from, kept in ucp.json for every later stage."""
+
+    format: str  # deepspeed | universal
+    zero_stage: int
+    dp_world_size: int
+    mp_world_size: int = 1
+    dtype: str = "fp32"
+    ds_version: str | None = None
+    tag: str | None = None
+    sub_group_size: int | None = None
+    global_steps: int = 0
+    skipped_steps: int = 0
+    global_samples: int | None = None
+    iteration: int | None = None
+    ds_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything about a checkpoint except the tensors themselves."""
+
+    info: SourceInfo
+    flavour: str | None  # None: unknown (the optimizer never stepped, or no known layout)
+    adam_w_mode: bool | None
+    step: int | None
+    groups: list[GroupMeta]
+    params: list[ParamMeta]  # flat order: optimized params group by group, then frozen ones
+    tied: dict[str, str] = field(default_factory=dict)  # alias -> parameter that holds the data
+    buffer_names: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    #: per parameter, how tensor parallelism lays it out (ucp.model.tp.TpRule as JSON); empty when the
+    #: source had no tensor parallelism and no rules were given
+    tp_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def param(self, name: str) -> ParamMeta:
+        for meta in self.params:
+            if meta.name == name:
+                return meta
+        raise KeyError(name)
+
+
+class Reader(ABC):
+    """What every source offers, and what every target and operation takes.
+
+    Call order: :attr:`facts` any time (built once, never changed: a wrapper that changes them is a
+    new reader); :meth:`read` or :meth:`read_pieces` per parameter, in any order and from several
+    threads; :meth:`buffers` and :meth:`extras` once; then :meth:`close` (or use ``with``).
+    """
+
+    facts: Facts
+    #: True when :meth:`read_pieces` hands out spans of files rather than whole tensors: a target
+    #: then reads each rank's share apart (memory bounded by one rank), not every rank at once.
+    streams: bool = False
+
+    @abstractmethod
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        """One parameter's full state; ``moments=False`` leaves ``optim`` empty."""
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        """:meth:`read` as pieces, valid inside the ``with`` block. Sources that can hand out spans of
+        their files override it; by default it wraps :meth:`read`'s whole tensors."""
+        yield PieceState.of(self.read(name, moments=moments))
+
+    def param_steps(self) -> dict[str, int | None]:
+        """Each parameter's step as the checkpoint records it, without reading any tensor: a source
+        knows its group's step; a universal directory records one per parameter."""
+        group_step = {g.index: g.step for g in self.facts.groups}
+        return {p.name: (None if p.frozen or p.group is None else group_step.get(p.group)) for p in self.facts.params}
+
+    @abstractmethod
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers, by name."""
+
+    @abstractmethod
+    def extras(self) -> dict[str, Any]:
+        """Scheduler, sampler, client state and loss-scaler fields."""
+
+    def close(self) -> None:
+        """Release the files; the reader is unusable afterwards."""
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ReaderView(Reader):
+    """Another reader seen with other facts (rules added, parameters cut for one TP rank, ...).
+
+    Everything it does not override goes to the inner reader, streaming included; closing a view
+    leaves the inner reader open (its owner closes it).
+    """
+
+    def __init__(self, inner: Reader, facts: Facts) -> None:
+        self.inner = inner
+        self.facts = facts
+        self.streams = inner.streams
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        return self.inner.read(name, moments=moments)
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        with self.inner.read_pieces(name, moments=moments) as state:
+            yield state
+
+    def param_steps(self) -> dict[str, int | None]:
+        return self.inner.param_steps()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self.inner.buffers()
+
+    def extras(self) -> dict[str, Any]:
+        return self.inner.extras()

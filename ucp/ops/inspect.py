@@ -1,0 +1,156 @@
+"""``ucp inspect``: what a checkpoint holds, from its metadata alone.
+
+Both a DeepSpeed ZeRO checkpoint and a universal directory answer through the same
+:class:`ucp.model.records.Reader` facts, so the report has one shape whatever the input. No tensor is
+assembled: a DeepSpeed checkpoint is only unpickled onto a read-only mmap, a universal directory is
+read from its ``ucp.json``. The report is plain JSON data; :func:`format_report` renders it for people.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ucp.model.records import Facts, Reader
+from ucp.sources import is_universal, open_reader
+
+__all__ = ["inspect_path", "inspect_reader", "format_report"]
+
+logger = logging.getLogger(__name__)
+
+
+def inspect_path(path: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None) -> dict[str, Any]:
+    """Summarize the checkpoint or universal directory at ``path`` as one JSON-ready dict."""
+    path = Path(path)
+    reader = open_reader(path, tag=tag, optimizer=optimizer, verify=False)
+    try:
+        return inspect_reader(reader, path=path, universal=is_universal(path))
+    finally:
+        reader.close()
+
+
+def _adam_w_mode(facts: Facts) -> bool | None:
+    """The optimizer-wide flag, else what every group says (torch AdamW records it per group only)."""
+    if facts.adam_w_mode is not None:
+        return facts.adam_w_mode
+    modes = {g.hyper.adam_w_mode for g in facts.groups}
+    return modes.pop() if len(modes) == 1 else None
+
+
+def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, universal: bool = False) -> dict[str, Any]:
+    """The report for an already open reader (``universal`` says which kind of input it is)."""
+    facts = reader.facts
+    info = facts.info
+    steps = reader.param_steps()
+    params = [
+        {"name": p.name, "shape": list(p.shape), "numel": p.numel, "dtype": p.dtype, "group": p.group,
+         "frozen": p.frozen, "step": steps.get(p.name)}
+        for p in facts.params
+    ]
+    numel_of = {p.name: p.numel for p in facts.params}
+    groups = [
+        {"index": g.index, "hyperparameters": g.hyper.to_json(), "step": g.step, "num_params": len(g.params),
+         "numel": sum(numel_of.get(n, 0) for n in g.params), "params": list(g.params)}
+        for g in facts.groups
+    ]
+    frozen = [p for p in facts.params if p.frozen]
+    report: dict[str, Any] = {
+        "path": str(path) if path is not None else None,
+        # a ds_to_universal folder is a universal checkpoint too (DeepSpeed's flavour of one)
+        "format": "universal" if universal or info.format == "ds-universal" else "deepspeed",
+        "source_format": info.format,
+        "tag": info.tag,
+        "ds_version": info.ds_version,
+        "zero_stage": info.zero_stage,
+        "dp_world_size": info.dp_world_size,
+        "mp_world_size": info.mp_world_size,
+        "dtype": info.dtype,
+        "optimizer": facts.flavour or "unknown",
+        "adam_w_mode": _adam_w_mode(facts),
+        "step": facts.step,
+        "global_steps": info.global_steps,
+        "skipped_steps": info.skipped_steps,
+        "global_samples": info.global_samples,
+        "sub_group_size": info.sub_group_size,
+        "num_params": len(facts.params),
+        "numel": sum(p.numel for p in facts.params),
+        "num_frozen": len(frozen),
+        "frozen_numel": sum(p.numel for p in frozen),
+        "param_groups": groups,
+        "params": params,
+        "tied": dict(facts.tied),
+        "buffers": list(facts.buffer_names),
+        "warnings": list(facts.warnings),
+        "tensor_parallel": dict(facts.tp_rules),
+    }
+    if universal:
+        manifest = getattr(reader, "manifest", {}) or {}
+        report["format_version"] = manifest.get("format_version")
+        report["created_by"] = manifest.get("created_by")
+    return report
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def _rule_text(rule: dict[str, Any] | None) -> str:
+    """``split dim 0 [23+23]``, ``replicated``: one tensor-parallel rule for the table."""
+    if rule is None:
+        return "-"
+    if rule["kind"] != "split":
+        return rule["kind"]
+    text = f"split dim {rule.get('dim', 0)}"
+    if rule.get("parts"):
+        text += " [" + "+".join(map(str, rule["parts"])) + "]"
+    if rule.get("vocab") is not None:
+        text += f" vocab {rule['vocab']}/{rule.get('padded')}"
+    return text
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A short summary and a per-parameter table, for a terminal."""
+    lines = [
+        f"{report['path']}: {report['format']} checkpoint"
+        + (f" (from {report['source_format']})" if report["format"] == "universal" else ""),
+        f"  ZeRO stage {report['zero_stage']}, dp={report['dp_world_size']}, mp={report['mp_world_size']}, "
+        f"dtype {report['dtype']}, DeepSpeed {report['ds_version'] or '?'}, tag {report['tag'] or '-'}",
+        f"  optimizer {report['optimizer']}"
+        + ("" if report["adam_w_mode"] is None else f" (adam_w_mode={report['adam_w_mode']})")
+        + f", step {report['step'] if report['step'] is not None else '-'}, "
+        f"global_steps {report['global_steps']}, skipped_steps {report['skipped_steps']}",
+        f"  {report['num_params']} parameters, {_fmt_int(report['numel'])} elements"
+        f" ({report['num_frozen']} frozen, {_fmt_int(report['frozen_numel'])} elements)",
+    ]
+    for group in report["param_groups"]:
+        hyper = group["hyperparameters"]
+        lines.append(f"  group {group['index']}: {group['num_params']} params, {_fmt_int(group['numel'])} elements, "
+                     f"lr={hyper['lr']:g} weight_decay={hyper['weight_decay']:g} betas={tuple(hyper['betas'])} "
+                     f"eps={hyper['eps']:g} step={group['step'] if group['step'] is not None else '-'}")
+    if report["tied"]:
+        lines.append("  tied: " + ", ".join(f"{alias} -> {owner}" for alias, owner in report["tied"].items()))
+    if report["buffers"]:
+        lines.append("  buffers: " + ", ".join(report["buffers"]))
+    rules = report.get("tensor_parallel") or {}
+    if rules:
+        kinds = [r["kind"] for r in rules.values()]
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("split", "replicated", "average") if k in kinds)
+        lines.append(f"  tensor parallel: shapes are full (merged); rules for {len(rules)} parameters: {counts}")
+    for warning in report["warnings"]:
+        lines.append(f"  warning: {warning}")
+    header = ("name", "shape", "numel", "dtype", "group", "frozen", "step") + (("tp",) if rules else ())
+    rows = [
+        (p["name"], "x".join(map(str, p["shape"])) or "scalar", _fmt_int(p["numel"]), p["dtype"],
+         "-" if p["group"] is None else str(p["group"]), "yes" if p["frozen"] else "no",
+         "-" if p["step"] is None else str(p["step"])) + ((_rule_text(rules.get(p["name"])),) if rules else ())
+        for p in report["params"]
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    numeric = {2, 4, 6}
+    lines.append("")
+    for row in [header, *rows]:
+        cells = [cell.rjust(w) if i in numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,513 @@
+"""DeepSpeed's own universal checkpoints (``ds_to_universal`` output) -> per-parameter state.
+
+What ``python -m deepspeed.checkpoint.ds_to_universal`` writes (read off DeepSpeed 0.19.8)::
+
+    ROOT/latest_universal                    names the folder below
+    ROOT/<tag>_universal/zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt
+        ZeRO-3: the flat, unpadded tensor itself; ZeRO-1/2: {"param": tensor in its shape, "cat_dim": 0}
+    ROOT/<tag>_universal/zero/<name>/step.pt  ZeRO-1/2 only: the param group's raw step
+    ROOT/<tag>_universal/zero/optimizer_state.pt
+        ZeRO-3: rank 0's whole ZeRO optimizer dict (its own shards and per-sub-group steps too) plus
+        ``param_groups``; ZeRO-1/2: rank 0's dict without the shards, plus the param groups
+    ROOT/<tag>_universal/*model_states.pt     copied unchanged from the source tag folder
+
+Group membership and shapes come from the copied model states' ``param_shapes`` (ZeRO-3: per
+sub-group, mapped to groups by ``param_groups[g]["params"]``; ZeRO-1/2: one entry per group).
+ZeRO-3 writes no folder for frozen parameters: they are rebuilt from every rank's
+``frozen_param_fragments``. ZeRO-1/2 writes an fp32.pt for everything in ``module`` (frozen
+parameters, tied aliases and buffers too, cast to fp32); ucp takes those from ``module`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ucp.model import flavours
+from ucp.io import torchfile
+from ucp.errors import InputError, StepConflictError
+from ucp.model.partition import zero3_partition_size, zero3_rank_span
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
+from ucp.deepspeed.fields import as_int, build_facts, check_name, engine_counters, jsonable, model_dtype, model_extras, module_buffers, need_list, need_mapping, need_tensor, partition_count, sub_group_size, tensor_shape, zero12_frozen_names
+from ucp.sources.common import group_meta, zero3_gather
+from ucp.deepspeed.layout import read_latest
+from ucp.io.standins import DynamicLossScaler, LossScaler
+from ucp.io.torchfile import TorchFile
+
+__all__ = ["LATEST", "DsUniversalSource", "find_ds_universal", "is_ds_universal"]
+
+logger = logging.getLogger(__name__)
+
+#: The file ds_to_universal writes next to its output folder, naming it.
+LATEST = "latest_universal"
+_OPTIM = "optimizer_state.pt"
+_Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_FP32 = "fp32.pt"
+_STEP = "step.pt"
+
+
+def is_ds_universal(path: Path) -> bool:
+    """A folder ds_to_universal wrote (whole or not): ``zero/`` beside model states or optimizer_state.pt.
+
+    A native tag folder never has a ``zero/`` folder, and ucp's own universal format has ucp.json.
+    """
+    zero = path / "zero"
+    if (path / "ucp.json").exists() or not zero.is_dir():
+        return False
+    return (zero / _OPTIM).is_file() or any(path.glob("*model_states.pt"))
+
+
+def find_ds_universal(path: Path, tag: str | None = None) -> Path | None:
+    """The ds_to_universal folder PATH means (itself, its TAG, or what ``latest_universal`` names), else None.
+
+    A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint
+    (both hold the same state); pass the universal folder's name as TAG to read that one.
+    """
+    if "\x00" in str(path) or (tag is not None and "\x00" in tag):
+        return None
+    try:
+        if tag is not None:
+            if is_ds_universal(path / tag):
+                return path / tag
+            return path if path.name == tag and is_ds_universal(path) else None
+        if is_ds_universal(path):
+            return path
+        latest = path / LATEST
+        if latest.is_file() and not (path / "latest").is_file():
+            name = read_latest(latest)
+            if not (path / name).is_dir():
+                raise InputError(f"{latest} names {name!r} but {path / name} does not exist: ds_to_universal did not "
+                                 "finish, or its output folder was moved; pass the folder itself")
+            return path / name
+    except OSError:
+        return None
+    return None
+
+
+class DsUniversalSource(Reader):
+    """A ds_to_universal output folder as a :class:`ucp.model.records.Reader` (no tensor parallelism).
+
+    Call order: construct (reads optimizer_state.pt's small fields and the model states, checks
+    every parameter's files exist; no parameter tensor is read), then ``read`` per parameter from
+    any thread (each call loads only that parameter's files), ``buffers``/``extras``, ``close``.
+    """
+
+    def __init__(self, root: str | Path, *, optimizer: str | None = None) -> None:
+        self.root = Path(root)
+        self._zero = self.root / "zero"
+        self._models: dict[int, TorchFile] = {}
+        self._step_files = False  # ZeRO-1/2 with the step in the optimizer state: zero/<name>/step.pt
+        self.facts = build_facts(lambda: self._facts(optimizer), close=self.close,
+                                 where=f"{self.root}: not a ds_to_universal folder ucp can read")
+
+    # -- facts -------------------------------------------------------------------------------
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The small fields of zero/optimizer_state.pt (ZeRO-3's copy also holds rank 0's shards: mmapped, not read)."""
+        path = self._zero / _OPTIM
+        if not path.is_file():
+            raise InputError(f"zero/{_OPTIM} is missing from {self.root}: ds_to_universal writes it after merging the "
+                             "parameters, so the run did not finish; rerun ds_to_universal")
+        with TorchFile(path) as tf:
+            obj = need_mapping(tf.obj, f"zero/{_OPTIM}")
+            stage = obj.get("zero_stage")
+            # BF16_Optimizer writes no zero_stage; ds_to_universal then takes stage 1, as here
+            stage = 1 if stage is None else as_int(stage, f"zero/{_OPTIM}: zero_stage")
+            if stage not in (1, 2, 3):
+                raise InputError(f"zero/{_OPTIM} says zero_stage={stage}; ucp reads ZeRO stage 1, 2 and 3 checkpoints")
+            out: dict[str, Any] = {"zero_stage": stage, "partition_count": partition_count(obj)}
+            out["param_groups"] = [dict(need_mapping(g, f"zero/{_OPTIM}: a param group"))
+                                   for g in need_list(obj.get("param_groups"), f"zero/{_OPTIM}: param_groups")]
+            for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version"):
+                out[key] = obj.get(key)
+            if out["loss_scaler"] is not None and not isinstance(
+                    out["loss_scaler"], (LossScaler, DynamicLossScaler)):
+                raise InputError(f"zero/{_OPTIM}: loss_scaler is a {type(out['loss_scaler']).__name__}, not a "
+                                 "DeepSpeed loss scaler: the file is damaged or not from DeepSpeed")
+            if stage == 3:
+                inner = need_mapping(obj.get("optimizer_state_dict"), f"zero/{_OPTIM}: optimizer_state_dict")
+                state = need_mapping(inner.get("state") or {}, f"zero/{_OPTIM}: optimizer state")
+                # only the steps: rank 0's moment shards stay unread on the mmap
+                out["state"] = {sub: {k: (v.clone() if torch.is_tensor(v) else v)
+                                      for k, v in need_mapping(entry, f"zero/{_OPTIM}: state of sub-group {sub}").items()
+                                      if k == "step"}
+                                for sub, entry in state.items()}
+                flat = obj.get("fp32_flat_groups")
+                out["flat_numels"] = None if flat is None else [
+                    need_tensor(t, f"zero/{_OPTIM}: fp32_flat_groups[{i}]").numel()
+                    for i, t in enumerate(need_list(flat, f"zero/{_OPTIM}: fp32_flat_groups"))]
+            return out
+
+    def _open_models(self, stage: int, dp: int) -> Mapping[str, Any]:
+        """Open the copied model-states files (rank -> file) and return rank 0's object."""
+        ranks: dict[int, Path] = {}
+        plain: list[Path] = []
+        for path in sorted(self.root.glob("*model_states.pt")):
+            if m := _Z3_MODEL.match(path.name):
+                if int(m.group(2)) != 0:
+                    raise InputError(f"{path.name} in {self.root} belongs to model-parallel rank {m.group(2)}: "
+                                     "tensor-parallel ds_to_universal output is not supported yet")
+                ranks[int(m.group(1))] = path
+            elif m := _MODEL.match(path.name):
+                if int(m.group(1)) != 0:
+                    raise InputError(f"{path.name} in {self.root} belongs to model-parallel rank {m.group(1)}: "
+                                     "tensor-parallel ds_to_universal output is not supported yet")
+                plain.append(path)
+        if stage == 3:
+            if plain and not ranks:
+                raise InputError(f"{self.root} holds {plain[0].name}, a ZeRO-1/2 model file, but zero/{_OPTIM} says "
+                                 "zero_stage=3: files of different checkpoints are mixed")
+            extra = sorted(r for r in ranks if r >= dp)
+            if extra:
+                raise InputError(f"{ranks[extra[0]].name} in {self.root} is beyond partition_count={dp} in "
+                                 f"zero/{_OPTIM}: files of different checkpoints are mixed")
+            if 0 not in ranks:
+                raise InputError(f"zero_pp_rank_0_mp_rank_00_model_states.pt is missing from {self.root}: "
+                                 "ds_to_universal copies every rank's model states there; copy them from the source "
+                                 "tag folder")
+            for rank, path in sorted(ranks.items()):
+                self._models[rank] = TorchFile(path)
+        else:
+            if not plain:
+                found = f" (only {next(iter(ranks.values())).name}, a ZeRO-3 file)" if ranks else ""
+                raise InputError(f"mp_rank_00_model_states.pt is missing from {self.root}{found}: ds_to_universal "
+                                 "copies it last, so the run did not finish; rerun it or copy it from the source "
+                                 "tag folder")
+            self._models[0] = TorchFile(plain[0])
+        head = self._models[0].obj
+        name = self._models[0].path.name
+        if not isinstance(head, Mapping) or head.get("param_shapes") is None:
+            raise InputError(f"{name} has no param_shapes: not a ZeRO model-states file (a pipeline-parallel "
+                             "checkpoint keeps its weights elsewhere and is not supported)")
+        for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
+            if head.get(key) is not None:
+                need_mapping(head[key], f"{name}: {key}")
+        if head.get("buffer_names") is not None and not all(
+                isinstance(n, str) for n in need_list(head["buffer_names"], f"{name}: buffer_names")):
+            raise InputError(f"{name}: buffer_names holds a name that is not a string")
+        tied = head.get("shared_params") or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+            raise InputError(f"{name}: shared_params maps names that are not strings")
+        if not isinstance(head.get("ds_config") or {}, Mapping):
+            raise InputError(f"{name}: ds_config is a {type(head['ds_config']).__name__}, not a dict")
+        if head.get("mp_world_size") is not None and as_int(head["mp_world_size"], f"{name}: mp_world_size") > 1:
+            raise InputError(f"{name} says mp_world_size={head['mp_world_size']}: tensor-parallel ds_to_universal "
+                             "output is not supported yet")
+        world = head.get("dp_world_size")
+        if world is not None and as_int(world, f"{name}: dp_world_size") != dp:
+            raise InputError(f"{name} says dp_world_size={world}, but zero/{_OPTIM} says partition_count={dp}: files "
+                             "of different checkpoints are mixed")
+        shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
+        for sub in shapes:
+            for pname in need_mapping(sub, f"{name}: a param_shapes entry"):
+                check_name(pname, f"{name}: param_shapes")
+        for rank, tf in self._models.items():
+            if rank and (not isinstance(tf.obj, Mapping) or tf.obj.get("param_shapes") != head["param_shapes"]):
+                raise InputError(f"{tf.path.name} and {name} disagree on param_shapes: files of different checkpoints "
+                                 "are mixed")
+        return head
+
+    def _require(self, pname: str, leaf: str, keys: tuple[str, ...] = ()) -> Path:
+        path = self._zero / pname / leaf
+        if not path.is_file():
+            files = [_FP32] + [k + ".pt" for k in keys] + ([_STEP] if self._step_files else [])
+            needs = ", ".join(files[:-1]) + f" and {files[-1]}" if len(files) > 1 else files[0]
+            raise InputError(f"zero/{pname}/{leaf} is missing from {self.root}: every optimized parameter needs "
+                             f"{needs}; the folder is incomplete, so rerun ds_to_universal")
+        return path
+
+    def _state_keys(self, pname: str) -> tuple[str, ...]:
+        """The optimizer state ds_to_universal wrote for a parameter: one file per key beside fp32.pt."""
+        try:
+            leaves = [p.name for p in (self._zero / pname).iterdir() if p.name.endswith(".pt")]
+        except OSError as err:
+            raise InputError(f"cannot list zero/{pname} in {self.root}: {err.strerror}") from None
+        return tuple(sorted(leaf[:-3] for leaf in leaves if leaf not in (_FP32, _STEP)))
+
+    def _facts(self, optimizer: str | None) -> Facts:
+        optim = self._optimizer_state()
+        stage, dp = optim["zero_stage"], optim["partition_count"]
+        head = self._open_models(stage, dp)
+        shapes = [need_mapping(s, "param_shapes entry") for s in head["param_shapes"]]
+        ds_config = head.get("ds_config") or {}
+        groups_raw = optim["param_groups"]
+        for g, group in enumerate(groups_raw):
+            if "lr" not in group:
+                raise InputError(f"zero/{_OPTIM}: param group {g} has no lr: not an optimizer's param group")
+            for sub in need_list(group.get("params", []), f"zero/{_OPTIM}: param group {g} params"):
+                as_int(sub, f"zero/{_OPTIM}: param group {g} params entry")
+        layout = [[int(s) for s in g.get("params", [])] for g in groups_raw]
+        if stage == 3:
+            members, detection, sub_steps = self._zero3_layout(optim, shapes, layout, ds_config, optimizer, dp)
+        else:
+            members, detection, sub_steps = self._zero12_layout(shapes, groups_raw, layout, ds_config, optimizer)
+
+        self._flavour = detection.flavour
+        self._step_files = stage != 3 and detection.flavour is not None and detection.flavour.step_in_state
+        leaves = (_FP32,) + ((_STEP,) if self._step_files else ())
+        dtype = model_dtype(head, shapes, files_bf16=False)
+        self._shape: dict[str, tuple[int, ...]] = {}
+        self._steps: dict[str, int | None] = {}
+        self._group_of: dict[str, int] = {}
+        self._keys: dict[str, tuple[str, ...]] = {}
+        params: list[ParamMeta] = []
+        groups: list[GroupMeta] = []
+        for g, group in enumerate(groups_raw):
+            names: list[str] = []
+            for sub in members[g]:
+                for pname, shape in shapes[sub].items():
+                    if pname in self._shape:
+                        raise InputError(f"parameter {pname!r} appears twice in param_shapes")
+                    if pname.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", pname):
+                        # ds_to_universal joins the name onto zero/ as it is; never follow one out of it
+                        raise InputError(f"parameter name {pname!r:.60} in param_shapes leads outside {self._zero}: "
+                                         "the model states are damaged or hand-made")
+                    self._shape[pname] = tensor_shape(shape)
+                    self._steps[pname] = sub_steps[sub]
+                    self._group_of[pname] = g
+                    for leaf in leaves:
+                        self._require(pname, leaf)
+                    names.append(pname)
+                    params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
+            member_steps = [sub_steps[s] for s in members[g] if sub_steps[s] is not None]
+            keys = tuple(sorted({k for n in names for k in self._state_keys(n)}))
+            for pname in names:  # every member holds every key of its group
+                for key in keys:
+                    self._require(pname, key + ".pt", keys)
+                self._keys[pname] = keys
+            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode, keys))
+        self._groups_raw = groups_raw
+        # ds_to_universal writes every key for every optimized parameter: a key one lacks is a missing file
+        every = tuple(sorted({k for keys in self._keys.values() for k in keys}))
+        for pname in self._keys:
+            for key in every:
+                self._require(pname, key + ".pt", every)
+
+        tied = dict(head.get("shared_params") or {})
+        buffer_names = list(head.get("buffer_names") or [])
+        warnings = list(detection.warnings)
+        self._frozen: dict[str, tuple[int, ...]] = {}
+        self._frozen_values: dict[str, torch.Tensor] = {}
+        if stage == 3:
+            frozen = self._zero3_frozen(head, dp, warnings)
+        else:
+            frozen = self._zero12_frozen(head, tied, buffer_names)
+        for pname, (shape, frozen_dtype) in frozen.items():
+            if pname in self._shape:
+                raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
+            self._frozen[pname] = shape
+            params.append(ParamMeta(pname, shape, frozen_dtype or dtype, None, True))
+
+        self._extras = {k: optim[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")}
+        info = SourceInfo(
+            format="ds-universal",
+            zero_stage=stage,
+            dp_world_size=dp,
+            mp_world_size=1,
+            dtype=dtype,
+            ds_version=str(head.get("ds_version") or optim.get("ds_version")),
+            tag=self.root.name,
+            sub_group_size=sub_group_size(ds_config) if stage == 3 else None,
+            ds_config=jsonable(ds_config),
+            **engine_counters(head),
+        )
+        steps = [s for s in self._steps.values() if s is not None]
+        return Facts(
+            info=info,
+            flavour=detection.flavour.name if detection.flavour else None,
+            adam_w_mode=detection.adam_w_mode,
+            step=max(steps, default=None),
+            groups=groups,
+            params=params,
+            tied=tied,
+            buffer_names=buffer_names,
+            warnings=warnings,
+        )
+
+    def _zero3_layout(self, optim: Mapping[str, Any], shapes: list[Mapping[str, Any]], layout: list[list[int]],
+                      ds_config: Mapping[str, Any], optimizer: str | None,
+                      dp: int) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
+        """Sub-groups per param group, the flavour, and each sub-group's step (rank 0's copy)."""
+        sub_of_group: dict[int, int] = {}
+        for g, subs in enumerate(layout):
+            for sub in subs:
+                if not 0 <= sub < len(shapes):
+                    raise InputError(f"zero/{_OPTIM}: param group {g} names sub-group {sub}, but param_shapes has "
+                                     f"{len(shapes)}")
+                if sub in sub_of_group:
+                    raise InputError(f"zero/{_OPTIM}: sub-group {sub} belongs to param groups {sub_of_group[sub]} "
+                                     f"and {g}")
+                sub_of_group[sub] = g
+        for sub in range(len(shapes)):
+            if sub not in sub_of_group:
+                raise InputError(f"sub-group {sub} of param_shapes belongs to no param group in zero/{_OPTIM}")
+        numels = optim.get("flat_numels")
+        if numels is not None:
+            # rank 0's own shards ride along: their sizes tell whether param_shapes fit this dp
+            if len(numels) != len(shapes):
+                raise InputError(f"zero/{_OPTIM} holds fp32_flat_groups for {len(numels)} sub-groups, but "
+                                 f"param_shapes has {len(shapes)}: files of different checkpoints are mixed")
+            for sub, members in enumerate(shapes):
+                want = sum(zero3_partition_size(_numel(tensor_shape(s)), dp) for s in members.values())
+                if numels[sub] != want:
+                    raise InputError(f"sub-group {sub} holds {numels[sub]} elements on rank 0, but its parameters' "
+                                     f"partitions add up to {want} at dp={dp}: files of different checkpoints are mixed")
+        state = optim["state"]
+        detection = flavours.detect({"param_groups": optim["param_groups"], "state": state}, ds_config, optimizer)
+        steps: dict[int, int | None] = {}
+        for sub in range(len(shapes)):
+            group = optim["param_groups"][sub_of_group[sub]]
+            steps[sub] = detection.flavour.read_step(group, state.get(sub, {})) if detection.flavour else None
+        return layout, detection, steps
+
+    def _zero12_layout(self, shapes: list[Mapping[str, Any]], groups_raw: list[dict[str, Any]],
+                       layout: list[list[int]], ds_config: Mapping[str, Any],
+                       optimizer: str | None) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
+        """One param_shapes entry per group; the flavour and group steps from each group's step.pt."""
+        if len(groups_raw) != len(shapes):
+            raise InputError(f"zero/{_OPTIM} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}: "
+                             "files of different checkpoints are mixed")
+        for g, subs in enumerate(layout):
+            if subs != [g]:
+                raise InputError(f"zero/{_OPTIM}: param group {g} holds flat tensors {subs}, expected [{g}]: not a "
+                                 "ZeRO-1/2 optimizer (one flat partition per group)")
+        # ds_to_universal copies the group's step into each member's step.pt, and writes none when the
+        # optimizer keeps its step in the param group (apex) rather than in the state
+        state: dict[int, dict[str, Any]] = {}
+        for g, members in enumerate(shapes):
+            first = next(iter(members), None)
+            if first is not None and (self._zero / first / "step.pt").is_file():
+                state[g] = {"step": torchfile.load(self._zero / first / "step.pt")}
+        detection = flavours.detect({"param_groups": groups_raw, "state": state}, ds_config, optimizer)
+        steps: dict[int, int | None] = {}
+        for g, group in enumerate(groups_raw):
+            steps[g] = detection.flavour.read_step(group, state.get(g, {})) if detection.flavour else None
+        return layout, detection, steps
+
+    def _zero3_frozen(self, head: Mapping[str, Any], dp: int,
+                      warnings: list[str]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """Frozen parameters live only in the model states, one partition per rank file."""
+        name0 = self._models[0].path.name
+        out: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        listed = head.get("frozen_param_shapes") or {}
+        for pname, shape in listed.items():
+            check_name(pname, f"{name0}: frozen_param_shapes")
+            shape = tensor_shape(shape)
+            numel = _numel(shape)
+            frozen_dtype = None
+            for rank in range(dp):
+                start, end = zero3_rank_span(numel, dp, rank)
+                if end <= start:
+                    continue
+                tf = self._models.get(rank)
+                if tf is None:
+                    raise InputError(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt is missing from {self.root}: "
+                                     f"it holds rank {rank}'s part of frozen parameter {pname!r}, and ds_to_universal "
+                                     "writes no folder for frozen ZeRO-3 parameters; copy every rank's model states "
+                                     "from the source tag folder")
+                fragment = (tf.obj.get("frozen_param_fragments") or {}).get(pname)
+                if fragment is None:
+                    raise InputError(f"{tf.path.name} has no fragment of frozen parameter {pname!r}")
+                fragment = need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {pname!r}")
+                if fragment.numel() < end - start:
+                    raise InputError(f"{tf.path.name}: fragment of {pname!r} holds {fragment.numel()} elements, "
+                                     f"needs {end - start}")
+                frozen_dtype = frozen_dtype or dtype_name(fragment.dtype)
+            out[pname] = (shape, frozen_dtype)
+        missing = [r for r in range(dp) if r not in self._models]
+        if missing:
+            warnings.append(f"model states of dp rank(s) {missing} are missing from {self.root}; nothing needed was "
+                            "in them (no frozen parameter has a part there)")
+        return out
+
+    def _zero12_frozen(self, head: Mapping[str, Any], tied: Mapping[str, str],
+                       buffer_names: list[str]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """Stage 2 lists frozen parameters (frozen_param_*); stage 1 leaves them in ``module`` only."""
+        name = self._models[0].path.name
+        module = head.get("module") or {}
+        fragments = head.get("frozen_param_fragments") or {}
+        names = zero12_frozen_names(head, self._shape, tied, buffer_names)
+        listed = head.get("frozen_param_shapes")
+        out: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        for pname in names:
+            check_name(pname, f"{name}: frozen parameters")
+            value = fragments.get(pname, module.get(pname))
+            if value is None:
+                raise InputError(f"{name} holds no values for frozen parameter {pname!r} (neither in "
+                                 "frozen_param_fragments nor in module)")
+            value = need_tensor(value, f"{name}: frozen parameter {pname!r}")
+            shape = tensor_shape(listed[pname]) if listed is not None else tuple(value.shape)
+            if value.numel() != _numel(shape):
+                raise InputError(f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
+                                 f"{shape} needs {_numel(shape)}")
+            self._frozen_values[pname] = value
+            out[pname] = (shape, dtype_name(value.dtype))
+        return out
+
+    # -- tensors -----------------------------------------------------------------------------
+    def _tensor(self, pname: str, leaf: str) -> torch.Tensor:
+        """One state file: ZeRO-3 writes the flat tensor, ZeRO-1/2 ``{"param": shaped tensor, ...}``."""
+        path = self._require(pname, leaf)
+        obj = torchfile.load(path)
+        tensor = obj.get("param") if isinstance(obj, Mapping) else obj
+        where = f"zero/{pname}/{leaf}"
+        if not torch.is_tensor(tensor):
+            raise InputError(f"{where} holds no tensor (neither the tensor itself nor one under 'param')")
+        shape = self._shape[pname]
+        if tensor.dtype != torch.float32 or tensor.numel() != _numel(shape):
+            raise InputError(f"{where} holds a {str(tensor.dtype).replace('torch.', '')} tensor of "
+                             f"{tensor.numel()} elements; {pname!r} has shape {shape}, so float32 with {_numel(shape)} "
+                             "elements was expected: files of different checkpoints are mixed")
+        return tensor.reshape(shape)
+
+    def _step(self, pname: str) -> int | None:
+        """The step of one parameter; ZeRO-1/2's per-parameter step.pt must agree with its group."""
+        step = self._steps[pname]
+        if not self._step_files or self._flavour is None:
+            return step
+        group = self._groups_raw[self._group_of[pname]]
+        own = self._flavour.read_step(group, {"step": torchfile.load(self._require(pname, _STEP))})
+        if own != step:
+            raise StepConflictError(f"zero/{pname}/step.pt says step {own}, but param group "
+                                    f"{self._group_of[pname]} is at step {step}; they share one flat optimizer "
+                                    "tensor, so the folder mixes checkpoints")
+        return own
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        if name in self._frozen:
+            return ParamState(fp32=self._frozen_tensor(name))
+        if name not in self._shape:
+            raise InputError(f"parameter {name!r} is not in {self.root}")
+        fp32 = self._tensor(name, _FP32)
+        step = self._step(name)
+        if not moments:
+            return ParamState(fp32=fp32, step=step)
+        return ParamState(fp32=fp32, optim={k: self._tensor(name, k + ".pt") for k in self._keys[name]}, step=step)
+
+    def _frozen_tensor(self, name: str) -> torch.Tensor:
+        shape = self._frozen[name]
+        if name in self._frozen_values:  # ZeRO-1/2: whole in module
+            return self._frozen_values[name].detach().reshape(shape).to(torch.float32, copy=True)
+        return zero3_gather(lambda rank: self._models[rank].obj["frozen_param_fragments"][name], _numel(shape), shape,
+                            self.facts.info.dp_world_size)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return module_buffers(self._models[0].obj, self._models[0].path.name)
+
+    def extras(self) -> dict[str, Any]:
+        return {**model_extras(self._models[0].obj, None), **self._extras}
+
+    def close(self) -> None:
+        for tf in getattr(self, "_models", {}).values():
+            tf.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

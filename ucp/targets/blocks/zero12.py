@@ -1,0 +1,61 @@
+"""ZeRO-1/2 rank buffers from per-parameter state: each param group is one flat tensor cut into DP partitions."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ucp.io.pool import parallel_map
+from ucp.model.partition import Zero12Group
+from ucp.model.records import ParamState, PieceState, Reader
+from ucp.model.steps import settle_steps
+from ucp.targets.blocks.common import RankBuffers, check_state
+
+__all__ = ["zero12_buffers", "fill_zero12_ranks", "group_steps"]
+
+
+def zero12_buffers(layouts: Sequence[Zero12Group], keys: Sequence[Sequence[str]]) -> RankBuffers:
+    """One rank's flat partitions: per param group, one tensor of the partition size per key."""
+    return RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys)
+
+
+def fill_zero12_ranks(reader: Reader, layouts: list[Zero12Group], names: list[list[str]],
+                      ranks: dict[int, RankBuffers], *, keys: Sequence[Sequence[str]], moments: bool, workers: int,
+                      step_of: Callable[[ParamState], int],
+                      on_state: Callable[[str, ParamState], None] | None = None) -> list[set[int]]:
+    """Read every parameter of ``names`` (per param group, in flat order) once into the ranks' partitions.
+
+    ``on_state(name, state)`` sees each state as it is read (the native writer takes the module
+    weights from it). Returns, per param group, the set of steps its members carried.
+    """
+    steps: list[set[int]] = [set() for _ in layouts]
+    where = {name: (g, i) for g, group in enumerate(names) for i, name in enumerate(group)}
+
+    def one(name: str) -> None:
+        g, i = where[name]
+        state = reader.read(name, moments=moments)
+        check_state(name, PieceState.of(state), keys[g], layouts[g].numels[i], moments=moments)
+        spans = [s for s in layouts[g].spans(i) if s.rank in ranks]
+        pairs: list[tuple[str | None, torch.Tensor]] = [(None, state.fp32)]
+        if moments:
+            pairs += list(state.optim.items())
+        for key, tensor in pairs:
+            values = tensor.reshape(-1)
+            for span in spans:
+                buffers = ranks[span.rank]
+                target = buffers.fp32[g] if key is None else buffers.optim[g][key]
+                target.narrow(0, span.partition_start, span.length).copy_(
+                    values[span.param_start : span.param_start + span.length])
+        steps[g].add(step_of(state))
+        if on_state is not None:
+            on_state(name, state)
+
+    for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore"):
+        pass
+    return steps
+
+
+def group_steps(steps: list[set[int]]) -> list[int]:
+    """One step per param group: ZeRO-1/2 steps a whole group as one flat tensor."""
+    return settle_steps(steps, "ZeRO-1/2 param group")

@@ -1,0 +1,77 @@
+"""What the live-engine restores of every ZeRO stage share: group matching, name checks, steps, counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ucp.errors import InputError
+from ucp.model.records import Reader
+
+__all__ = ["match_groups", "check_names", "place_steps_on_device", "restore_common", "dp_rank_and_size"]
+
+
+def match_groups(reader: Reader, live_members: list[list[str]], *, strict: bool) -> list[int | None]:
+    """For each live param group, the checkpoint group holding its members (matched by names)."""
+    owner = {name: g.index for g in reader.facts.groups for name in g.params}
+    matched: list[int | None] = []
+    for i, names in enumerate(live_members):
+        found = {owner.get(n) for n in names}
+        missing = [n for n in names if n not in owner]
+        if missing and strict:
+            raise InputError(f"param group {i} of the engine holds {missing[0]!r}, which the checkpoint does not "
+                             "optimize; start DeepSpeed with the checkpoint's parameters or pass strict=False")
+        found.discard(None)
+        if len(found) > 1:
+            raise InputError(f"param group {i} of the engine mixes members of checkpoint groups {sorted(found)}; "
+                             "DeepSpeed must be started with the same param groups as the checkpoint")
+        matched.append(found.pop() if found else None)
+    return matched
+
+
+def check_names(engine: Any, reader: Reader, *, strict: bool) -> None:
+    facts = reader.facts
+    ours = {m.name for m in facts.params}
+    theirs = set(engine.param_names.values()) - set(facts.tied)
+    if strict and ours != theirs:
+        extra = sorted(theirs - ours)
+        lost = sorted(ours - theirs)
+        what = f"the engine has {extra[0]!r}, which the checkpoint lacks" if extra else \
+            f"the checkpoint has {lost[0]!r}, which the engine lacks"
+        raise InputError(f"parameters differ: {what} ({len(extra)} extra, {len(lost)} missing); pass strict=False "
+                         "to restore the common ones")
+
+
+def place_steps_on_device(block: dict[str, Any], groups: list[dict[str, Any]], device: torch.device) -> None:
+    """torch Adam keeps a capturable/fused step on the parameter's device."""
+    if not any(g.get("capturable") or g.get("fused") for g in groups):
+        return
+    for state in block["optimizer_state_dict"]["state"].values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].to(device)
+
+
+def restore_common(engine: Any, reader: Reader, *, strict: bool) -> None:
+    """Buffers, the lr scheduler and the engine's counters."""
+    buffers = reader.buffers()
+    for name, buf in engine.module.named_buffers():
+        if name in buffers:
+            buf.data.copy_(buffers[name].to(buf.dtype))
+        elif strict and name in reader.facts.buffer_names:
+            raise InputError(f"buffer {name!r} is missing from the checkpoint")
+    extras = reader.extras()
+    if engine.lr_scheduler is not None and extras.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(extras["lr_scheduler"])
+    info = reader.facts.info
+    engine.global_steps = info.global_steps
+    engine.skipped_steps = info.skipped_steps
+    if info.global_samples is not None:
+        engine.global_samples = info.global_samples
+
+
+def dp_rank_and_size(process_group: Any) -> tuple[int, int]:
+    """This rank and the size of the engine's data-parallel group."""
+    import deepspeed.comm as dist
+
+    return dist.get_rank(group=process_group), dist.get_world_size(group=process_group)

@@ -1,0 +1,159 @@
+"""Universal -> a live ZeRO-1/2 DeepSpeed engine (DeepSpeedZeroOptimizer or BF16_Optimizer) at any DP size.
+
+Call order (``ucp.targets.engine.restore`` calls :func:`restore_zero12` on every rank together):
+read the engine's own flat layout (members of each param group, their offsets, this rank's
+partition size), match its param groups to the checkpoint's by member names, build this rank's
+block as DeepSpeed saves it, and hand it to the optimizer's own ``load_state_dict`` (the rigid path
+of a native resume: torch optimizer state, then the fp32 partition). ``update_lp_params`` then
+refreshes the low-precision weights from the fp32 masters; frozen parameters are copied last.
+``restore`` itself restores buffers, the scheduler and the counters afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ucp.deepspeed import states as ds_states
+from ucp.errors import InputError
+from ucp.model import flavours
+from ucp.model.partition import Zero12Group
+from ucp.model.records import ParamState, Reader
+from ucp.model.steps import step_chooser
+from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
+from ucp.targets.engine.common import check_names, dp_rank_and_size, match_groups, place_steps_on_device
+
+__all__ = ["restore_zero12", "live_zero12_layout"]
+
+logger = logging.getLogger(__name__)
+
+
+def _wrapper_groups(opt: Any) -> tuple[list[list[Any]], list[torch.Tensor], list[list[int]] | None]:
+    """(low-precision params of each group in flat order, this rank's fp32 partitions, per-param offsets)."""
+    if hasattr(opt, "round_robin_bit16_groups"):  # DeepSpeedZeroOptimizer (stage 1/2)
+        return (list(opt.round_robin_bit16_groups), list(opt.single_partition_of_fp32_groups),
+                [list(o) for o in getattr(opt, "round_robin_bit16_offsets", [])] or None)
+    if hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer
+        return list(opt.bf16_groups), list(opt.fp32_groups_flat_partition), None
+    raise InputError(f"{type(opt).__name__} is not a ZeRO-1/2 optimizer ucp knows (DeepSpeedZeroOptimizer, "
+                     "BF16_Optimizer)")
+
+
+def live_zero12_layout(engine: Any) -> tuple[list[Zero12Group], list[list[str]], int]:
+    """The flat layout of a live ZeRO-1/2 engine, read off the engine: layouts, member names, this rank."""
+    opt = engine.optimizer
+    lp_groups, hp_groups, offsets = _wrapper_groups(opt)
+    rank, dp = dp_rank_and_size(opt.dp_process_group)
+    layouts, names = [], []
+    for g, (params, partition) in enumerate(zip(lp_groups, hp_groups)):
+        numels = [int(p.numel()) for p in params]
+        if offsets is not None:
+            starts = offsets[g]
+        else:
+            starts = [sum(numels[:i]) for i in range(len(numels))]
+        end = starts[-1] + numels[-1] if numels else 0
+        size = int(partition.numel())
+        if end > size * dp:
+            raise InputError(f"param group {g} of the engine holds {end} elements but {dp} partitions of {size}: "
+                             "a ZeRO-1/2 layout ucp does not know")
+        layouts.append(Zero12Group(dp, tuple(numels), tuple(starts), end, size))
+        names.append([engine.param_names[p] for p in params])
+    return layouts, names, rank
+
+
+def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_optimizer_states: bool,
+                   strict: bool, workers: int, step_of: Callable[[ParamState], int] | None = None) -> None:
+    """Load ``reader``'s weights (and optimizer state) into a live stage-1/2 engine on this rank."""
+    import deepspeed
+
+    check_names(engine, reader, strict=strict)
+    opt = engine.optimizer
+    base = opt.optimizer
+    flavour = flavours.get(optimizer) if optimizer else flavours.detect_live(base)
+    layouts, live_names, rank = live_zero12_layout(engine)
+    facts = reader.facts
+    known = {m.name for m in facts.params}
+    names = []
+    for g, group in enumerate(live_names):
+        for i, name in enumerate(group):
+            if name in known and facts.param(name).numel != layouts[g].numels[i]:
+                raise InputError(f"{name} has {facts.param(name).numel} elements in the checkpoint but "
+                                 f"{layouts[g].numels[i]} in the engine")
+        names.append([n for n in group if n in known])
+    matched = match_groups(reader, live_names, strict=strict)
+
+    # start from what the engine holds, so parameters the checkpoint lacks (strict=False) keep their values
+    _, hp_groups, _ = _wrapper_groups(opt)
+    keys = [facts.groups[m].state_keys if m is not None and load_optimizer_states else () for m in matched]
+    mine = zero12_buffers(layouts, keys)
+    for g, partition in enumerate(hp_groups):
+        mine.fp32[g].copy_(partition.detach().view(-1).float().cpu())
+        live = base.state.get(partition, {})
+        for key, flat in mine.optim[g].items():
+            if torch.is_tensor(live.get(key)) and live[key].numel() == flat.numel():
+                flat.copy_(live[key].detach().float().cpu())
+    # a layout for the members the checkpoint holds, at their live offsets
+    held = []
+    for g, layout in enumerate(layouts):
+        index = [live_names[g].index(n) for n in names[g]]
+        held.append(Zero12Group(layout.dp, tuple(layout.numels[i] for i in index),
+                                tuple(layout.offsets[i] for i in index), layout.numel, layout.partition_size))
+    seen = fill_zero12_ranks(reader, held, names, {rank: mine}, keys=keys, moments=load_optimizer_states,
+                             workers=workers,
+                             step_of=step_of or step_chooser("keep"))
+    steps = group_steps(seen)
+
+    groups = []
+    for g, live in enumerate(base.param_groups):
+        source = matched[g]
+        hyper = facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
+        group = flavour.update_group(live, hyper, steps[g])
+        group["params"] = [g]
+        groups.append(group)
+    extras = reader.extras()
+    scaler = getattr(opt, "loss_scaler", None)
+    if scaler is not None and extras.get("loss_scaler") is not None and hasattr(extras["loss_scaler"], "__dict__"):
+        scaler.__dict__.update(extras["loss_scaler"].__dict__)
+    wrapper = {"zero_stage": 2 if getattr(opt, "partition_gradients", False) else 1, "loss_scaler": scaler,
+               "dynamic_loss_scale": getattr(opt, "dynamic_loss_scale", False), "overflow": False}
+    block = ds_states.zero12_optim_block(
+        wrapper=wrapper, flavour=flavour, fp32=mine.fp32, optim=mine.optim, layouts=layouts, names=live_names,
+        index=rank, steps=steps, groups=groups, clip_grad=getattr(opt, "clip_grad", 0.0),
+        ds_version=deepspeed.__version__, moments=load_optimizer_states,
+        alignment_paddings=getattr(opt, "round_robin_bit16_padding", None))
+    # the fp32 partitions go in whole (padding included) and on the engine's device
+    block["single_partition_of_fp32_groups"] = [t.to(p.device) for t, p in zip(mine.fp32, hp_groups)]
+    if load_optimizer_states:
+        device = hp_groups[0].device if hp_groups else torch.device("cpu")
+        place_steps_on_device(block, groups, device)
+    if hasattr(opt, "checkpoint_event_prologue"):
+        opt.checkpoint_event_prologue()
+    # the rigid path reads only this rank's entry (param_alignment_paddings equal the engine's)
+    _, dp = dp_rank_and_size(opt.dp_process_group)
+    opt.load_state_dict([block if r == rank else None for r in range(dp)],
+                        load_optimizer_states=load_optimizer_states, load_from_fp32_weights=True)
+    opt.update_lp_params()
+    _restore_frozen(engine, reader)
+    if hasattr(opt, "checkpoint_event_epilogue"):
+        opt.checkpoint_event_epilogue()
+
+
+def _restore_frozen(engine: Any, reader: Reader) -> None:
+    """Parameters outside the flat groups (frozen, or empty) hold full copies on every rank."""
+    names_of = engine.param_names
+    opt = engine.optimizer
+    lp_groups, _, _ = _wrapper_groups(opt)
+    flat = {id(p) for group in lp_groups for p in group}
+    for param in engine.module.parameters():
+        name = names_of.get(param)
+        if name is None or id(param) in flat or name in reader.facts.tied:
+            continue
+        try:
+            reader.facts.param(name)
+        except KeyError:
+            continue
+        full = reader.read(name, moments=False).fp32
+        with torch.no_grad():
+            param.data.copy_(full.view(param.shape))

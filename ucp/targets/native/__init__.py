@@ -1,0 +1,69 @@
+"""Universal (or any reader) -> a native ZeRO checkpoint that stock DeepSpeed loads at DP=N.
+
+Call order: :func:`~ucp.targets.native.plan.plan_native` fixes every choice from one
+:class:`~ucp.model.options.RestoreOptions` as plain data and checks it; :func:`write_plan` hands
+the plan to the stage's writer (:mod:`.zero3`, or :mod:`.zero12` once per TP rank) inside one staged
+output folder, then writes ``OUT/latest``. A new engine loads it with ``engine.load_checkpoint(OUT)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+from ucp.deepspeed.layout import LATEST
+from ucp.io.atomic import staged_output
+from ucp.io.pool import default_workers
+from ucp.model.options import RestoreOptions
+from ucp.model.records import Reader
+from ucp.sources import open_reader
+from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, plan_native
+from ucp.targets.native.zero3 import write_zero3
+from ucp.targets.native.zero12 import write_zero12
+from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
+
+__all__ = ["NativePlan", "RestoreOptions", "plan_native", "write_native", "write_plan", "DS_DEFAULT_SUB_GROUP_SIZE"]
+
+logger = logging.getLogger(__name__)
+
+
+def write_plan(reader: Reader, plan: NativePlan, out: str | os.PathLike, *, overwrite: bool = False,
+               workers: int | None = None, fsync: bool = False) -> NativePlan:
+    """Carry out a plan: ``out/latest`` and ``out/<tag>/``, whole or not at all."""
+    workers = workers or default_workers()
+    with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+        tag_dir = root / plan.tag
+        tag_dir.mkdir()
+        if plan.stage == 3:
+            write_zero3(reader, plan, tag_dir, workers)
+        else:
+            for mp_rank in range(plan.tp):
+                view = TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
+                write_zero12(view, replace(plan, mp_rank=mp_rank), tag_dir, workers)
+        (root / LATEST).write_text(plan.tag)
+    return plan
+
+
+def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, options: RestoreOptions | None = None, *,
+                 overwrite: bool = False, workers: int | None = None, fsync: bool = False,
+                 **fields: Any) -> NativePlan:
+    """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of the options' DP size (and TP degree).
+
+    ``options`` or its fields as keywords (``dp=8, stage=3, optimizer=..., dtype=..., tag=...,
+    sub_group_size=..., step=..., tp=...``). At ``tp`` > 1 each TP rank's files hold its shards, cut
+    by the rules the checkpoint records (``ucp.model.tp``); the model-states files carry a
+    ``universal_checkpoint_info`` describing them.
+    """
+    if options is None:
+        options = RestoreOptions(**fields)
+    elif fields:
+        options = replace(options, **fields)
+    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
+    try:
+        return write_plan(reader, plan_native(reader.facts, options), out, overwrite=overwrite, workers=workers,
+                          fsync=fsync)
+    finally:
+        if reader is not source:
+            reader.close()

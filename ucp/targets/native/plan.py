@@ -1,0 +1,71 @@
+"""Planning a native write: every choice (DP, stage, flavour, dtype, sub-groups, step) fixed as data.
+
+What ``ucp restore --dry-run`` and ``ucp migrate --dry-run`` show; the writers only carry it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ucp.errors import ConfigError
+from ucp.model import flavours
+from ucp.model.options import RestoreOptions
+from ucp.model.partition import Zero3Layout, zero3_layout
+from ucp.model.records import Facts, ParamState, PieceState
+
+__all__ = ["NativePlan", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
+
+#: DeepSpeed's default ``zero_optimization.sub_group_size`` (0.19.8).
+DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+
+
+@dataclass
+class NativePlan:
+    """Every decision of a native write, as data."""
+
+    dp: int
+    stage: int
+    flavour: flavours.Flavour
+    dtype: str
+    tag: str
+    sub_group_size: int
+    step: int | None  # the step written for every optimized parameter (None: each keeps its own)
+    reset_moments: bool
+    group_names: list[list[str]]
+    layout: Zero3Layout | None = None
+    notes: list[str] = field(default_factory=list)
+    tp: int = 1  # tensor-parallel degree of the checkpoint written
+    mp_rank: int = 0  # the TP rank whose files are being written
+
+
+def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
+    """Check the options against the checkpoint and fix every choice of the write."""
+    problems = options.problems()
+    name = options.optimizer or facts.flavour
+    if name is None:
+        problems.append("the source's optimizer flavour is unknown; name it with --optimizer "
+                        f"({', '.join(flavours.FLAVOURS)})")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    assert name is not None  # for mypy: checked just above
+    size = options.sub_group_size or facts.info.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE
+    group_names = [list(g.params) for g in facts.groups]
+    tag = options.tag or f"global_step{facts.info.global_steps}"
+    if "/" in tag or tag in ("", ".", ".."):
+        raise ConfigError(f"tag {tag!r} is not a folder name")
+    plan = NativePlan(dp=options.dp, stage=options.stage, flavour=flavours.get(name),
+                      dtype=options.dtype or facts.info.dtype, tag=tag, sub_group_size=size,
+                      step=options.fixed_step, reset_moments=options.reset, group_names=group_names, tp=options.tp)
+    if options.stage == 3:
+        numels = [[facts.param(n).numel for n in names] for names in group_names]
+        plan.layout = zero3_layout(numels, options.dp, size)
+    if name != facts.flavour and facts.flavour is not None:
+        plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
+    return plan
+
+
+def param_step(plan: NativePlan, state: ParamState | PieceState) -> int:
+    """The step a target writes for one parameter under the plan."""
+    if plan.step is not None:
+        return plan.step
+    return int(state.step or 0)

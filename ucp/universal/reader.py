@@ -1,0 +1,234 @@
+"""Reading a universal directory: lazily, one parameter at a time, every file checked against ucp.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import zlib
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from ucp.errors import ChecksumError, CorruptFileError, InputError
+from ucp.io import torchfile
+from ucp.io.pieces import FileSpan, Pieces
+from ucp.model.records import ParamState, PieceState, Reader
+from ucp.universal.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    FP32_FILE,
+    MANIFEST,
+    STATE_FILE,
+    STEP_FILE,
+    FileEntry,
+    ParamEntry,
+    facts_from_manifest,
+    state_file,
+)
+
+__all__ = ["UniversalReader", "open_universal", "is_universal"]
+
+
+def is_universal(path: str | os.PathLike) -> bool:
+    """A folder holding ucp.json."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+class UniversalReader(Reader):
+    """A universal directory as a :class:`~ucp.model.records.Reader`, loading one parameter at a time."""
+
+    streams = True
+
+    def __init__(self, path: Path, *, verify: bool = True) -> None:
+        self.path = path
+        self.verify = verify
+        manifest_path = path / MANIFEST
+        try:
+            raw = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"{path} is not a universal directory: {MANIFEST} is missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CorruptFileError(f"{manifest_path} is not valid JSON: {err}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise InputError(f"{manifest_path} is not a ucp manifest")
+        version = raw.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
+        self.manifest = raw
+        self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
+        self._memo: dict[Path, tuple[tuple[int, ...], Any]] = {}  # path -> (_stamp, what parsing it told)
+        self.facts, entries, self._files = facts_from_manifest(raw)
+        self._entries = {e.name: e for e in entries}
+        root = (path / "zero").resolve()
+        for entry in entries:
+            if not isinstance(entry.folder, str) or "\x00" in entry.folder or "/" in entry.folder or \
+                    entry.folder in ("", ".", ".."):
+                raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
+            folder = (root / entry.folder).resolve()
+            if folder.parent != root:
+                raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
+
+    def file_path(self, name: str, key: str) -> Path:
+        return self.path / "zero" / self._entries[name].folder / key
+
+    def _check(self, path: Path, entry: FileEntry | None) -> Callable[[mmap.mmap], None] | None:
+        """What a file must match before it is parsed: its size now, its crc32 over the very pages that
+        then back its tensors (one pass over the file); None when not verifying, or when this reader
+        already verified the file and its size, mtime, ctime and inode are unchanged since."""
+        if entry is None:
+            raise CorruptFileError(f"{MANIFEST} lists no checksum for {path}")
+        if not path.is_file():
+            raise CorruptFileError(f"{path} is missing from the universal directory")
+        if not self.verify:
+            return None
+
+        def mismatch() -> ChecksumError:
+            return ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt")
+
+        stat = path.stat()
+        if stat.st_size != entry.bytes:
+            raise mismatch()
+        stamp = _stamp(stat)
+        if self._verified.get(path) == stamp:
+            return None
+
+        def check(data: mmap.mmap) -> None:
+            if len(data) != entry.bytes or f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" != entry.crc32:
+                raise mismatch()
+            self._verified[path] = stamp
+
+        return check
+
+    def _load(self, path: Path, entry: FileEntry | None) -> Any:
+        return torchfile.load(path, check=self._check(path, entry))
+
+    def _open_tensor(self, name: str, key: str) -> tuple[torchfile.TorchFile, torch.Tensor]:
+        """A parameter file, checked, and its tensor (a view on the file's private mapping)."""
+        entry = self._entries[name]
+        path = self.file_path(name, key)
+        tf = torchfile.TorchFile(path, check=self._check(path, entry.files.get(key)))
+        obj = tf.obj
+        tensor = obj.get("param") if isinstance(obj, Mapping) else obj
+        if not torch.is_tensor(tensor):
+            tf.close()
+            raise CorruptFileError(f"{path} holds no tensor under 'param'")
+        if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != torch.float32:
+            tf.close()
+            raise CorruptFileError(f"{path} holds a {str(tensor.dtype).replace('torch.', '')} "
+                                   f"tensor of shape {tuple(tensor.shape)}; {MANIFEST} says float32 "
+                                   f"{tuple(entry.shape)}")
+        return tf, tensor
+
+    def _tensor(self, name: str, key: str) -> torch.Tensor:
+        """A parameter file's tensor with no copy: writes to it stay private, and the mapping lives
+        as long as the tensor does."""
+        tf, tensor = self._open_tensor(name, key)
+        tf.close()
+        return tensor
+
+    def _step(self, name: str) -> int | None:
+        """The step from step.pt (what DeepSpeed's loader reads), checked against the manifest."""
+        entry = self._entries[name]
+        if STEP_FILE not in entry.files:
+            return entry.step
+        path = self.file_path(name, STEP_FILE)
+        stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        known = self._memo.get(path)
+        if known is not None and stamp is not None and known[0] == stamp:
+            return known[1]
+        raw = self._load(path, entry.files[STEP_FILE])
+        value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
+        if not isinstance(value, (int, float)) or value != entry.step:
+            raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
+        self._memo[path] = (stamp, int(value))
+        return int(value)
+
+    def _keys(self, entry: ParamEntry, moments: bool) -> tuple[str, ...]:
+        return () if entry.frozen or not moments else entry.state_keys
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        entry = self._entry(name)
+        fp32 = self._tensor(name, FP32_FILE)
+        keys = self._keys(entry, moments)
+        if not keys:
+            return ParamState(fp32=fp32, step=entry.step)
+        return ParamState(fp32=fp32, optim={k: self._tensor(name, state_file(k)) for k in keys}, step=self._step(name))
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        """:meth:`read` as spans of the parameter's files, valid inside the ``with`` block: a target
+        reads just the slices it needs (a rank's share) straight into place, and a file read again
+        by this reader is not checksummed again."""
+        entry = self._entry(name)
+        keys = self._keys(entry, moments)
+        with ExitStack() as stack:
+            fp32 = self._file_pieces(name, FP32_FILE, stack)
+            optim = {k: self._file_pieces(name, state_file(k), stack) for k in keys}
+            yield PieceState(fp32=fp32, optim=optim, step=self._step(name) if keys else entry.step)
+
+    def _entry(self, name: str) -> ParamEntry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise InputError(f"parameter {name!r} is not in {self.path}")
+        return entry
+
+    def _file_pieces(self, name: str, key: str, stack: ExitStack) -> Pieces:
+        """One file's tensor as a span. Where its tensor lies is remembered, so reading the file again
+        (a restore reads each file once per target rank) costs an open, not a parse, while it is
+        still the file that was checked (same size, mtime, ctime and inode)."""
+        shape = tuple(self._entries[name].shape)
+        path = self.file_path(name, key)
+        known = self._memo.get(path)
+        if known is not None:
+            with contextlib.suppress(OSError):
+                handle = stack.enter_context(open(path, "rb", buffering=0))
+                if _stamp(os.fstat(handle.fileno())) == known[0]:
+                    return Pieces((FileSpan(handle, *known[1]),), shape, torch.float32)
+        stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        tf, tensor = self._open_tensor(name, key)
+        stack.callback(tf.close)
+        span = tf.span(tensor)
+        if span is None:
+            return Pieces.of(tensor)
+        self._memo[path] = (stamp, (span.offset, span.nbytes))
+        return Pieces((span,), shape, torch.float32)
+
+    def _state(self) -> Mapping[str, Any]:
+        if not hasattr(self, "_state_cache"):
+            self._state_cache = self._load(self.path / STATE_FILE, self._files.get(STATE_FILE))
+        return self._state_cache
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self._state().get("buffers") or {})
+
+    def extras(self) -> dict[str, Any]:
+        return {k: v for k, v in self._state().items() if k != "buffers"}
+
+    def entries(self) -> list[ParamEntry]:
+        """The manifest's record of every parameter (folder, files, checksums, step)."""
+        return list(self._entries.values())
+
+    def param_steps(self) -> dict[str, int | None]:
+        return {e.name: e.step for e in self._entries.values()}
+
+
+def _stamp(stat: os.stat_result) -> tuple[int, ...]:
+    """A file's identity for "is this still the file that was checked": a rewrite changes mtime and
+    ctime, a replacement the inode."""
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+
+
+def _stamp_of(path: Path) -> tuple[int, ...] | None:
+    try:
+        return _stamp(path.stat())
+    except OSError:
+        return None
+
+
+def open_universal(path: str | os.PathLike, *, verify: bool = True) -> UniversalReader:
+    """Open a universal directory for lazy, per-parameter access (checksums checked on each read)."""
+    return UniversalReader(Path(path), verify=verify)
