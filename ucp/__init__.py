@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ucp.ops.convert import load_optimizer_moments, to_universal
 from ucp.errors import UcpError  # noqa: E402
+from ucp.ops.convert import load_optimizer_moments, to_universal
 from ucp.sources import open_reader  # noqa: E402
 from ucp.universal.reader import open_universal
 
@@ -36,5 +36,14 @@ def write_native(source, out, **kwargs):  # type: ignore[no-untyped-def]
     return _write_native(source, out, **kwargs)
 
 
-__all__ = ["__version__", "UcpError", "to_universal", "open_universal", "open_reader", "load_optimizer_moments",
-           "restore", "restore_torch", "write_native"]
+__all__ = [
+    "__version__",
+    "UcpError",
+    "to_universal",
+    "open_universal",
+    "open_reader",
+    "load_optimizer_moments",
+    "restore",
+    "restore_torch",
+    "write_native",
+]

@@ -10,7 +10,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ucp.errors import UcpError
 
@@ -34,13 +34,21 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
     if args.distributed:
         from ucp.ops.distributed import to_universal_distributed
 
-        to_universal_distributed(args.src, args.out, tag=args.tag, optimizer=args.optimizer,
-                                 workers=args.workers, overwrite=args.overwrite)
+        to_universal_distributed(
+            args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers, overwrite=args.overwrite
+        )
         return 0
     from ucp.ops.convert import to_universal
 
-    manifest = to_universal(args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers,
-                            overwrite=args.overwrite, fsync=args.fsync)
+    manifest = to_universal(
+        args.src,
+        args.out,
+        tag=args.tag,
+        optimizer=args.optimizer,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        fsync=args.fsync,
+    )
     print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
     return 0
 
@@ -51,14 +59,29 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     step: int | str = args.step
     if isinstance(step, str) and step.isdigit():
         step = int(step)
-    plan = write_native(args.universal, args.out, dp=args.dp, stage=args.stage, optimizer=args.optimizer,
-                        dtype=args.dtype, tag=args.tag, sub_group_size=args.sub_group_size, step=step,
-                        overwrite=args.overwrite, workers=args.workers, fsync=args.fsync, tp=args.tp)
+    plan = write_native(
+        args.universal,
+        args.out,
+        dp=args.dp,
+        stage=args.stage,
+        optimizer=args.optimizer,
+        dtype=args.dtype,
+        tag=args.tag,
+        sub_group_size=args.sub_group_size,
+        step=step,
+        overwrite=args.overwrite,
+        workers=args.workers,
+        fsync=args.fsync,
+        tp=args.tp,
+    )
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
-    print(f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
-          f"{args.out}/{plan.tag}", file=sys.stderr)
+    print(
+        f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
+        f"{args.out}/{plan.tag}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -88,8 +111,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from ucp.targets.export import export
 
-    written = export(args.src, args.out, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                     tag=args.tag, overwrite=args.overwrite)
+    written = export(
+        args.src,
+        args.out,
+        format=args.format,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        tag=args.tag,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {len(written)} file(s) to {args.out}", file=sys.stderr)
     return 0
 
@@ -121,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive, help="parallel workers (default: CPU count, at most 8)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
-    p.add_argument("--distributed", action="store_true",
-                   help="split the work across torch.distributed ranks (launch with torchrun)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="split the work across torch.distributed ranks (launch with torchrun)",
+    )
     p.set_defaults(func=_cmd_to_universal)
 
     p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size")
@@ -130,8 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
     p.add_argument("--dp", type=_positive, required=True, help="data-parallel size of the new run")
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage of the new run (default 3)")
-    p.add_argument("--tp", type=_positive, default=1,
-                   help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)")
+    p.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
+    )
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="optimizer of the new run (default: the source's)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
     p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
@@ -149,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES)
     p.set_defaults(func=_cmd_inspect)
 
-    p = verbs.add_parser("verify", help="check a universal directory against its source, or a model against a checkpoint")
+    p = verbs.add_parser(
+        "verify", help="check a universal directory against its source, or a model against a checkpoint"
+    )
     p.add_argument("source", help="DeepSpeed checkpoint (or universal directory with --model)")
     p.add_argument("universal", nargs="?", help="universal directory to compare bit for bit")
     p.add_argument("--model", help="MODULE:CALLABLE building the model whose names/shapes/order to check")

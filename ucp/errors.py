@@ -6,8 +6,16 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["UcpError", "InputError", "CorruptFileError", "UnsafeFileError", "ChecksumError", "ConfigError",
-           "OutputExistsError", "StepConflictError"]
+__all__ = [
+    "UcpError",
+    "InputError",
+    "CorruptFileError",
+    "UnsafeFileError",
+    "ChecksumError",
+    "ConfigError",
+    "OutputExistsError",
+    "StepConflictError",
+]
 
 
 class UcpError(Exception):

@@ -20,26 +20,41 @@ import os
 import re
 import types
 import typing
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any, Union
 
 import yaml
 
-from ucp.model import flavours
 from ucp.errors import ConfigError, OutputExistsError, StepConflictError, UcpError
+from ucp.model import flavours
 from ucp.model.options import RestoreOptions
 from ucp.model.records import DTYPES, Facts, Reader
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step, TransformedReader, TransformPlan, plan_transforms
 
-__all__ = ["MigrationConfig", "TransformConfig", "RenameConfig", "ResetConfig", "TargetConfig", "ExportConfig",
-           "TensorParallelConfig", "TpRuleConfig",
-           "Issue", "MigrationConfigError", "MigrationPlan", "load_config", "parse_config", "plan_migration", "execute",
-           "run_migration"]
+__all__ = [
+    "MigrationConfig",
+    "TransformConfig",
+    "RenameConfig",
+    "ResetConfig",
+    "TargetConfig",
+    "ExportConfig",
+    "TensorParallelConfig",
+    "TpRuleConfig",
+    "Issue",
+    "MigrationConfigError",
+    "MigrationPlan",
+    "load_config",
+    "parse_config",
+    "plan_migration",
+    "execute",
+    "run_migration",
+]
 
 logger = logging.getLogger(__name__)
 
-KeyPath = tuple[Union[str, int], ...]
+KeyPath = tuple[str | int, ...]
 EXPORT_FORMATS = ("safetensors", "torch")
 _EXPORT_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}  # else OUT is a folder
 _SIZE = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
@@ -129,6 +144,7 @@ def _one_of(choices: Iterable[Any]) -> Check:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             yield (), f"must be one of {', '.join(map(str, choices))}, got {value!r}{hint}"
+
     return check
 
 
@@ -380,7 +396,8 @@ def _type_name(hint: Any) -> str:
 
 def _describe(value: Any) -> str:
     kind = {dict: "a mapping", list: "a list", bool: "a boolean", float: "a number", type(None): "nothing"}.get(
-        type(value), type(value).__name__)
+        type(value), type(value).__name__
+    )
     return f"{value!r} ({kind})" if not isinstance(value, (dict, list)) else kind
 
 
@@ -435,8 +452,12 @@ def _build(cls: type, raw: Any, at: KeyPath, base: Path, issues: list[Issue]) ->
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            issues.append(Issue(at + (str(key),), f"unknown key; {hint}{show_path(at) if at else 'the config'} takes "
-                                                   f"{', '.join(known)}"))
+            issues.append(
+                Issue(
+                    at + (str(key),),
+                    f"unknown key; {hint}{show_path(at) if at else 'the config'} takes {', '.join(known)}",
+                )
+            )
     values: dict[str, Any] = {}
     for name, f in known.items():
         required = f.default is MISSING and f.default_factory is MISSING
@@ -459,8 +480,9 @@ def _convert(hint: Any, raw: Any, at: KeyPath, base: Path, issues: list[Issue]) 
         if typing.get_origin(option) is list and isinstance(raw, list):
             (item,) = typing.get_args(option)
             if is_dataclass(item):
-                return [_build(item, v, at + (i,), base, issues) if isinstance(v, dict) else v
-                        for i, v in enumerate(raw)]
+                return [
+                    _build(item, v, at + (i,), base, issues) if isinstance(v, dict) else v for i, v in enumerate(raw)
+                ]
     return raw
 
 
@@ -485,8 +507,13 @@ def _yaml_lines(text: str, file: str) -> tuple[Any, dict[KeyPath, int], list[Iss
                 key = key_node.value
                 path = at + (key,)
                 if key in seen:
-                    duplicates.append(Issue(path, f"is given twice (first on line {lines[path]}); keep one",
-                                            line=key_node.start_mark.line + 1))
+                    duplicates.append(
+                        Issue(
+                            path,
+                            f"is given twice (first on line {lines[path]}); keep one",
+                            line=key_node.start_mark.line + 1,
+                        )
+                    )
                     continue
                 seen.add(key)
                 lines[path] = key_node.start_mark.line + 1
@@ -511,8 +538,9 @@ def _parse(raw: Any, base: Path, origin: _Origin) -> tuple[MigrationConfig, list
     return config, issues + config.issues()
 
 
-def parse_config(raw: Any, *, base: str | os.PathLike = ".", file: str | None = None,
-                 lines: dict[KeyPath, int] | None = None) -> MigrationConfig:
+def parse_config(
+    raw: Any, *, base: str | os.PathLike = ".", file: str | None = None, lines: dict[KeyPath, int] | None = None
+) -> MigrationConfig:
     """A config from already-parsed data (a dict); raises :class:`MigrationConfigError` listing every problem."""
     config, issues = _parse(raw, Path(base), _Origin(file, dict(lines or {})))
     _raise(issues, config.origin)
@@ -597,8 +625,13 @@ def _plan(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> Migra
         warnings += [Issue(_transform_path(config, i, where), message) for i, where, message in tplan.warnings]
         if tplan.removed_groups:
             kept = len(tplan.facts.groups)
-            warnings.append(Issue(("transforms",), f"param group(s) {tplan.removed_groups} lose every parameter and "
-                                                   f"are removed; the new optimizer must have {kept} param group(s)"))
+            warnings.append(
+                Issue(
+                    ("transforms",),
+                    f"param group(s) {tplan.removed_groups} lose every parameter and "
+                    f"are removed; the new optimizer must have {kept} param group(s)",
+                )
+            )
         native = None
         if isinstance(config.target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
             native = _plan_target(config, config.target, reader, tplan, issues)
@@ -617,8 +650,11 @@ def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan
     try:
         from ucp.targets.export import export, parse_size, plan_shards
     except ImportError:
-        issues.append(Issue(("exports",), "this ucp has no exporter (ucp.targets.export is missing); remove "
-                                          "exports or update ucp"))
+        issues.append(
+            Issue(
+                ("exports",), "this ucp has no exporter (ucp.targets.export is missing); remove exports or update ucp"
+            )
+        )
         return
     facts = tplan.facts
     held = reader.buffers() if facts.buffer_names else {}
@@ -627,8 +663,13 @@ def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan
         suffix = item.path.suffix
         file_suffixes = _EXPORT_SUFFIXES[item.format]
         if suffix and suffix in {s for f in _EXPORT_SUFFIXES.values() for s in f} - set(file_suffixes):
-            issues.append(Issue(("exports", i, "path"), f"{item.path.name} does not fit format {item.format}; name "
-                                                        f"the file *{file_suffixes[0]} or give a folder"))
+            issues.append(
+                Issue(
+                    ("exports", i, "path"),
+                    f"{item.path.name} does not fit format {item.format}; name "
+                    f"the file *{file_suffixes[0]} or give a folder",
+                )
+            )
             continue
         if suffix not in file_suffixes:
             continue  # a folder: the exporter shards as needed
@@ -646,8 +687,13 @@ def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan
             limit = inspect.signature(export).parameters["max_shard_size"].default
         shards = len(plan_shards(sizes, parse_size(limit)))
         if shards > 1:
-            issues.append(Issue(("exports", i, "path"), f"the model needs {shards} shards of at most {limit}, which "
-                                                        "one file cannot hold; give a folder or raise max_shard_size"))
+            issues.append(
+                Issue(
+                    ("exports", i, "path"),
+                    f"the model needs {shards} shards of at most {limit}, which "
+                    "one file cannot hold; give a folder or raise max_shard_size",
+                )
+            )
 
 
 def _open_source(config: MigrationConfig, issues: list[Issue]) -> Reader | None:
@@ -686,18 +732,28 @@ def _output_issues(config: MigrationConfig, *, overwrite: bool) -> tuple[list[Is
     return clashes, exists
 
 
-def _plan_target(config: MigrationConfig, target: TargetConfig, reader: Reader, tplan: TransformPlan,
-                 issues: list[Issue]) -> Any:
+def _plan_target(
+    config: MigrationConfig, target: TargetConfig, reader: Reader, tplan: TransformPlan, issues: list[Issue]
+) -> Any:
     from ucp.targets.native import plan_native
 
     facts = tplan.facts
     start = len(issues)
     if target.optimizer is None and facts.flavour is None:
-        issues.append(Issue(("target", "optimizer"), "is required: the source's optimizer cannot be told from its "
-                                                     f"files; name it ({', '.join(flavours.FLAVOURS)})"))
+        issues.append(
+            Issue(
+                ("target", "optimizer"),
+                "is required: the source's optimizer cannot be told from its "
+                f"files; name it ({', '.join(flavours.FLAVOURS)})",
+            )
+        )
     if not any(g.params for g in facts.groups):
-        issues.append(Issue(("target",), "the transforms leave no trained parameter; a native checkpoint needs at "
-                                         "least one param group"))
+        issues.append(
+            Issue(
+                ("target",),
+                "the transforms leave no trained parameter; a native checkpoint needs at least one param group",
+            )
+        )
     if len(issues) > start:
         return None
     step: str | int = target.step
@@ -764,26 +820,34 @@ def _step_conflicts(config: MigrationConfig, reader: Reader, tplan: TransformPla
         for name in resets:
             index = tplan.reset_params[name]
             by_step.setdefault(index, []).append(name)
-            shared.setdefault(index, set()).update(f"{n} (step {steps.get(n)})" for n in names
-                                                  if n not in tplan.restarted)
+            shared.setdefault(index, set()).update(
+                f"{n} (step {steps.get(n)})" for n in names if n not in tplan.restarted
+            )
     issues = []
     keep = max((s for n, s in steps.items() if n not in tplan.restarted), default=0)
-    layout = (f"dp={plan.dp}, sub_group_size={plan.sub_group_size}" if plan.layout is not None
-              else f"ZeRO-{plan.stage}")
+    layout = f"dp={plan.dp}, sub_group_size={plan.sub_group_size}" if plan.layout is not None else f"ZeRO-{plan.stage}"
     for index, names in sorted(by_step.items()):
         others = sorted(shared[index])
         more = f" and {len(others) - 4} more" if len(others) > 4 else ""
-        issues.append(Issue(
-            _transform_path(config, index, ()),
-            f"resets {', '.join(names)} to step 0, but in the target ({layout}) they share a {what} with "
-            f"{', '.join(others[:4])}{more}, and DeepSpeed keeps one step per {what}. Write the reset as "
-            "{params: [...], step: keep} or set target.step: "
-            f"{keep} to zero only their moments and keep the step (a warm start: Adam's bias correction is then "
-            "already ~1), or set target.step: reset to restart every parameter at step 0"))
+        issues.append(
+            Issue(
+                _transform_path(config, index, ()),
+                f"resets {', '.join(names)} to step 0, but in the target ({layout}) they share a {what} with "
+                f"{', '.join(others[:4])}{more}, and DeepSpeed keeps one step per {what}. Write the reset as "
+                "{params: [...], step: keep} or set target.step: "
+                f"{keep} to zero only their moments and keep the step (a warm start: Adam's bias correction is then "
+                "already ~1), or set target.step: reset to restart every parameter at step 0",
+            )
+        )
     if plain:
-        issues.append(Issue(("target", "step"), "parameters that share a flat partition have different steps in "
-                                                "the source (" + "; ".join(plain) + "); set target.step to an "
-                                                "integer or reset"))
+        issues.append(
+            Issue(
+                ("target", "step"),
+                "parameters that share a flat partition have different steps in "
+                "the source (" + "; ".join(plain) + "); set target.step to an "
+                "integer or reset",
+            )
+        )
     return issues
 
 
@@ -791,8 +855,10 @@ def _step_conflicts(config: MigrationConfig, reader: Reader, tplan: TransformPla
 def _counts(facts: Facts) -> str:
     trained = sum(1 for p in facts.params if not p.frozen)
     frozen = len(facts.params) - trained
-    return (f"{len(facts.params)} parameters ({trained} trained, {frozen} frozen) in {len(facts.groups)} param "
-            f"group(s), {len(facts.tied)} tied alias(es), {len(facts.buffer_names)} buffer(s)")
+    return (
+        f"{len(facts.params)} parameters ({trained} trained, {frozen} frozen) in {len(facts.groups)} param "
+        f"group(s), {len(facts.tied)} tied alias(es), {len(facts.buffer_names)} buffer(s)"
+    )
 
 
 def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
@@ -801,11 +867,14 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
     info = source.info
     head = f"migration plan for {config.origin.file or 'config'}"
     out = [head + (" (dry run: nothing is written)" if dry_run else "")]
-    kind = {"universal": "universal directory",
-            "ds-universal": f"DeepSpeed ds_to_universal folder (from ZeRO-{info.zero_stage})"}.get(
-        info.format, f"DeepSpeed ZeRO-{info.zero_stage} checkpoint")
-    out.append(f"read       {config.source}: {kind}, tag {info.tag}, dp={info.dp_world_size}, {info.dtype}, "
-               f"{source.flavour or 'unknown optimizer'}, optimizer step {source.step}")
+    kind = {
+        "universal": "universal directory",
+        "ds-universal": f"DeepSpeed ds_to_universal folder (from ZeRO-{info.zero_stage})",
+    }.get(info.format, f"DeepSpeed ZeRO-{info.zero_stage} checkpoint")
+    out.append(
+        f"read       {config.source}: {kind}, tag {info.tag}, dp={info.dp_world_size}, {info.dtype}, "
+        f"{source.flavour or 'unknown optimizer'}, optimizer step {source.step}"
+    )
     out.append(f"           {_counts(source)}")
     tplan = plan.transforms
     for index, step in enumerate(config.transforms):
@@ -819,8 +888,11 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
                 value = f"{value.params} (step: {value.step})"
             out.append(f"transform  [{index}] {kind_name} {value}")
         out += [f"             drop {name} ({what}; {why})" for i, name, what, why in tplan.drops if i == index]
-        out += [f"             reset {name}: moments zeroed, step {'0' if restart else 'kept'}"
-                for i, name, restart in tplan.resets if i == index]
+        out += [
+            f"             reset {name}: moments zeroed, step {'0' if restart else 'kept'}"
+            for i, name, restart in tplan.resets
+            if i == index
+        ]
     if config.transforms:
         out.append(f"           result: {_counts(tplan.facts)}")
     if config.universal is not None:
@@ -829,17 +901,21 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
     if native is not None and config.target is not None:
         layout = ""
         if native.layout is not None:
-            layout = (f", sub_group_size {native.sub_group_size} -> {len(native.layout.sub_group_numel)} "
-                      "sub-group(s)")
+            layout = f", sub_group_size {native.sub_group_size} -> {len(native.layout.sub_group_numel)} sub-group(s)"
         step = config.target.step
         step_text = {"keep": "kept", "reset": "reset to 0 (moments zeroed)"}.get(str(step), f"set to {step}")
         tp = f" tp={native.tp}" if native.tp > 1 else ""
-        out.append(f"write      {config.target.output}: native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
-                   f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}")
+        out.append(
+            f"write      {config.target.output}: native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
+            f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"
+        )
         out += [f"             note: {note}" for note in native.notes]
     for export in config.exports:
-        src = "the universal directory" if config.universal is not None else (
-            "the transformed source" if tplan.changes_anything else "the source")
+        src = (
+            "the universal directory"
+            if config.universal is not None
+            else ("the transformed source" if tplan.changes_anything else "the source")
+        )
         size = f", shards of at most {export.max_shard_size}" if export.max_shard_size is not None else ""
         out.append(f"export     {export.path}: {export.format}, {export.dtype or 'model dtype'}{size}, from {src}")
     if dry_run:  # a real run logs them instead
@@ -885,11 +961,14 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
     except StepConflictError as err:
         # plan_migration checks this up front; a source whose own steps disagree still lands here
         origin = plan.config.origin
-        raise MigrationConfigError([origin.where(Issue(("target", "step"), f"{err}; set target.step to an "
-                                                                           "integer or reset"))]) from None
+        raise MigrationConfigError(
+            [origin.where(Issue(("target", "step"), f"{err}; set target.step to an integer or reset"))]
+        ) from None
     tp = f" tp={native.tp}" if native.tp > 1 else ""
-    return (f"wrote a native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
-            f"{native.dtype}) to {target.output}/{native.tag}")
+    return (
+        f"wrote a native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
+        f"{native.dtype}) to {target.output}/{native.tag}"
+    )
 
 
 def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> list[str]:
@@ -901,8 +980,12 @@ def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: i
     src: Path | Reader = config.universal if config.universal is not None else reader
     done = []
     for item in config.exports:
-        kwargs: dict[str, Any] = {"format": item.format, "dtype": item.dtype, "overwrite": overwrite,
-                                  "workers": workers}
+        kwargs: dict[str, Any] = {
+            "format": item.format,
+            "dtype": item.dtype,
+            "overwrite": overwrite,
+            "workers": workers,
+        }
         if item.max_shard_size is not None:
             kwargs["max_shard_size"] = item.max_shard_size
         written = export(src, item.path, **kwargs)
@@ -930,4 +1013,3 @@ def run_migration(config_path: str | os.PathLike, *, dry_run: bool = False, over
     text = plan.describe(dry_run=False)
     done = execute(plan, overwrite=overwrite)
     return "\n".join([text, *done])
-

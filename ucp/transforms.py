@@ -31,15 +31,23 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from ucp.errors import InputError
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader
 
-__all__ = ["Rename", "Drop", "ResetOptimizer", "Step", "Problem", "TransformPlan", "plan_transforms",
-           "TransformedReader"]
+__all__ = [
+    "Rename",
+    "Drop",
+    "ResetOptimizer",
+    "Step",
+    "Problem",
+    "TransformPlan",
+    "plan_transforms",
+    "TransformedReader",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +75,7 @@ class ResetOptimizer:
     keep_step: bool = False
 
 
-Step = Union[Rename, Drop, ResetOptimizer]
+Step = Rename | Drop | ResetOptimizer
 
 
 @dataclass(frozen=True)
@@ -180,8 +188,13 @@ def _rename(index: int, step: Rename, alive: list[_Name], plan: TransformPlan) -
         if len(entries) > 1:
             olds = ", ".join(repr(e.now) for e in entries[:-1]) + f" and {entries[-1].now!r}"
             both = "both" if len(entries) == 2 else "all"
-            plan.problems.append(Problem(index, (), f"{olds} would {both} be named {name!r}; a checkpoint "
-                                                    "cannot hold two tensors under one name"))
+            plan.problems.append(
+                Problem(
+                    index,
+                    (),
+                    f"{olds} would {both} be named {name!r}; a checkpoint cannot hold two tensors under one name",
+                )
+            )
     if plan.problems:
         return
     for entry, name in changed:
@@ -226,8 +239,14 @@ def _reset(index: int, step: ResetOptimizer, alive: list[_Name], plan: Transform
             if entry.kind == "param":
                 targets.append(entry)
             elif entry.kind == "alias" and entry.owner is not None and entry.owner.kind == "param":
-                plan.warnings.append((index, (j,), f"{entry.now!r} is tied to {entry.owner.now!r}; they share one "
-                                                   f"optimizer state, so {entry.owner.now!r} is reset"))
+                plan.warnings.append(
+                    (
+                        index,
+                        (j,),
+                        f"{entry.now!r} is tied to {entry.owner.now!r}; they share one "
+                        f"optimizer state, so {entry.owner.now!r} is reset",
+                    )
+                )
                 targets.append(entry.owner)
         if not targets:
             plan.warnings.append((index, (j,), f"{pattern!r} matches no parameter; nothing is reset"))
@@ -261,7 +280,8 @@ def _new_facts(facts: Facts, names: list[_Name], plan: TransformPlan) -> Facts:
         groups.append(replace(group, index=len(groups), params=members, step=step, raw=dict(group.raw)))
     metas = [
         replace(n.meta, name=n.now, group=None if n.meta.group is None else step_of_new[n.meta.group])
-        for n in params if n.meta is not None
+        for n in params
+        if n.meta is not None
     ]
     tied = {n.now: n.owner.now if n.owner is not None else facts.tied[n.source] for n in names if n.kind == "alias"}
     buffers = [n for n in names if n.kind == "buffer"]
@@ -271,7 +291,11 @@ def _new_facts(facts: Facts, names: list[_Name], plan: TransformPlan) -> Facts:
     plan.restarted = restarted
     group_steps = [g.step for g in groups if g.step is not None]
     return replace(
-        facts, groups=groups, params=metas, tied=tied, buffer_names=[n.now for n in buffers],
+        facts,
+        groups=groups,
+        params=metas,
+        tied=tied,
+        buffer_names=[n.now for n in buffers],
         step=max(group_steps) if group_steps else (None if facts.step is None else 0),
         warnings=list(facts.warnings),
         tp_rules={new: facts.tp_rules[old] for new, old in plan.origin.items() if old in facts.tp_rules},

@@ -7,7 +7,8 @@ file gets an :class:`~ucp.errors.InputError` naming the file and the field.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -51,12 +52,32 @@ STEP_KEY = "step"
 SUPPORTED_STAGES = (1, 2, 3)
 
 #: Keys DeepSpeed itself writes into model-states files; anything else is the user's client state.
-DS_MODEL_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_autoep_layers", "num_experts",
-})
+DS_MODEL_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+        "universal_checkpoint_info",
+        "ds_autoep_layers",
+        "num_experts",
+    }
+)
 
 
 def as_int(value: Any, what: str) -> int:
@@ -74,23 +95,27 @@ def as_int(value: Any, what: str) -> int:
 
 def need_mapping(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise InputError(f"{what} is a {type(value).__name__}, expected a dict: the file is damaged or not from "
-                         "DeepSpeed")
+        raise InputError(
+            f"{what} is a {type(value).__name__}, expected a dict: the file is damaged or not from DeepSpeed"
+        )
     return value
 
 
 def need_list(value: Any, what: str) -> list[Any]:
     if not isinstance(value, (list, tuple)):
-        raise InputError(f"{what} is a {type(value).__name__}, expected a list: the file is damaged or not from "
-                         "DeepSpeed")
+        raise InputError(
+            f"{what} is a {type(value).__name__}, expected a list: the file is damaged or not from DeepSpeed"
+        )
     return list(value)
 
 
 def need_tensor(value: Any, what: str, *, floating: bool = True) -> torch.Tensor:
     if not torch.is_tensor(value) or value.layout != torch.strided or (floating and not value.is_floating_point()):
         kind = f"a {value.dtype} tensor" if torch.is_tensor(value) else f"a {type(value).__name__}"
-        raise InputError(f"{what} is {kind}, expected a {'floating-point ' if floating else ''}tensor: the file is "
-                         "damaged or not from DeepSpeed")
+        raise InputError(
+            f"{what} is {kind}, expected a {'floating-point ' if floating else ''}tensor: the file is "
+            "damaged or not from DeepSpeed"
+        )
     return value
 
 
@@ -274,8 +299,9 @@ def missing_ranks(rank_file: Callable[[int], str], found: int, count: int) -> st
     return f"rank files {', '.join(names)} are" if len(names) > 1 else f"rank file {names[0]} is"
 
 
-def zero12_frozen_names(model_states: Mapping[str, Any], optimized: Iterable[str], tied: Iterable[str],
-                        buffer_names: Iterable[str]) -> list[str]:
+def zero12_frozen_names(
+    model_states: Mapping[str, Any], optimized: Iterable[str], tied: Iterable[str], buffer_names: Iterable[str]
+) -> list[str]:
     """Parameters outside ZeRO-1/2's flat groups: stage 2 lists them (frozen_param_shapes); stage 1 leaves
     them in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
     listed = model_states.get("frozen_param_shapes")
@@ -285,8 +311,9 @@ def zero12_frozen_names(model_states: Mapping[str, Any], optimized: Iterable[str
     return [k for k in (model_states.get("module") or {}) if k not in skip]
 
 
-def flat_state_keys(entry: Mapping[str, Any], size: int, where: str,
-                    expected: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def flat_state_keys(
+    entry: Mapping[str, Any], size: int, where: str, expected: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
     """The state keys of one flat tensor's optimizer entry, in its order: every key but the step must
     be a flat floating tensor of the partition's ``size`` (elementwise state, which ucp can cut
     anew), or the checkpoint is refused; nothing is ever dropped. ``expected``: what rank 0 holds."""
@@ -294,12 +321,19 @@ def flat_state_keys(entry: Mapping[str, Any], size: int, where: str,
     for key in keys:
         value = entry[key]
         if not torch.is_tensor(value) or not value.is_floating_point() or value.dim() != 1 or value.numel() != size:
-            kind = (f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
-                    if torch.is_tensor(value) else f"a {type(value).__name__}")
-            raise InputError(f"{where}: optimizer state {key!r} is {kind}, not a flat tensor of the partition's "
-                             f"{size} elements: ucp cannot reshard it elementwise, so it refuses the checkpoint "
-                             "rather than drop it")
+            kind = (
+                f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+                if torch.is_tensor(value)
+                else f"a {type(value).__name__}"
+            )
+            raise InputError(
+                f"{where}: optimizer state {key!r} is {kind}, not a flat tensor of the partition's "
+                f"{size} elements: ucp cannot reshard it elementwise, so it refuses the checkpoint "
+                "rather than drop it"
+            )
     if expected is not None and keys != expected:
-        raise InputError(f"{where} holds optimizer state {list(keys)}, rank 0 holds {list(expected)}: ranks from "
-                         "different runs are mixed")
+        raise InputError(
+            f"{where} holds optimizer state {list(keys)}, rank 0 holds {list(expected)}: ranks from "
+            "different runs are mixed"
+        )
     return keys

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ucp.errors import InputError
 
-__all__ = ["CheckpointFiles", "find_checkpoint", "resolve_tag_dir", "read_latest", "optim_file", "zero3_model_file",
-           "model_file", "LATEST", "LATEST_UNIVERSAL", "UNIVERSAL_OPTIM", "UNIVERSAL_MODEL_FILES"]
+__all__ = [
+    "CheckpointFiles",
+    "find_checkpoint",
+    "resolve_tag_dir",
+    "read_latest",
+    "optim_file",
+    "zero3_model_file",
+    "model_file",
+    "LATEST",
+    "LATEST_UNIVERSAL",
+    "UNIVERSAL_OPTIM",
+    "UNIVERSAL_MODEL_FILES",
+]
 
 #: The file naming the tag folder a plain ``engine.load_checkpoint(dir)`` loads.
 LATEST = "latest"
@@ -34,6 +45,7 @@ def zero3_model_file(dp_rank: int, mp_rank: int = 0) -> str:
 def model_file(mp_rank: int = 0) -> str:
     """The model-states file of a ZeRO-1/2 TP rank."""
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -87,8 +99,9 @@ def resolve_tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
         if not src.exists():
             raise InputError(f"{src} does not exist")
         if not src.is_dir():
-            raise InputError(f"{src} is not a folder; give the checkpoint folder (the one holding 'latest') or a tag "
-                             "folder")
+            raise InputError(
+                f"{src} is not a folder; give the checkpoint folder (the one holding 'latest') or a tag folder"
+            )
         if tag is not None:
             tag_dir = src / tag
             if not tag_dir.is_dir():
@@ -109,8 +122,9 @@ def resolve_tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
     raise InputError(f"{src} holds no DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files")
 
 
-def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path,
-          name_of: Callable[[int, int], str] | None = None) -> tuple[tuple[Path, ...], ...]:
+def _grid(
+    found: dict[tuple[int, int], Path], what: str, tag_dir: Path, name_of: Callable[[int, int], str] | None = None
+) -> tuple[tuple[Path, ...], ...]:
     mps = sorted({mp for mp, _ in found})
     if mps != list(range(len(mps))):
         shown = ", ".join(map(str, mps[:8])) + (", ..." if len(mps) > 8 else "")
@@ -122,8 +136,10 @@ def _grid(found: dict[tuple[int, int], Path], what: str, tag_dir: Path,
             # rank numbers come from file names: find the first gap without counting up to them
             first = next(i for i, dp in enumerate(dps) if dp != i)
             if name_of is not None:
-                raise InputError(f"rank file {name_of(mp, first)} (dp rank {first}) is missing from "
-                                 f"{tag_dir}: higher ranks are there; copy the whole tag folder")
+                raise InputError(
+                    f"rank file {name_of(mp, first)} (dp rank {first}) is missing from "
+                    f"{tag_dir}: higher ranks are there; copy the whole tag folder"
+                )
             raise InputError(f"{tag_dir}: {what} file for dp rank {first} (mp rank {mp}) is missing")
         rows.append(tuple(found[(mp, dp)] for dp in dps))
     if len({len(r) for r in rows}) != 1:
@@ -143,8 +159,10 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     except OSError as err:
         raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
     if any(_PIPELINE_LAYER.match(path.name) for path in paths):
-        raise InputError(f"{tag_dir} is a pipeline-parallel checkpoint (layer_XX-model_YY files); ucp merges "
-                         "tensor-parallel ranks but not pipeline stages yet")
+        raise InputError(
+            f"{tag_dir} is a pipeline-parallel checkpoint (layer_XX-model_YY files); ucp merges "
+            "tensor-parallel ranks but not pipeline stages yet"
+        )
     for path in paths:
         if m := _OPTIM.match(path.name):
             key = (int(m.group(3)), int(m.group(2)))
@@ -155,8 +173,10 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
         elif m := _Z3_MODEL.match(path.name):
             key = (int(m.group(2)), int(m.group(1)))
             if key in z3_model:
-                raise InputError(f"{tag_dir}: two model files for dp rank {key[1]} mp rank {key[0]} "
-                                 f"({z3_model[key].name}, {path.name})")
+                raise InputError(
+                    f"{tag_dir}: two model files for dp rank {key[1]} mp rank {key[0]} "
+                    f"({z3_model[key].name}, {path.name})"
+                )
             z3_model[key] = path
         elif m := _MODEL.match(path.name):
             key = (int(m.group(1)), 0)
@@ -164,24 +184,29 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
                 raise InputError(f"{tag_dir}: two model files for mp rank {key[0]} ({model[key].name}, {path.name})")
             model[key] = path
     if not optim:
-        raise InputError(f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without "
-                         "optimizer state)")
+        raise InputError(
+            f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without optimizer state)"
+        )
     if len(prefixes) > 1:
         raise InputError(f"{tag_dir} mixes bf16_ and plain optim files: two runs were saved into one tag")
     bf16 = prefixes.pop()
     if z3_model:
         for mp, dp in sorted(set(z3_model) - set(optim)):
-            raise InputError(f"rank file {optim_file(dp, mp, bf16=bf16)} is missing from {tag_dir}: its model-states file is there; copy the whole tag folder")
+            raise InputError(
+                f"rank file {optim_file(dp, mp, bf16=bf16)} is missing from {tag_dir}: its model-states file is there; copy the whole tag folder"
+            )
         for mp, dp in sorted(set(optim) - set(z3_model)):
-            raise InputError(f"rank file {zero3_model_file(dp, mp)} is missing from "
-                             f"{tag_dir}: its optim-states file is there; copy the whole tag folder")
-    optim_grid = _grid(optim, "optim", tag_dir,
-                       lambda mp, dp: optim_file(dp, mp, bf16=bf16))
+            raise InputError(
+                f"rank file {zero3_model_file(dp, mp)} is missing from "
+                f"{tag_dir}: its optim-states file is there; copy the whole tag folder"
+            )
+    optim_grid = _grid(optim, "optim", tag_dir, lambda mp, dp: optim_file(dp, mp, bf16=bf16))
     if z3_model:
         model_grid = _grid(z3_model, "model", tag_dir, lambda mp, dp: zero3_model_file(dp, mp))
         if len(model_grid) != len(optim_grid) or len(model_grid[0]) != len(optim_grid[0]):
-            raise InputError(f"{tag_dir}: {sum(map(len, model_grid))} model files but "
-                             f"{sum(map(len, optim_grid))} optim files")
+            raise InputError(
+                f"{tag_dir}: {sum(map(len, model_grid))} model files but {sum(map(len, optim_grid))} optim files"
+            )
         stage3 = True
     elif model:
         model_grid = _grid(model, "model", tag_dir)

@@ -9,7 +9,8 @@ target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, t
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -18,8 +19,19 @@ from ucp.model.flavours import Flavour
 from ucp.model.partition import Zero12Group
 from ucp.model.records import Facts, torch_dtype
 
-__all__ = ["lp_placeholder", "model_states", "zero_wrapper", "flat_state", "zero3_optim_block", "zero12_optim_block",
-           "optim_file_dict", "clip_grad", "config_for_stage", "universal_optimizer_state", "universal_model_states"]
+__all__ = [
+    "lp_placeholder",
+    "model_states",
+    "zero_wrapper",
+    "flat_state",
+    "zero3_optim_block",
+    "zero12_optim_block",
+    "optim_file_dict",
+    "clip_grad",
+    "config_for_stage",
+    "universal_optimizer_state",
+    "universal_model_states",
+]
 
 
 def lp_placeholder(dtype: str) -> torch.Tensor:
@@ -27,12 +39,20 @@ def lp_placeholder(dtype: str) -> torch.Tensor:
     return torch.empty(0, dtype=torch_dtype(dtype))
 
 
-def model_states(facts: Facts, extras: Mapping[str, Any], buffers: Mapping[str, torch.Tensor], *, dtype: str, dp: int,
-                 tp: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+def model_states(
+    facts: Facts,
+    extras: Mapping[str, Any],
+    buffers: Mapping[str, torch.Tensor],
+    *,
+    dtype: str,
+    dp: int,
+    tp: int,
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
     """The fields of a model-states file every stage shares (engine counters, scheduler, buffers);
     ``extra`` adds the stage's own (param shapes, frozen parameters, TP info) before the client state."""
     info = facts.info
-    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
     for meta in facts.params:
         module[meta.name] = lp_placeholder(dtype)
     for alias in facts.tied:
@@ -72,27 +92,47 @@ def zero_wrapper(extras: Mapping[str, Any], *, source_dtype: str, dtype: str, st
     }
 
 
-def flat_state(flavour: Flavour, optim: Sequence[Mapping[str, torch.Tensor]], steps: Sequence[int],
-               moments: bool) -> dict[int, dict[str, Any]]:
+def flat_state(
+    flavour: Flavour, optim: Sequence[Mapping[str, torch.Tensor]], steps: Sequence[int], moments: bool
+) -> dict[int, dict[str, Any]]:
     """The torch optimizer state of flat tensors: one entry per flat tensor, as the flavour keeps it."""
     if not moments:
         return {}
     return {i: flavour.make_state(tensors, step) for i, (tensors, step) in enumerate(zip(optim, steps))}
 
 
-def zero3_optim_block(*, wrapper: Mapping[str, Any], flavour: Flavour, fp32: list[torch.Tensor],
-                      optim: Sequence[Mapping[str, torch.Tensor]], steps: Sequence[int],
-                      groups: list[dict[str, Any]], dp: int, moments: bool) -> dict[str, Any]:
+def zero3_optim_block(
+    *,
+    wrapper: Mapping[str, Any],
+    flavour: Flavour,
+    fp32: list[torch.Tensor],
+    optim: Sequence[Mapping[str, torch.Tensor]],
+    steps: Sequence[int],
+    groups: list[dict[str, Any]],
+    dp: int,
+    moments: bool,
+) -> dict[str, Any]:
     """The dict DeepSpeed's ZeRO-3 optimizer saves for one rank (and loads back)."""
     inner = {"state": flat_state(flavour, optim, steps, moments), "param_groups": groups}
     return {**wrapper, "partition_count": dp, "optimizer_state_dict": inner, "fp32_flat_groups": fp32}
 
 
-def zero12_optim_block(*, wrapper: Mapping[str, Any], flavour: Flavour, fp32: list[torch.Tensor],
-                       optim: Sequence[Mapping[str, torch.Tensor]], layouts: list[Zero12Group],
-                       names: list[list[str]], index: int, steps: Sequence[int], groups: list[dict[str, Any]],
-                       clip_grad: float, ds_version: str | None, moments: bool,
-                       alignment_paddings: list[list[int]] | None = None) -> dict[str, Any]:
+def zero12_optim_block(
+    *,
+    wrapper: Mapping[str, Any],
+    flavour: Flavour,
+    fp32: list[torch.Tensor],
+    optim: Sequence[Mapping[str, torch.Tensor]],
+    layouts: list[Zero12Group],
+    names: list[list[str]],
+    index: int,
+    steps: Sequence[int],
+    groups: list[dict[str, Any]],
+    clip_grad: float,
+    ds_version: str | None,
+    moments: bool,
+    alignment_paddings: list[list[int]] | None = None,
+) -> dict[str, Any]:
     """The dict DeepSpeedZeroOptimizer saves for rank ``index`` (and its ``load_state_dict`` takes back)."""
     paddings = [layout.padding(index) for layout in layouts]
     mappings = []
@@ -112,8 +152,9 @@ def zero12_optim_block(*, wrapper: Mapping[str, Any], flavour: Flavour, fp32: li
         "clip_grad": clip_grad,
         "base_optimizer_state": {"state": flat_state(flavour, optim, steps, moments), "param_groups": groups},
         # DeepSpeedZeroOptimizer strips the end padding; its loader (and BF16_Optimizer's) pads it back
-        "single_partition_of_fp32_groups": [fp32[g][: layout.partition_size - paddings[g]]
-                                            for g, layout in enumerate(layouts)],
+        "single_partition_of_fp32_groups": [
+            fp32[g][: layout.partition_size - paddings[g]] for g, layout in enumerate(layouts)
+        ],
         "zero_stage": wrapper["zero_stage"],
         "group_paddings": paddings,
         "param_alignment_paddings": alignment_paddings,
@@ -162,8 +203,9 @@ def universal_optimizer_state(facts: Facts, extras: Mapping[str, Any]) -> dict[s
     inner = {"state": {0: {"step": step}}, "param_groups": group_dicts}
     return {
         "zero_stage": ZeroStageEnum(info.zero_stage),
-        "loss_scaler": (extras["loss_scaler"] if extras.get("loss_scaler") is not None
-                        else LossScaler(cur_scale=1.0, dynamic=False)),
+        "loss_scaler": (
+            extras["loss_scaler"] if extras.get("loss_scaler") is not None else LossScaler(cur_scale=1.0, dynamic=False)
+        ),
         "dynamic_loss_scale": extras.get("dynamic_loss_scale") is True,
         "overflow": extras.get("overflow") is True,
         "partition_count": info.dp_world_size,
@@ -173,8 +215,9 @@ def universal_optimizer_state(facts: Facts, extras: Mapping[str, Any]) -> dict[s
     }
 
 
-def universal_model_states(facts: Facts, extras: Mapping[str, Any],
-                           buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def universal_model_states(
+    facts: Facts, extras: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
     """The model-states file of a universal directory (buffers, scheduler, counters) for ``load_universal``."""
     info = facts.info
     return {

@@ -39,21 +39,38 @@ def run_demo(workdir: str | Path, *, source_dp: int = 4, target_dp: int = 2, ste
     work = Path(workdir).absolute()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    base = RunSpec(dp=source_dp, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=2, sub_group_size=80,
-                   global_batch=12 if 12 % source_dp == 0 and 12 % target_dp == 0 else source_dp * target_dp * 3)
+    base = RunSpec(
+        dp=source_dp,
+        stage=3,
+        dtype="fp32",
+        optimizer="torch-adamw",
+        param_groups=2,
+        sub_group_size=80,
+        global_batch=12 if 12 % source_dp == 0 and 12 % target_dp == 0 else source_dp * target_dp * 3,
+    )
     t0 = time.perf_counter()
     _say(f"1. training a tiny LM with DeepSpeed ZeRO-3 on {source_dp} CPU ranks for {steps} steps ...")
     run_ranks(RunSpec(**{**base.__dict__, "steps": steps, "save_dir": str(work / "ds_ckpt")}), log_dir=work / "logs")
     _say(f"2. ucp to-universal {work / 'ds_ckpt'} {work / 'universal'}")
     manifest = ucp.to_universal(work / "ds_ckpt", work / "universal")
-    _say(f"   {len(manifest['params'])} parameters, optimizer {manifest['optimizer']['flavour']}, "
-         f"step {manifest['optimizer']['step']}, {len(manifest['param_groups'])} param groups")
+    _say(
+        f"   {len(manifest['params'])} parameters, optimizer {manifest['optimizer']['flavour']}, "
+        f"step {manifest['optimizer']['step']}, {len(manifest['param_groups'])} param groups"
+    )
     _say(f"3. ucp restore {work / 'universal'} {work / f'dp{target_dp}_ckpt'} --dp {target_dp}")
     ucp.write_native(work / "universal", work / f"dp{target_dp}_ckpt", dp=target_dp)
 
     def resume(name: str, dp: int, load: LoadSpec) -> dict:
-        spec = RunSpec(**{**base.__dict__, "dp": dp, "steps": steps, "first_step": steps, "load": load,
-                          "record": str(work / f"{name}.pt")})
+        spec = RunSpec(
+            **{
+                **base.__dict__,
+                "dp": dp,
+                "steps": steps,
+                "first_step": steps,
+                "load": load,
+                "record": str(work / f"{name}.pt"),
+            }
+        )
         run_ranks(spec, log_dir=work / f"logs-{name}")
         return _record(work / f"{name}.pt")
 
@@ -74,25 +91,33 @@ def run_demo(workdir: str | Path, *, source_dp: int = 4, target_dp: int = 2, ste
         return loss, param
 
     _say("")
-    _say(f"{'step':>6} {'native dp=' + str(source_dp):>16} {'ucp dp=' + str(target_dp):>16}"
-         + (f" {'ds universal':>16}" if theirs else ""))
+    _say(
+        f"{'step':>6} {'native dp=' + str(source_dp):>16} {'ucp dp=' + str(target_dp):>16}"
+        + (f" {'ds universal':>16}" if theirs else "")
+    )
     for i, loss in enumerate(native["losses"]):
         row = f"{steps + i + 1:>6} {loss:>16.8f} {ours['losses'][i]:>16.8f}"
         if theirs:
             row += f" {theirs['losses'][i]:>16.8f}"
         _say(row)
     loss_gap, param_gap = gap(ours)
-    _say(f"\nucp:                 max |loss diff| {loss_gap:.2e}, max |param diff| {param_gap:.2e}, "
-         f"optimizer step {ours['state_steps'][0]:.0f} (native {native['state_steps'][0]:.0f}), "
-         f"lr per group {['%.5f' % x for x in ours['lrs']]}")
+    _say(
+        f"\nucp:                 max |loss diff| {loss_gap:.2e}, max |param diff| {param_gap:.2e}, "
+        f"optimizer step {ours['state_steps'][0]:.0f} (native {native['state_steps'][0]:.0f}), "
+        f"lr per group {[f'{x:.5f}' for x in ours['lrs']]}"
+    )
     if theirs:
         their_loss, their_param = gap(theirs)
-        _say(f"DeepSpeed universal: max |loss diff| {their_loss:.2e}, max |param diff| {their_param:.2e}, "
-             f"optimizer step {theirs['state_steps'][0]:.0f}, lr per group {['%.5f' % x for x in theirs['lrs']]}")
+        _say(
+            f"DeepSpeed universal: max |loss diff| {their_loss:.2e}, max |param diff| {their_param:.2e}, "
+            f"optimizer step {theirs['state_steps'][0]:.0f}, lr per group {[f'{x:.5f}' for x in theirs['lrs']]}"
+        )
     ok = loss_gap <= TOLERANCE and param_gap <= TOLERANCE
-    _say(f"\n{'MATCH' if ok else 'MISMATCH'}: ucp's resume at dp={target_dp} "
-         f"{'matches' if ok else 'does not match'} DeepSpeed's native resume at dp={source_dp} within {TOLERANCE:g} "
-         f"({time.perf_counter() - t0:.0f} s, files in {work})")
+    _say(
+        f"\n{'MATCH' if ok else 'MISMATCH'}: ucp's resume at dp={target_dp} "
+        f"{'matches' if ok else 'does not match'} DeepSpeed's native resume at dp={source_dp} within {TOLERANCE:g} "
+        f"({time.perf_counter() - t0:.0f} s, files in {work})"
+    )
     return 0 if ok else 1
 
 

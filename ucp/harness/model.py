@@ -27,8 +27,12 @@ def tp_layer_specs(spec: ModelSpec) -> list[dict]:
     """DeepSpeed AutoTP rules for TinyLM: column-parallel first projection, row-parallel second."""
     if spec.glu:
         return [
-            {"patterns": [r".*\.up\.weight$", r".*\.up\.bias$"], "partition_type": "column", "shape": [2, -1],
-             "partition_dim": 0},
+            {
+                "patterns": [r".*\.up\.weight$", r".*\.up\.bias$"],
+                "partition_type": "column",
+                "shape": [2, -1],
+                "partition_dim": 0,
+            },
             {"patterns": [r".*\.down\.weight$"], "partition_type": "row"},
         ]
     return [
@@ -44,8 +48,9 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.blocks = nn.ModuleList(
-            GluBlock(spec.hidden, spec.ffn) if spec.glu else
-            nn.Sequential(nn.Linear(spec.hidden, spec.ffn), nn.GELU(), nn.Linear(spec.ffn, spec.hidden))
+            GluBlock(spec.hidden, spec.ffn)
+            if spec.glu
+            else nn.Sequential(nn.Linear(spec.hidden, spec.ffn), nn.GELU(), nn.Linear(spec.ffn, spec.hidden))
             for _ in range(spec.layers)
         )
         self.proj = nn.Linear(spec.hidden, spec.hidden) if spec.frozen else None
@@ -94,7 +99,9 @@ def build_param_groups(model: nn.Module, count: int, lr: float) -> list[dict]:
     return groups
 
 
-def batch_for_step(step: int, *, seed: int, global_batch: int, seq: int, vocab: int, rank: int, dp: int) -> torch.Tensor:
+def batch_for_step(
+    step: int, *, seed: int, global_batch: int, seq: int, vocab: int, rank: int, dp: int
+) -> torch.Tensor:
     """This rank's slice of the global batch for ``step``: the same global batch at every DP size."""
     gen = torch.Generator().manual_seed(seed * 100003 + step)
     tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=gen)

@@ -72,7 +72,7 @@ class RunSpec:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "RunSpec":
+    def from_json(cls, text: str) -> RunSpec:
         raw = json.loads(text)
         raw["model"] = ModelSpec(**raw["model"])
         raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None

@@ -54,8 +54,10 @@ def _ds_config(spec: RunSpec) -> dict:
     if spec.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.grad_accum_dtype}
     if spec.tp > 1:
-        config["tensor_parallel"] = {"autotp_size": spec.tp, "partition_config": {
-            "use_default_specs": False, "layer_specs": tp_layer_specs(spec.model)}}
+        config["tensor_parallel"] = {
+            "autotp_size": spec.tp,
+            "partition_config": {"use_default_specs": False, "layer_specs": tp_layer_specs(spec.model)},
+        }
     if spec.load is not None and spec.load.kind == "ds-universal":
         config["checkpoint"] = {"load_universal": True}
     return config
@@ -71,8 +73,9 @@ def _relink_optimizer_state(optimizer) -> None:
     from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
 
     lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
-    hp_groups = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
-        getattr(optimizer, "fp32_groups_flat_partition", None)
+    hp_groups = getattr(optimizer, "single_partition_of_fp32_groups", None) or getattr(
+        optimizer, "fp32_groups_flat_partition", None
+    )
     if lp_groups is None or hp_groups is None:
         return  # ZeRO-3 links per sub-group as it steps
     for lp, hp in zip(lp_groups, hp_groups):
@@ -151,9 +154,7 @@ def main(argv: list[str]) -> None:
     groups = build_param_groups(model, spec.param_groups, spec.lr)
     optimizer = _make_optimizer(spec, groups)
     scheduler = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay)) if spec.scheduler else None
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(spec)
-    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(spec))
     if spec.load is not None:
         if spec.load.kind == "ucp":
             import ucp
@@ -169,8 +170,13 @@ def main(argv: list[str]) -> None:
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):
         tokens = batch_for_step(
-            step, seed=spec.data_seed, global_batch=spec.global_batch, seq=spec.seq,
-            vocab=spec.model.vocab, rank=rank, dp=spec.dp,
+            step,
+            seed=spec.data_seed,
+            global_batch=spec.global_batch,
+            seq=spec.seq,
+            vocab=spec.model.vocab,
+            rank=rank,
+            dp=spec.dp,
         )
         loss = engine(tokens)
         engine.backward(loss)

@@ -22,8 +22,8 @@ import re
 import secrets
 import shutil
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from ucp.errors import OutputExistsError, UcpError
 
@@ -99,8 +99,10 @@ def _publish_new(staging: Path, out: Path) -> None:
         os.rename(staging, out)  # an empty folder created at out since the check would be replaced
     except OSError as err:
         if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise OutputExistsError(f"{out} appeared while it was being written; the new output was discarded, "
-                                    "pass --overwrite to replace it") from None
+            raise OutputExistsError(
+                f"{out} appeared while it was being written; the new output was discarded, "
+                "pass --overwrite to replace it"
+            ) from None
         raise
 
 
@@ -168,8 +170,13 @@ def _clear_stale(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(out: str | os.PathLike, *, overwrite: bool = False, durable: bool = True,
-                  check: Callable[[Path], None] | None = None) -> Iterator[Path]:
+def staged_output(
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    durable: bool = True,
+    check: Callable[[Path], None] | None = None,
+) -> Iterator[Path]:
     """Yield a fresh staging folder beside ``out``; on clean exit it becomes ``out``, on error it goes.
 
     Call order: the caller fills the yielded folder (its metadata file last); on leaving the

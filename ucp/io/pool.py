@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 __all__ = ["default_workers", "parallel_map"]
 
@@ -13,8 +14,9 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def parallel_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int, *, desc: str = "",
-                 total: int | None = None) -> Iterator[Any]:
+def parallel_map(
+    fn: Callable[[Any], Any], items: Iterable[Any], workers: int, *, desc: str = "", total: int | None = None
+) -> Iterator[Any]:
     """Map in a thread pool, in order, keeping at most ``2 x workers`` items in flight (bounded memory)."""
     items = list(items)
     bar = _progress(total if total is not None else len(items), desc)
@@ -44,7 +46,9 @@ def _progress(total: int, desc: str) -> Any:
 
         return tqdm(total=total, desc=desc, unit="param", disable=None, leave=False)
     except ImportError:  # tqdm is optional
+
         class _Null:
             def update(self, n: int) -> None: ...
             def close(self) -> None: ...
+
         return _Null()

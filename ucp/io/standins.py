@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DSEnum", "DSObject", "ZeroStageEnum", "LossScaler", "DynamicLossScaler", "FragmentAddress", "Namespace",
-           "STANDINS"]
+__all__ = [
+    "DSEnum",
+    "DSObject",
+    "ZeroStageEnum",
+    "LossScaler",
+    "DynamicLossScaler",
+    "FragmentAddress",
+    "Namespace",
+    "STANDINS",
+]
 
 
 class DSEnum(int):

@@ -23,14 +23,15 @@ import struct
 import threading
 import zipfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ucp.errors import CorruptFileError, UnsafeFileError
-from ucp.io.pieces import FileSpan
 from ucp.io.standins import STANDINS, DSObject
+from ucp.model.pieces import FileSpan
 
 __all__ = ["TorchFile", "allowed_globals", "load"]
 
@@ -40,8 +41,10 @@ logger = logging.getLogger(__name__)
 _SAFE_GLOBALS = [(cls, cls.ds_name) for cls in STANDINS]
 # torch keeps its allow-list in one process-wide set; the lock keeps our additions scoped to our loads.
 _ALLOW_LOCK = threading.Lock()
-_UNSUPPORTED = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL|unrecognized function|Unsupported class)"
-                          r"\s+([\w.<>]+)")
+_UNSUPPORTED = re.compile(
+    r"(?:Unsupported global: GLOBAL|unsupported GLOBAL|unrecognized function|Unsupported class)"
+    r"\s+([\w.<>]+)"
+)
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_PICKLES = 5  # magic number, protocol, sys info, the object, storage keys (torch's _legacy_load)
 # A tensor may address more bytes than its storage holds only by overlapping itself (stride 0,
@@ -95,13 +98,17 @@ def _check_globals(stream: io.BytesIO, path: Path, pickles: int = 1) -> None:
                             "types; refused without running it (if you trust the file, re-save it without that object)"
                         )
                 elif opcode.name in ("STACK_GLOBAL", "INST", "OBJ"):
-                    raise UnsafeFileError(f"{path} builds objects with the {opcode.name} opcode, which ucp does not "
-                                          "allow; refused without running it")
+                    raise UnsafeFileError(
+                        f"{path} builds objects with the {opcode.name} opcode, which ucp does not "
+                        "allow; refused without running it"
+                    )
     except UnsafeFileError:
         raise
     except Exception as err:  # genops raises ValueError and friends on a damaged pickle
-        raise CorruptFileError(f"{path} holds a damaged pickle ({_one_line(err, 120) or type(err).__name__}); "
-                               "the file is truncated or corrupt") from None
+        raise CorruptFileError(
+            f"{path} holds a damaged pickle ({_one_line(err, 120) or type(err).__name__}); "
+            "the file is truncated or corrupt"
+        ) from None
 
 
 def _refusal(err: Exception, path: Path) -> Exception:
@@ -130,8 +137,10 @@ def _check_tensors(obj: Any, path: Path) -> None:
             claimed = item.numel() * item.element_size()
             held = item.untyped_storage().nbytes()
             if claimed > held and claimed > _MAX_OVERLAP_BYTES:
-                raise CorruptFileError(f"{path} holds a tensor of shape {tuple(item.shape)} that claims {claimed} "
-                                       f"bytes over a storage of {held}; the file is corrupt")
+                raise CorruptFileError(
+                    f"{path} holds a tensor of shape {tuple(item.shape)} that claims {claimed} "
+                    f"bytes over a storage of {held}; the file is corrupt"
+                )
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
@@ -230,8 +239,9 @@ class TorchFile:
         except pickle.UnpicklingError as err:
             raise _refusal(err, self.path) from None
         except Exception as err:  # torch raises many types for a broken file
-            raise CorruptFileError(f"{self.path} is not a readable torch file ({type(err).__name__}: "
-                                   f"{_one_line(err, 120)})") from None
+            raise CorruptFileError(
+                f"{self.path} is not a readable torch file ({type(err).__name__}: {_one_line(err, 120)})"
+            ) from None
         _check_tensors(obj, self.path)
         return obj
 
@@ -250,8 +260,9 @@ class TorchFile:
         assert self._mm is not None
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                raise CorruptFileError(f"{self.path}: member {info.filename!r} is compressed or damaged; not a "
-                                       "torch.save file")
+                raise CorruptFileError(
+                    f"{self.path}: member {info.filename!r} is compressed or damaged; not a torch.save file"
+                )
             head = info.header_offset
             if head < 0 or head + 30 > size or self._mm[head : head + 4] != _ZIP_MAGIC:
                 raise CorruptFileError(f"{self.path} is truncated or corrupt: bad local header for {info.filename!r}")
@@ -300,8 +311,11 @@ class TorchFile:
                 raise CorruptFileError(f"{self.path}: storage {key} holds {record[1]} bytes, needs {nbytes}")
             # A frombuffer view per record: zero-copy like a slice of the whole mapping, but copying from
             # a slice of one big UntypedStorage was measured 10-30x slower (torch 2.13, CPU).
-            raw = (torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
-                   if nbytes else torch.UntypedStorage(0))
+            raw = (
+                torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
+                if nbytes
+                else torch.UntypedStorage(0)
+            )
             typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
             storages[key] = typed
             return typed
@@ -319,8 +333,9 @@ class TorchFile:
         except pickle.UnpicklingError as err:
             raise _refusal(err, self.path) from None
         except Exception as err:  # a hostile or damaged pickle can fail in many ways
-            raise CorruptFileError(f"{self.path} could not be unpickled: {type(err).__name__}: "
-                                   f"{_one_line(err, 160)}") from None
+            raise CorruptFileError(
+                f"{self.path} could not be unpickled: {type(err).__name__}: {_one_line(err, 160)}"
+            ) from None
         _check_tensors(obj, self.path)
         return obj
 
@@ -375,7 +390,7 @@ class TorchFile:
         self._mm = None
         self._close_file()
 
-    def __enter__(self) -> "TorchFile":
+    def __enter__(self) -> TorchFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -26,13 +26,13 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from ucp.io.crc import crc32_combine
-from ucp.io.pieces import FileSpan, Pieces, part_numel
 from ucp.io.standins import DSEnum, DSObject
+from ucp.model.pieces import FileSpan, Pieces, part_numel
 
 __all__ = ["WrittenFile", "write_torch_file"]
 
@@ -94,10 +94,13 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc,name-defined]
         if isinstance(obj, Pieces):
             item = obj.dtype.itemsize
             data = [p if isinstance(p, FileSpan) else _tensor_bytes(p) for p in obj.parts if part_numel(p, item)]
-            ref = _StorageRef(getattr(torch, _storage_type_name(obj.dtype)), data,
-                              sum(part_numel(p, item) for p in obj.parts))
-            return (torch._utils._rebuild_tensor_v2,
-                    (ref, 0, obj.shape, _contiguous_strides(obj.shape), False, _ordered_dict()))
+            ref = _StorageRef(
+                getattr(torch, _storage_type_name(obj.dtype)), data, sum(part_numel(p, item) for p in obj.parts)
+            )
+            return (
+                torch._utils._rebuild_tensor_v2,
+                (ref, 0, obj.shape, _contiguous_strides(obj.shape), False, _ordered_dict()),
+            )
         return NotImplemented
 
 
@@ -124,9 +127,16 @@ def _ordered_dict() -> Any:
 
 
 _STORAGE_TYPES = {
-    torch.float32: "FloatStorage", torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage",
-    torch.float64: "DoubleStorage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
+    torch.float32: "FloatStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.float16: "HalfStorage",
+    torch.float64: "DoubleStorage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
 }
 
 
@@ -150,8 +160,24 @@ def _local_header(name: bytes, size: int, crc: int, offset: int) -> bytes:
     pad = (-(offset + 30 + len(name) + len(extra) + 4)) % _ALIGN
     extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad  # the padding field torch itself writes
     size32 = 0xFFFFFFFF if zip64 else size
-    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, _UTF8, 0, 0, _DOS_DATE, crc, size32,
-                       size32, len(name), len(extra)) + name + extra
+    return (
+        struct.pack(
+            "<IHHHHHIIIHH",
+            0x04034B50,
+            45 if zip64 else 20,
+            _UTF8,
+            0,
+            0,
+            _DOS_DATE,
+            crc,
+            size32,
+            size32,
+            len(name),
+            len(extra),
+        )
+        + name
+        + extra
+    )
 
 
 def _central_entry(name: bytes, size: int, crc: int, offset: int) -> bytes:
@@ -162,9 +188,30 @@ def _central_entry(name: bytes, size: int, crc: int, offset: int) -> bytes:
         fields.append(offset)
     extra = struct.pack("<HH", 0x0001, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
     version = 45 if fields else 20
-    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _UTF8, 0, 0, _DOS_DATE, crc,
-                       min(size, 0xFFFFFFFF), min(size, 0xFFFFFFFF), len(name), len(extra), 0, 0, 0, 0,
-                       min(offset, 0xFFFFFFFF)) + name + extra
+    return (
+        struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            version,
+            version,
+            _UTF8,
+            0,
+            0,
+            _DOS_DATE,
+            crc,
+            min(size, 0xFFFFFFFF),
+            min(size, 0xFFFFFFFF),
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            min(offset, 0xFFFFFFFF),
+        )
+        + name
+        + extra
+    )
 
 
 def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
@@ -173,8 +220,17 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
         zip64_end = cd_offset + cd_size
         out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
         out += struct.pack("<IIQI", 0x07064B50, 0, zip64_end, 1)
-    out += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                       min(cd_size, 0xFFFFFFFF), min(cd_offset, 0xFFFFFFFF), 0)
+    out += struct.pack(
+        "<IHHHHIIH",
+        0x06054B50,
+        0,
+        0,
+        min(count, 0xFFFF),
+        min(count, 0xFFFF),
+        min(cd_size, 0xFFFFFFFF),
+        min(cd_offset, 0xFFFFFFFF),
+        0,
+    )
     return out
 
 
@@ -200,7 +256,7 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     return WrittenFile(bytes=size, crc32=f"{crc & 0xFFFFFFFF:08x}")
 
 
-_Chunk = Union[memoryview, bytes, FileSpan]
+_Chunk = memoryview | bytes | FileSpan
 
 
 class _ZipStream:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -46,17 +47,26 @@ class Hyper:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "lr": self.lr, "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
-            "amsgrad": self.amsgrad, "bias_correction": self.bias_correction, "adam_w_mode": self.adam_w_mode,
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "amsgrad": self.amsgrad,
+            "bias_correction": self.bias_correction,
+            "adam_w_mode": self.adam_w_mode,
             "extra": self.extra,
         }
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> "Hyper":
+    def from_json(cls, raw: Mapping[str, Any]) -> Hyper:
         return cls(
-            lr=float(raw["lr"]), betas=tuple(raw.get("betas", (0.9, 0.999))), eps=float(raw.get("eps", 1e-8)),
-            weight_decay=float(raw.get("weight_decay", 0.0)), amsgrad=bool(raw.get("amsgrad", False)),
-            bias_correction=bool(raw.get("bias_correction", True)), adam_w_mode=raw.get("adam_w_mode"),
+            lr=float(raw["lr"]),
+            betas=tuple(raw.get("betas", (0.9, 0.999))),
+            eps=float(raw.get("eps", 1e-8)),
+            weight_decay=float(raw.get("weight_decay", 0.0)),
+            amsgrad=bool(raw.get("amsgrad", False)),
+            bias_correction=bool(raw.get("bias_correction", True)),
+            adam_w_mode=raw.get("adam_w_mode"),
             extra=dict(raw.get("extra", {})),
         )
 
@@ -137,17 +147,22 @@ class Flavour:
             group["bias_correction"] = hyper.bias_correction
         if self.step_in_group:
             current = group.get("step")
-            group["step"] = (torch.full_like(current, step) if torch.is_tensor(current) else int(step))
+            group["step"] = torch.full_like(current, step) if torch.is_tensor(current) else int(step)
         group.update({k: v for k, v in hyper.extra.items() if k not in group or k == "initial_lr"})
         return group
 
     def make_group(self, hyper: Hyper, step: int) -> dict[str, Any]:
         """A param group (without ``params``) as this optimizer writes it in its state_dict."""
-        group: dict[str, Any] = {"lr": hyper.lr, "betas": tuple(hyper.betas), "eps": hyper.eps,
-                                 "weight_decay": hyper.weight_decay}
+        group: dict[str, Any] = {
+            "lr": hyper.lr,
+            "betas": tuple(hyper.betas),
+            "eps": hyper.eps,
+            "weight_decay": hyper.weight_decay,
+        }
         if self.name == "torch-adam":
-            group.update(amsgrad=hyper.amsgrad, maximize=False, foreach=None, capturable=False,
-                         differentiable=False, fused=None)
+            group.update(
+                amsgrad=hyper.amsgrad, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
+            )
             if hyper.adam_w_mode is not None:
                 group["decoupled_weight_decay"] = hyper.adam_w_mode
         else:
@@ -165,8 +180,13 @@ FLAVOURS: dict[str, Flavour] = {
     f.name: f
     for f in (
         Flavour("torch-adam", True, False, True, "torch.optim.Adam / AdamW: per-parameter float32 step tensor"),
-        Flavour("ds-fused-adam", True, True, False,
-                "DeepSpeed FusedAdam: per-parameter int step; group['step'] is a stale copy left at 0"),
+        Flavour(
+            "ds-fused-adam",
+            True,
+            True,
+            False,
+            "DeepSpeed FusedAdam: per-parameter int step; group['step'] is a stale copy left at 0",
+        ),
         Flavour("ds-cpu-adam", True, False, False, "DeepSpeedCPUAdam: per-parameter int step"),
         Flavour("apex-fused-adam", False, True, False, "Apex FusedAdam: one int step per param group"),
     )
@@ -195,8 +215,11 @@ def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | Non
     if not isinstance(ds_config, Mapping):
         return None, None, False
     zero = ds_config.get("zero_optimization") or {}
-    offload = isinstance(zero, Mapping) and isinstance(zero.get("offload_optimizer"), Mapping) and \
-        zero["offload_optimizer"].get("device") in ("cpu", "nvme")
+    offload = (
+        isinstance(zero, Mapping)
+        and isinstance(zero.get("offload_optimizer"), Mapping)
+        and zero["offload_optimizer"].get("device") in ("cpu", "nvme")
+    )
     opt = ds_config.get("optimizer")
     if not isinstance(opt, Mapping) or not opt.get("type"):
         return None, None, bool(offload)
@@ -206,8 +229,9 @@ def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | Non
     return kind, adam_w, bool(offload)
 
 
-def detect(optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None,
-           override: str | None = None) -> Detection:
+def detect(
+    optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, override: str | None = None
+) -> Detection:
     """Tell the flavour from a (base) optimizer state dict: where the step lives and its type."""
     _, cfg_adam_w, offload = _ds_config_optimizer(ds_config)
     groups = list(optimizer_state.get("param_groups") or [])
@@ -230,7 +254,8 @@ def detect(optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | No
             if stale and any(int(v) != real for v in stale):
                 warnings.append(
                     f"group['step'] reads {sorted({int(v) for v in stale})} while parameters took {real} steps: "
-                    "DeepSpeed FusedAdam keeps its real counter per parameter; the stale group copy is ignored")
+                    "DeepSpeed FusedAdam keeps its real counter per parameter; the stale group copy is ignored"
+                )
             return Detection(flavour, cfg_adam_w, "per-parameter int steps with a group step key", warnings)
         return Detection(FLAVOURS["ds-cpu-adam"], cfg_adam_w, "per-parameter int steps, no group step")
     if not steps and groups and all("step" in g for g in groups):
@@ -252,5 +277,7 @@ def detect_live(optimizer: Any) -> Flavour:
         return FLAVOURS["ds-cpu-adam"]
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return FLAVOURS["torch-adam"]
-    raise InputError(f"cannot tell where {cls.__module__}.{cls.__name__} keeps its step; pass optimizer= one of "
-                     f"{', '.join(FLAVOURS)}")
+    raise InputError(
+        f"cannot tell where {cls.__module__}.{cls.__name__} keeps its step; pass optimizer= one of "
+        f"{', '.join(FLAVOURS)}"
+    )

@@ -7,7 +7,7 @@ planned once against a checkpoint's facts by the target (``ucp.targets.native.pl
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 from ucp.errors import ConfigError
 from ucp.model.flavours import FLAVOURS
@@ -19,7 +19,7 @@ __all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step"]
 STAGES = (1, 2, 3)
 
 #: ``keep`` each parameter's own step, ``reset`` to 0 (optimizer state dropped on request), or one step for all.
-StepPolicy = Union[int, str]
+StepPolicy = int | str
 
 
 def parse_step(step: Any) -> StepPolicy:
@@ -62,8 +62,9 @@ class RestoreOptions:
         if not _positive(self.tp):
             out.append(f"--tp must be a positive integer, got {self.tp!r}")
         elif self.tp > 1 and self.stage == 3:
-            out.append("--tp > 1 needs --stage 1 or 2: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO "
-                       "stages 0-2")
+            out.append(
+                "--tp > 1 needs --stage 1 or 2: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages 0-2"
+            )
         if self.stage not in STAGES:
             out.append(f"--stage must be 1, 2 or 3, got {self.stage!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -80,7 +81,7 @@ class RestoreOptions:
             out.append(f"tag {self.tag!r} is not a folder name")
         return out
 
-    def checked(self) -> "RestoreOptions":
+    def checked(self) -> RestoreOptions:
         """These options, or a ConfigError listing every problem."""
         problems = self.problems()
         if problems:

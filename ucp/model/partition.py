@@ -16,8 +16,8 @@ and ``bf16_optimizer.py``; proven bit-exact on real checkpoints).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "ceil_div",
@@ -211,8 +211,9 @@ class Zero12Group:
         return zero12_rank_slice(self.offsets[index], self.numels[index], self.partition_size, rank)
 
 
-def zero12_group(numels: Sequence[int], dp: int, *, param_paddings: Sequence[int] | None = None,
-                 alignment: int = ZERO12_ALIGNMENT) -> Zero12Group:
+def zero12_group(
+    numels: Sequence[int], dp: int, *, param_paddings: Sequence[int] | None = None, alignment: int = ZERO12_ALIGNMENT
+) -> Zero12Group:
     """The layout DeepSpeed builds for one param group with these parameter sizes (in flat order).
 
     ``param_paddings`` are the per-parameter gaps ``zero_optimization.parameter_alignment`` adds

@@ -8,19 +8,30 @@ parameter carries its fp32 master and whatever tensors its optimizer keeps, by k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ucp.io.pieces import Pieces
 from ucp.model.flavours import Hyper
+from ucp.model.pieces import Pieces
 
-
-__all__ = ["DTYPES", "dtype_name", "torch_dtype", "ParamMeta", "ParamState", "PieceState", "GroupMeta", "SourceInfo",
-           "Facts", "Reader", "ReaderView"]
+__all__ = [
+    "DTYPES",
+    "dtype_name",
+    "torch_dtype",
+    "ParamMeta",
+    "ParamState",
+    "PieceState",
+    "GroupMeta",
+    "SourceInfo",
+    "Facts",
+    "Reader",
+    "ReaderView",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -69,7 +80,7 @@ class ParamState:
 
 @dataclass
 class PieceState:
-    """A :class:`ParamState` whose tensors are :class:`ucp.io.pieces.Pieces`: the copy-free path from
+    """A :class:`ParamState` whose tensors are :class:`ucp.model.pieces.Pieces`: the copy-free path from
     a source's files into a writer or a target's flat buffers (valid only while the source says so)."""
 
     fp32: Pieces
@@ -77,15 +88,17 @@ class PieceState:
     step: int | None = None
 
     @classmethod
-    def of(cls, state: ParamState) -> "PieceState":
+    def of(cls, state: ParamState) -> PieceState:
         """Whole tensors as one piece each."""
-        return cls(fp32=Pieces.of(state.fp32), optim={k: Pieces.of(v) for k, v in state.optim.items()},
-                   step=state.step)
+        return cls(fp32=Pieces.of(state.fp32), optim={k: Pieces.of(v) for k, v in state.optim.items()}, step=state.step)
 
     def joined(self) -> ParamState:
         """The same state as whole fp32 tensors (what :meth:`Reader.read` returns)."""
-        return ParamState(fp32=self.fp32.join(torch.float32),
-                          optim={k: v.join(torch.float32) for k, v in self.optim.items()}, step=self.step)
+        return ParamState(
+            fp32=self.fp32.join(torch.float32),
+            optim={k: v.join(torch.float32) for k, v in self.optim.items()},
+            step=self.step,
+        )
 
 
 @dataclass
@@ -182,9 +195,10 @@ class Reader(ABC):
         """Scheduler, sampler, client state and loss-scaler fields."""
 
     def close(self) -> None:
-        """Release the files; the reader is unusable afterwards."""
+        """Release the files; the reader is unusable afterwards. Readers that hold none keep this no-op."""
+        return None
 
-    def __enter__(self) -> "Reader":
+    def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:

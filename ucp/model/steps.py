@@ -7,7 +7,7 @@ function and settle them with :func:`settle_steps`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ucp.errors import StepConflictError
 from ucp.model.options import parse_step
@@ -30,7 +30,9 @@ def settle_steps(seen: list[set[int]], unit: str) -> list[int]:
     out = []
     for index, steps in enumerate(seen):
         if len(steps) > 1:
-            raise StepConflictError(f"parameters sharing {unit} {index} have different steps {sorted(steps)}, but "
-                                    "the optimizer keeps one step for them; give an explicit step")
+            raise StepConflictError(
+                f"parameters sharing {unit} {index} have different steps {sorted(steps)}, but "
+                "the optimizer keeps one step for them; give an explicit step"
+            )
         out.append(next(iter(steps)) if steps else 0)
     return out

@@ -16,13 +16,27 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["TpRule", "Piece", "RankLayout", "shard_widths", "rank_layout", "layouts_for", "gather", "scatter",
-           "rules_from_info", "affine_layouts", "full_shape", "TpInfoError", "REPLICATED"]
+__all__ = [
+    "TpRule",
+    "Piece",
+    "RankLayout",
+    "shard_widths",
+    "rank_layout",
+    "layouts_for",
+    "gather",
+    "scatter",
+    "rules_from_info",
+    "affine_layouts",
+    "full_shape",
+    "TpInfoError",
+    "REPLICATED",
+]
 
 KINDS = ("replicated", "average", "split")
 
@@ -66,12 +80,15 @@ class TpRule:
         return out
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> "TpRule":
+    def from_json(cls, raw: Mapping[str, Any]) -> TpRule:
         try:
-            return cls(kind=str(raw.get("kind", "split")), dim=int(raw.get("dim", 0)),
-                       parts=tuple(int(p) for p in raw.get("parts") or ()),
-                       vocab=None if raw.get("vocab") is None else int(raw["vocab"]),
-                       padded=None if raw.get("padded") is None else int(raw["padded"]))
+            return cls(
+                kind=str(raw.get("kind", "split")),
+                dim=int(raw.get("dim", 0)),
+                parts=tuple(int(p) for p in raw.get("parts") or ()),
+                vocab=None if raw.get("vocab") is None else int(raw["vocab"]),
+                padded=None if raw.get("padded") is None else int(raw["padded"]),
+            )
         except (TypeError, ValueError, AttributeError) as err:
             raise TpInfoError(f"bad tensor-parallel rule {dict(raw)!r}: {err}") from None
 
@@ -136,8 +153,9 @@ def rank_layout(rule: TpRule, full_shape: Sequence[int], tp: int, rank: int) -> 
         raise TpInfoError(f"split dim {rule.dim} is out of range for shape {tuple(full_shape)}")
     parts = rule.parts or (shape[dim],)
     if sum(parts) != shape[dim]:
-        raise TpInfoError(f"sub-parameter sizes {list(parts)} do not add up to {shape[dim]} (dim {dim} of "
-                          f"{tuple(full_shape)})")
+        raise TpInfoError(
+            f"sub-parameter sizes {list(parts)} do not add up to {shape[dim]} (dim {dim} of {tuple(full_shape)})"
+        )
     full_strides = _contiguous_strides(full_shape)
     widths = [shard_widths(p, tp) for p in parts]
     shard_shape = list(shape)
@@ -152,8 +170,11 @@ def rank_layout(rule: TpRule, full_shape: Sequence[int], tp: int, rank: int) -> 
         if rule.vocab is not None:  # padding rows exist only in the shard; the full tensor has vocab rows
             block[dim] = max(0, min(w[rank], rule.vocab - start))
         if block[dim] > 0:
-            pieces.append(Piece(tuple(block), start * full_strides[dim], full_strides,
-                                shard_at * shard_strides[dim], shard_strides))
+            pieces.append(
+                Piece(
+                    tuple(block), start * full_strides[dim], full_strides, shard_at * shard_strides[dim], shard_strides
+                )
+            )
         part_start += size
         shard_at += w[rank]
     return RankLayout(tuple(shard_shape), tuple(pieces))
@@ -169,8 +190,9 @@ def gather(shards: Sequence[torch.Tensor], layouts: Sequence[RankLayout], full_s
         raise TpInfoError(f"{len(shards)} shards for {len(layouts)} rank layouts")
     for r, (shard, layout) in enumerate(zip(shards, layouts)):
         if tuple(shard.shape) != tuple(layout.shard_shape):
-            raise TpInfoError(f"TP rank {r} holds shape {tuple(shard.shape)}, its layout says "
-                              f"{tuple(layout.shard_shape)}")
+            raise TpInfoError(
+                f"TP rank {r} holds shape {tuple(shard.shape)}, its layout says {tuple(layout.shard_shape)}"
+            )
     if layouts[0].average:
         total = shards[0].clone()
         for shard in shards[1:]:
@@ -185,7 +207,8 @@ def gather(shards: Sequence[torch.Tensor], layouts: Sequence[RankLayout], full_s
         src = shard.contiguous().reshape(-1)
         for p in layout.pieces:
             flat.as_strided(p.shape, p.full_strides, p.full_offset).copy_(
-                src.as_strided(p.shape, p.shard_strides, p.shard_offset))
+                src.as_strided(p.shape, p.shard_strides, p.shard_offset)
+            )
             covered += math.prod(p.shape)
     if covered != full.numel():
         raise TpInfoError(f"the rank layouts cover {covered} of {full.numel()} elements of shape {tuple(full_shape)}")
@@ -200,7 +223,8 @@ def scatter(full: torch.Tensor, layout: RankLayout) -> torch.Tensor:
     flat, src = shard.reshape(-1), full.contiguous().reshape(-1)
     for p in layout.pieces:
         flat.as_strided(p.shape, p.shard_strides, p.shard_offset).copy_(
-            src.as_strided(p.shape, p.full_strides, p.full_offset))
+            src.as_strided(p.shape, p.full_strides, p.full_offset)
+        )
     return shard
 
 
@@ -239,6 +263,7 @@ def rules_from_info(info: Mapping[str, Any], rank_shapes: Mapping[str, Sequence[
     widths = dict(info.get("sub_param_shard_widths") or {})
     rules: dict[str, TpRule] = {}
     for name, shapes in rank_shapes.items():
+
         def total(dim: int, shapes: Sequence[Sequence[int]] = shapes) -> int:
             return sum(int(s[dim]) for s in shapes)
 
@@ -246,8 +271,9 @@ def rules_from_info(info: Mapping[str, Any], rank_shapes: Mapping[str, Sequence[
             rules[name] = REPLICATED
         elif _match(average, name):
             rules[name] = TpRule("average")
-        elif (sub := next(((s, p) for s in sub_params for p in (s.get("patterns") or []) if re.match(p, name)),
-                          None)) is not None:
+        elif (
+            sub := next(((s, p) for s in sub_params for p in (s.get("patterns") or []) if re.match(p, name)), None)
+        ) is not None:
             spec, pattern = sub
             dim = int(spec.get("partition_dim", 0))
             dims = list(spec.get("shape") or [])
@@ -266,8 +292,9 @@ def rules_from_info(info: Mapping[str, Any], rank_shapes: Mapping[str, Sequence[
         elif _match(vocab, name):
             original = info.get("original_vocab_size")
             if original is None:
-                raise TpInfoError(f"{name} is a vocabulary parameter but universal_checkpoint_info has no "
-                                  "original_vocab_size")
+                raise TpInfoError(
+                    f"{name} is a vocabulary parameter but universal_checkpoint_info has no original_vocab_size"
+                )
             rules[name] = TpRule("split", dim=0, vocab=int(original), padded=total(0))
         else:
             rules[name] = TpRule("split", dim=1 if _match(row, name) else 0)
@@ -296,14 +323,27 @@ def affine_layouts(info: Mapping[str, Any], name: str, tp: int) -> tuple[tuple[i
             pieces = []
             for p in raw["pieces"]:
                 if float(p.get("scale", 1.0)) != 1.0:
-                    raise TpInfoError(f"{name}: a scaled affine piece (scale {p['scale']}); ucp converts "
-                                      "unscaled layouts only")
+                    raise TpInfoError(
+                        f"{name}: a scaled affine piece (scale {p['scale']}); ucp converts unscaled layouts only"
+                    )
                 (src_off, src_strides), (dst_off, dst_strides) = p["source"], p["dest"]
-                pieces.append(Piece(tuple(int(d) for d in p["shape"]), int(src_off), tuple(map(int, src_strides)),
-                                    int(dst_off), tuple(map(int, dst_strides))))
+                pieces.append(
+                    Piece(
+                        tuple(int(d) for d in p["shape"]),
+                        int(src_off),
+                        tuple(map(int, src_strides)),
+                        int(dst_off),
+                        tuple(map(int, dst_strides)),
+                    )
+                )
             everywhere = all(len(p.get("locations") or ()) == tp for p in raw["pieces"])
-            layouts.append(RankLayout(tuple(int(d) for d in raw["shard_shape"]), tuple(pieces),
-                                      replicated=everywhere and tuple(raw["shard_shape"]) == full_shape))
+            layouts.append(
+                RankLayout(
+                    tuple(int(d) for d in raw["shard_shape"]),
+                    tuple(pieces),
+                    replicated=everywhere and tuple(raw["shard_shape"]) == full_shape,
+                )
+            )
     except (KeyError, TypeError, ValueError) as err:
         raise TpInfoError(f"{name}: malformed affine map entry ({type(err).__name__}: {err})") from None
     return full_shape, layouts

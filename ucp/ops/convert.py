@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
+from ucp.io.pool import default_workers, parallel_map
 from ucp.model.records import ParamState
 from ucp.sources import open_reader
-from ucp.io.pool import default_workers, parallel_map
 from ucp.universal.writer import write_universal
 
 __all__ = ["to_universal", "load_optimizer_moments", "iter_optimizer_moments"]
@@ -16,9 +17,16 @@ __all__ = ["to_universal", "load_optimizer_moments", "iter_optimizer_moments"]
 logger = logging.getLogger(__name__)
 
 
-def to_universal(src: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
-                 optimizer: str | None = None, workers: int | None = None, overwrite: bool = False,
-                 fsync: bool = False) -> dict[str, Any]:
+def to_universal(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tag: str | None = None,
+    optimizer: str | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+    fsync: bool = False,
+) -> dict[str, Any]:
     """Convert a DeepSpeed ZeRO checkpoint (folder with ``latest`` or a tag folder) into ``out``.
 
     Returns the manifest written to ``out/ucp.json``. ``optimizer`` names the flavour outright when
@@ -34,8 +42,9 @@ def to_universal(src: str | os.PathLike, out: str | os.PathLike, *, tag: str | N
     return manifest
 
 
-def iter_optimizer_moments(src: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None,
-                           workers: int | None = None) -> Iterator[tuple[str, ParamState]]:
+def iter_optimizer_moments(
+    src: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None, workers: int | None = None
+) -> Iterator[tuple[str, ParamState]]:
     """Stream (name, state) for every parameter straight from the shards, one at a time."""
     reader = open_reader(src, tag=tag, optimizer=optimizer)
     try:
@@ -47,8 +56,9 @@ def iter_optimizer_moments(src: str | os.PathLike, *, tag: str | None = None, op
         reader.close()
 
 
-def load_optimizer_moments(src: str | os.PathLike, *, tag: str | None = None,
-                           optimizer: str | None = None) -> dict[str, dict[str, Any]]:
+def load_optimizer_moments(
+    src: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Per parameter name: ``fp32``, every optimizer state tensor by its key (``exp_avg``, ``exp_avg_sq``
     for Adam; full, unpadded, real shape) and ``step``.
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ucp.io.atomic import staged_output
 from ucp.errors import UcpError
+from ucp.io.atomic import staged_output
+from ucp.io.pool import default_workers
 from ucp.model.records import ParamMeta
 from ucp.sources import open_reader
 from ucp.universal.manifest import ParamEntry
-from ucp.io.pool import default_workers
 from ucp.universal.writer import finish_universal, write_params
 
 __all__ = ["assign", "to_universal_distributed"]
@@ -53,14 +54,29 @@ def _init() -> tuple[Any, int, int, bool]:
     return dist, dist.get_rank(), dist.get_world_size(), started
 
 
-def to_universal_distributed(src: str | os.PathLike, out: str | os.PathLike, *, tag: str | None = None,
-                             optimizer: str | None = None, workers: int | None = None,
-                             overwrite: bool = False) -> dict[str, Any] | None:
+def to_universal_distributed(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tag: str | None = None,
+    optimizer: str | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any] | None:
     """Convert with every torch.distributed rank taking a share; rank 0 returns the manifest."""
     dist, rank, world, started = _init()
     try:
-        return _run(dist, rank, world, Path(src), Path(out), tag=tag, optimizer=optimizer,
-                    workers=workers or default_workers(), overwrite=overwrite)
+        return _run(
+            dist,
+            rank,
+            world,
+            Path(src),
+            Path(out),
+            tag=tag,
+            optimizer=optimizer,
+            workers=workers or default_workers(),
+            overwrite=overwrite,
+        )
     finally:
         if started:
             dist.destroy_process_group()
@@ -75,8 +91,18 @@ def _agree(dist: Any, error: str | None) -> None:
             raise UcpError(message if message.startswith("rank ") else f"rank {rank}: {message}")
 
 
-def _run(dist: Any, rank: int, world: int, src: Path, out: Path, *, tag: str | None, optimizer: str | None,
-         workers: int, overwrite: bool) -> dict[str, Any] | None:
+def _run(
+    dist: Any,
+    rank: int,
+    world: int,
+    src: Path,
+    out: Path,
+    *,
+    tag: str | None,
+    optimizer: str | None,
+    workers: int,
+    overwrite: bool,
+) -> dict[str, Any] | None:
     reader = None
     try:
         error = None

@@ -45,14 +45,27 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     info = facts.info
     steps = reader.param_steps()
     params = [
-        {"name": p.name, "shape": list(p.shape), "numel": p.numel, "dtype": p.dtype, "group": p.group,
-         "frozen": p.frozen, "step": steps.get(p.name)}
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "numel": p.numel,
+            "dtype": p.dtype,
+            "group": p.group,
+            "frozen": p.frozen,
+            "step": steps.get(p.name),
+        }
         for p in facts.params
     ]
     numel_of = {p.name: p.numel for p in facts.params}
     groups = [
-        {"index": g.index, "hyperparameters": g.hyper.to_json(), "step": g.step, "num_params": len(g.params),
-         "numel": sum(numel_of.get(n, 0) for n in g.params), "params": list(g.params)}
+        {
+            "index": g.index,
+            "hyperparameters": g.hyper.to_json(),
+            "step": g.step,
+            "num_params": len(g.params),
+            "numel": sum(numel_of.get(n, 0) for n in g.params),
+            "params": list(g.params),
+        }
         for g in facts.groups
     ]
     frozen = [p for p in facts.params if p.frozen]
@@ -126,9 +139,11 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for group in report["param_groups"]:
         hyper = group["hyperparameters"]
-        lines.append(f"  group {group['index']}: {group['num_params']} params, {_fmt_int(group['numel'])} elements, "
-                     f"lr={hyper['lr']:g} weight_decay={hyper['weight_decay']:g} betas={tuple(hyper['betas'])} "
-                     f"eps={hyper['eps']:g} step={group['step'] if group['step'] is not None else '-'}")
+        lines.append(
+            f"  group {group['index']}: {group['num_params']} params, {_fmt_int(group['numel'])} elements, "
+            f"lr={hyper['lr']:g} weight_decay={hyper['weight_decay']:g} betas={tuple(hyper['betas'])} "
+            f"eps={hyper['eps']:g} step={group['step'] if group['step'] is not None else '-'}"
+        )
     if report["tied"]:
         lines.append("  tied: " + ", ".join(f"{alias} -> {owner}" for alias, owner in report["tied"].items()))
     if report["buffers"]:
@@ -142,9 +157,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  warning: {warning}")
     header = ("name", "shape", "numel", "dtype", "group", "frozen", "step") + (("tp",) if rules else ())
     rows = [
-        (p["name"], "x".join(map(str, p["shape"])) or "scalar", _fmt_int(p["numel"]), p["dtype"],
-         "-" if p["group"] is None else str(p["group"]), "yes" if p["frozen"] else "no",
-         "-" if p["step"] is None else str(p["step"])) + ((_rule_text(rules.get(p["name"])),) if rules else ())
+        (
+            p["name"],
+            "x".join(map(str, p["shape"])) or "scalar",
+            _fmt_int(p["numel"]),
+            p["dtype"],
+            "-" if p["group"] is None else str(p["group"]),
+            "yes" if p["frozen"] else "no",
+            "-" if p["step"] is None else str(p["step"]),
+        )
+        + ((_rule_text(rules.get(p["name"])),) if rules else ())
         for p in report["params"]
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -16,20 +16,21 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
+from ucp.errors import ChecksumError, CorruptFileError, InputError, UcpError
 from ucp.io import torchfile
 from ucp.io.atomic import checksum
-from ucp.errors import ChecksumError, CorruptFileError, InputError, UcpError
+from ucp.io.pool import default_workers, parallel_map
 from ucp.model.records import Facts, ParamMeta, Reader
 from ucp.sources import is_universal, open_reader
 from ucp.universal.manifest import MANIFEST, ParamEntry
 from ucp.universal.reader import UniversalReader, open_universal
-from ucp.io.pool import default_workers, parallel_map
 
 __all__ = ["VerifyResult", "verify_universal", "verify_model", "first_difference"]
 
@@ -86,8 +87,10 @@ def first_difference(a: torch.Tensor, b: torch.Tensor, labels: tuple[str, str] =
         return None
     i = int(diff[0, 0])
     where = _unravel(i, tuple(a.shape))
-    return (f"first of {diff.shape[0]} differing elements at index {list(where)} (flat {i}): "
-            f"{x} {_show(a, i)}, {y} {_show(b, i)}")
+    return (
+        f"first of {diff.shape[0]} differing elements at index {list(where)} (flat {i}): "
+        f"{x} {_show(a, i)}, {y} {_show(b, i)}"
+    )
 
 
 # -- universal vs source ----------------------------------------------------------------------
@@ -162,8 +165,9 @@ def _compare_param(src: Reader, uni: UniversalReader, entry: ParamEntry, meta: P
     return step_diff
 
 
-def verify_universal(source: str | os.PathLike, universal: str | os.PathLike, *, tag: str | None = None,
-                     workers: int | None = None) -> VerifyResult:
+def verify_universal(
+    source: str | os.PathLike, universal: str | os.PathLike, *, tag: str | None = None, workers: int | None = None
+) -> VerifyResult:
     """Compare every tensor of ``universal`` with ``source`` bit for bit, checksums included."""
     if not is_universal(universal):
         raise InputError(f"{universal} is not a universal directory: {MANIFEST} is missing")
@@ -178,8 +182,9 @@ def verify_universal(source: str | os.PathLike, universal: str | os.PathLike, *,
             return VerifyResult(False, f"MISMATCH: {diff}")
         metas = src.facts.params
         entries = {e.name: e for e in uni.entries()}
-        results = parallel_map(lambda m: _compare_param(src, uni, entries[m.name], m), metas,
-                               workers or default_workers(), desc="verify")
+        results = parallel_map(
+            lambda m: _compare_param(src, uni, entries[m.name], m), metas, workers or default_workers(), desc="verify"
+        )
         for diff in results:
             if diff:
                 results.close()  # stop reading; in-flight parameters finish and are dropped
@@ -197,8 +202,11 @@ def verify_universal(source: str | os.PathLike, universal: str | os.PathLike, *,
             if diff:
                 return VerifyResult(False, f"MISMATCH: buffer {name}: {diff}")
         numel = sum(m.numel for m in metas)
-        return VerifyResult(True, f"OK: {len(metas)} parameters ({numel:,} elements), their optimizer moments and "
-                                  f"steps, and {len(ours)} buffer(s) match the source bit for bit; checksums hold")
+        return VerifyResult(
+            True,
+            f"OK: {len(metas)} parameters ({numel:,} elements), their optimizer moments and "
+            f"steps, and {len(ours)} buffer(s) match the source bit for bit; checksums hold",
+        )
     finally:
         src.close()
         uni.close()
@@ -284,14 +292,17 @@ def _model_difference(facts: Facts, model: torch.nn.Module) -> str | None:
     for meta in facts.params:
         if meta.name not in params:
             if meta.name in aliases:
-                return (f"checkpoint parameter {meta.name!r} is a tied alias of {aliases[meta.name]!r} in the model, "
-                        "but holds its own data in the checkpoint")
+                return (
+                    f"checkpoint parameter {meta.name!r} is a tied alias of {aliases[meta.name]!r} in the model, "
+                    "but holds its own data in the checkpoint"
+                )
             return f"checkpoint parameter {meta.name!r} is not in the model"
     for name in order:
         if name not in ckpt:
             if name in facts.tied:
-                return (f"model parameter {name!r} holds its own data, but the checkpoint ties it to "
-                        f"{facts.tied[name]!r}")
+                return (
+                    f"model parameter {name!r} holds its own data, but the checkpoint ties it to {facts.tied[name]!r}"
+                )
             return f"model parameter {name!r} is not in the checkpoint"
     for alias, owner in facts.tied.items():
         if alias not in aliases:
@@ -316,8 +327,10 @@ def _model_difference(facts: Facts, model: torch.nn.Module) -> str | None:
         in_model = sorted(names, key=position.__getitem__)
         if in_model != names:
             i = next(i for i, (a, b) in enumerate(zip(names, in_model)) if a != b)
-            return (f"{label}: order differs at position {i}: the checkpoint stores {names[i]!r}, the model has "
-                    f"{in_model[i]!r} there (within a group the model's order must match the flat order)")
+            return (
+                f"{label}: order differs at position {i}: the checkpoint stores {names[i]!r}, the model has "
+                f"{in_model[i]!r} there (within a group the model's order must match the flat order)"
+            )
     return None
 
 
@@ -333,6 +346,9 @@ def verify_model(ckpt: str | os.PathLike, model: str, *, tag: str | None = None)
     if diff:
         return VerifyResult(False, f"MISMATCH: {diff}")
     frozen = sum(p.frozen for p in facts.params)
-    return VerifyResult(True, f"OK: {model} matches the checkpoint: {len(facts.params)} parameters "
-                              f"({frozen} frozen) in {len(facts.groups)} groups, {len(facts.tied)} tied; names, "
-                              "shapes, ties and per-group order agree")
+    return VerifyResult(
+        True,
+        f"OK: {model} matches the checkpoint: {len(facts.params)} parameters "
+        f"({frozen} frozen) in {len(facts.groups)} groups, {len(facts.tied)} tied; names, "
+        "shapes, ties and per-group order agree",
+    )

@@ -7,8 +7,9 @@ downstream branches on the stage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ucp.deepspeed.layout import find_checkpoint
 from ucp.model.records import Reader
@@ -20,8 +21,14 @@ if TYPE_CHECKING:
 __all__ = ["open_reader", "is_universal"]
 
 
-def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | None = None,
-                verify: bool = True, tp_rules: Sequence[tuple[str, "TpRule"]] = ()) -> Reader:
+def open_reader(
+    path: str | Path,
+    *,
+    tag: str | None = None,
+    optimizer: str | None = None,
+    verify: bool = True,
+    tp_rules: Sequence[tuple[str, TpRule]] = (),
+) -> Reader:
     """A reader for a universal directory, a ds_to_universal folder (or the folder holding its
     ``latest_universal``) or a DeepSpeed ZeRO checkpoint (folder or tag folder).
 
@@ -38,7 +45,7 @@ def open_reader(path: str | Path, *, tag: str | None = None, optimizer: str | No
     found = find_ds_universal(path, tag)
     if found is not None:
         if is_universal(found):
-                return open_universal(found, verify=verify)
+            return open_universal(found, verify=verify)
         from ucp.sources.ds_universal import DsUniversalSource
 
         return DsUniversalSource(found, optimizer=optimizer)

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
-from ucp.io.pieces import Pieces
 from ucp.io.torchfile import TorchFile
 from ucp.model import flavours
 from ucp.model.partition import zero3_rank_span
+from ucp.model.pieces import Pieces
 from ucp.model.records import GroupMeta
 
 __all__ = ["zero3_pieces", "file_pieces", "zero3_gather", "group_meta"]
 
 
-def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
-                 dp: int) -> Pieces:
+def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...], dp: int) -> Pieces:
     """A parameter as its ZeRO-3 rank slices, without copying them (views on the fragments).
 
     ``fragment_of(rank)`` is asked only for ranks that hold part of the parameter, and must give at
@@ -46,14 +46,27 @@ def file_pieces(parts: Iterable[tuple[TorchFile, torch.Tensor]], shape: tuple[in
     return pieces if dtype == torch.float32 else Pieces.of(pieces.join(torch.float32))
 
 
-def zero3_gather(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...],
-                 dp: int) -> torch.Tensor:
+def zero3_gather(
+    fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...], dp: int
+) -> torch.Tensor:
     """A parameter from its ZeRO-3 partitions, as fp32 in its real shape (see :func:`zero3_pieces`)."""
     return zero3_pieces(fragment_of, numel, shape, dp).join(torch.float32)
 
 
-def group_meta(index: int, group: Mapping[str, Any], names: list[str], step: int | None,
-               adam_w_mode: bool | None, state_keys: tuple[str, ...] = ()) -> GroupMeta:
+def group_meta(
+    index: int,
+    group: Mapping[str, Any],
+    names: list[str],
+    step: int | None,
+    adam_w_mode: bool | None,
+    state_keys: tuple[str, ...] = (),
+) -> GroupMeta:
     """A DeepSpeed param group as the pipeline's record: neutral hyperparameters plus its own keys."""
-    return GroupMeta(index=index, hyper=flavours.hyper_from_group(group, adam_w_mode), raw=flavours.raw_group(group),
-                     params=names, step=step, state_keys=state_keys)
+    return GroupMeta(
+        index=index,
+        hyper=flavours.hyper_from_group(group, adam_w_mode),
+        raw=flavours.raw_group(group),
+        params=names,
+        step=step,
+        state_keys=state_keys,
+    )

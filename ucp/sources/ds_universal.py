@@ -22,21 +22,38 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ucp.model import flavours
-from ucp.io import torchfile
-from ucp.errors import InputError, StepConflictError
-from ucp.model.partition import zero3_partition_size, zero3_rank_span
-from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
-from ucp.deepspeed.fields import as_int, build_facts, check_name, engine_counters, jsonable, model_dtype, model_extras, module_buffers, need_list, need_mapping, need_tensor, partition_count, sub_group_size, tensor_shape, zero12_frozen_names
-from ucp.sources.common import group_meta, zero3_gather
+from ucp.deepspeed.fields import (
+    as_int,
+    build_facts,
+    check_name,
+    engine_counters,
+    jsonable,
+    model_dtype,
+    model_extras,
+    module_buffers,
+    need_list,
+    need_mapping,
+    need_tensor,
+    partition_count,
+    sub_group_size,
+    tensor_shape,
+    zero12_frozen_names,
+)
 from ucp.deepspeed.layout import read_latest
+from ucp.errors import InputError, StepConflictError
+from ucp.io import torchfile
 from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
+from ucp.model import flavours
+from ucp.model.partition import zero3_partition_size, zero3_rank_span
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
+from ucp.sources.common import group_meta, zero3_gather
 
 __all__ = ["LATEST", "DsUniversalSource", "find_ds_universal", "is_ds_universal"]
 
@@ -81,8 +98,10 @@ def find_ds_universal(path: Path, tag: str | None = None) -> Path | None:
         if latest.is_file() and not (path / "latest").is_file():
             name = read_latest(latest)
             if not (path / name).is_dir():
-                raise InputError(f"{latest} names {name!r} but {path / name} does not exist: ds_to_universal did not "
-                                 "finish, or its output folder was moved; pass the folder itself")
+                raise InputError(
+                    f"{latest} names {name!r} but {path / name} does not exist: ds_to_universal did not "
+                    "finish, or its output folder was moved; pass the folder itself"
+                )
             return path / name
     except OSError:
         return None
@@ -102,16 +121,21 @@ class DsUniversalSource(Reader):
         self._zero = self.root / "zero"
         self._models: dict[int, TorchFile] = {}
         self._step_files = False  # ZeRO-1/2 with the step in the optimizer state: zero/<name>/step.pt
-        self.facts = build_facts(lambda: self._facts(optimizer), close=self.close,
-                                 where=f"{self.root}: not a ds_to_universal folder ucp can read")
+        self.facts = build_facts(
+            lambda: self._facts(optimizer),
+            close=self.close,
+            where=f"{self.root}: not a ds_to_universal folder ucp can read",
+        )
 
     # -- facts -------------------------------------------------------------------------------
     def _optimizer_state(self) -> dict[str, Any]:
         """The small fields of zero/optimizer_state.pt (ZeRO-3's copy also holds rank 0's shards: mmapped, not read)."""
         path = self._zero / _OPTIM
         if not path.is_file():
-            raise InputError(f"zero/{_OPTIM} is missing from {self.root}: ds_to_universal writes it after merging the "
-                             "parameters, so the run did not finish; rerun ds_to_universal")
+            raise InputError(
+                f"zero/{_OPTIM} is missing from {self.root}: ds_to_universal writes it after merging the "
+                "parameters, so the run did not finish; rerun ds_to_universal"
+            )
         with TorchFile(path) as tf:
             obj = need_mapping(tf.obj, f"zero/{_OPTIM}")
             stage = obj.get("zero_stage")
@@ -120,26 +144,38 @@ class DsUniversalSource(Reader):
             if stage not in (1, 2, 3):
                 raise InputError(f"zero/{_OPTIM} says zero_stage={stage}; ucp reads ZeRO stage 1, 2 and 3 checkpoints")
             out: dict[str, Any] = {"zero_stage": stage, "partition_count": partition_count(obj)}
-            out["param_groups"] = [dict(need_mapping(g, f"zero/{_OPTIM}: a param group"))
-                                   for g in need_list(obj.get("param_groups"), f"zero/{_OPTIM}: param_groups")]
+            out["param_groups"] = [
+                dict(need_mapping(g, f"zero/{_OPTIM}: a param group"))
+                for g in need_list(obj.get("param_groups"), f"zero/{_OPTIM}: param_groups")
+            ]
             for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version"):
                 out[key] = obj.get(key)
-            if out["loss_scaler"] is not None and not isinstance(
-                    out["loss_scaler"], (LossScaler, DynamicLossScaler)):
-                raise InputError(f"zero/{_OPTIM}: loss_scaler is a {type(out['loss_scaler']).__name__}, not a "
-                                 "DeepSpeed loss scaler: the file is damaged or not from DeepSpeed")
+            if out["loss_scaler"] is not None and not isinstance(out["loss_scaler"], (LossScaler, DynamicLossScaler)):
+                raise InputError(
+                    f"zero/{_OPTIM}: loss_scaler is a {type(out['loss_scaler']).__name__}, not a "
+                    "DeepSpeed loss scaler: the file is damaged or not from DeepSpeed"
+                )
             if stage == 3:
                 inner = need_mapping(obj.get("optimizer_state_dict"), f"zero/{_OPTIM}: optimizer_state_dict")
                 state = need_mapping(inner.get("state") or {}, f"zero/{_OPTIM}: optimizer state")
                 # only the steps: rank 0's moment shards stay unread on the mmap
-                out["state"] = {sub: {k: (v.clone() if torch.is_tensor(v) else v)
-                                      for k, v in need_mapping(entry, f"zero/{_OPTIM}: state of sub-group {sub}").items()
-                                      if k == "step"}
-                                for sub, entry in state.items()}
+                out["state"] = {
+                    sub: {
+                        k: (v.clone() if torch.is_tensor(v) else v)
+                        for k, v in need_mapping(entry, f"zero/{_OPTIM}: state of sub-group {sub}").items()
+                        if k == "step"
+                    }
+                    for sub, entry in state.items()
+                }
                 flat = obj.get("fp32_flat_groups")
-                out["flat_numels"] = None if flat is None else [
-                    need_tensor(t, f"zero/{_OPTIM}: fp32_flat_groups[{i}]").numel()
-                    for i, t in enumerate(need_list(flat, f"zero/{_OPTIM}: fp32_flat_groups"))]
+                out["flat_numels"] = (
+                    None
+                    if flat is None
+                    else [
+                        need_tensor(t, f"zero/{_OPTIM}: fp32_flat_groups[{i}]").numel()
+                        for i, t in enumerate(need_list(flat, f"zero/{_OPTIM}: fp32_flat_groups"))
+                    ]
+                )
             return out
 
     def _open_models(self, stage: int, dp: int) -> Mapping[str, Any]:
@@ -149,45 +185,60 @@ class DsUniversalSource(Reader):
         for path in sorted(self.root.glob("*model_states.pt")):
             if m := _Z3_MODEL.match(path.name):
                 if int(m.group(2)) != 0:
-                    raise InputError(f"{path.name} in {self.root} belongs to model-parallel rank {m.group(2)}: "
-                                     "tensor-parallel ds_to_universal output is not supported yet")
+                    raise InputError(
+                        f"{path.name} in {self.root} belongs to model-parallel rank {m.group(2)}: "
+                        "tensor-parallel ds_to_universal output is not supported yet"
+                    )
                 ranks[int(m.group(1))] = path
             elif m := _MODEL.match(path.name):
                 if int(m.group(1)) != 0:
-                    raise InputError(f"{path.name} in {self.root} belongs to model-parallel rank {m.group(1)}: "
-                                     "tensor-parallel ds_to_universal output is not supported yet")
+                    raise InputError(
+                        f"{path.name} in {self.root} belongs to model-parallel rank {m.group(1)}: "
+                        "tensor-parallel ds_to_universal output is not supported yet"
+                    )
                 plain.append(path)
         if stage == 3:
             if plain and not ranks:
-                raise InputError(f"{self.root} holds {plain[0].name}, a ZeRO-1/2 model file, but zero/{_OPTIM} says "
-                                 "zero_stage=3: files of different checkpoints are mixed")
+                raise InputError(
+                    f"{self.root} holds {plain[0].name}, a ZeRO-1/2 model file, but zero/{_OPTIM} says "
+                    "zero_stage=3: files of different checkpoints are mixed"
+                )
             extra = sorted(r for r in ranks if r >= dp)
             if extra:
-                raise InputError(f"{ranks[extra[0]].name} in {self.root} is beyond partition_count={dp} in "
-                                 f"zero/{_OPTIM}: files of different checkpoints are mixed")
+                raise InputError(
+                    f"{ranks[extra[0]].name} in {self.root} is beyond partition_count={dp} in "
+                    f"zero/{_OPTIM}: files of different checkpoints are mixed"
+                )
             if 0 not in ranks:
-                raise InputError(f"zero_pp_rank_0_mp_rank_00_model_states.pt is missing from {self.root}: "
-                                 "ds_to_universal copies every rank's model states there; copy them from the source "
-                                 "tag folder")
+                raise InputError(
+                    f"zero_pp_rank_0_mp_rank_00_model_states.pt is missing from {self.root}: "
+                    "ds_to_universal copies every rank's model states there; copy them from the source "
+                    "tag folder"
+                )
             for rank, path in sorted(ranks.items()):
                 self._models[rank] = TorchFile(path)
         else:
             if not plain:
                 found = f" (only {next(iter(ranks.values())).name}, a ZeRO-3 file)" if ranks else ""
-                raise InputError(f"mp_rank_00_model_states.pt is missing from {self.root}{found}: ds_to_universal "
-                                 "copies it last, so the run did not finish; rerun it or copy it from the source "
-                                 "tag folder")
+                raise InputError(
+                    f"mp_rank_00_model_states.pt is missing from {self.root}{found}: ds_to_universal "
+                    "copies it last, so the run did not finish; rerun it or copy it from the source "
+                    "tag folder"
+                )
             self._models[0] = TorchFile(plain[0])
         head = self._models[0].obj
         name = self._models[0].path.name
         if not isinstance(head, Mapping) or head.get("param_shapes") is None:
-            raise InputError(f"{name} has no param_shapes: not a ZeRO model-states file (a pipeline-parallel "
-                             "checkpoint keeps its weights elsewhere and is not supported)")
+            raise InputError(
+                f"{name} has no param_shapes: not a ZeRO model-states file (a pipeline-parallel "
+                "checkpoint keeps its weights elsewhere and is not supported)"
+            )
         for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
             if head.get(key) is not None:
                 need_mapping(head[key], f"{name}: {key}")
         if head.get("buffer_names") is not None and not all(
-                isinstance(n, str) for n in need_list(head["buffer_names"], f"{name}: buffer_names")):
+            isinstance(n, str) for n in need_list(head["buffer_names"], f"{name}: buffer_names")
+        ):
             raise InputError(f"{name}: buffer_names holds a name that is not a string")
         tied = head.get("shared_params") or {}
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
@@ -195,20 +246,25 @@ class DsUniversalSource(Reader):
         if not isinstance(head.get("ds_config") or {}, Mapping):
             raise InputError(f"{name}: ds_config is a {type(head['ds_config']).__name__}, not a dict")
         if head.get("mp_world_size") is not None and as_int(head["mp_world_size"], f"{name}: mp_world_size") > 1:
-            raise InputError(f"{name} says mp_world_size={head['mp_world_size']}: tensor-parallel ds_to_universal "
-                             "output is not supported yet")
+            raise InputError(
+                f"{name} says mp_world_size={head['mp_world_size']}: tensor-parallel ds_to_universal "
+                "output is not supported yet"
+            )
         world = head.get("dp_world_size")
         if world is not None and as_int(world, f"{name}: dp_world_size") != dp:
-            raise InputError(f"{name} says dp_world_size={world}, but zero/{_OPTIM} says partition_count={dp}: files "
-                             "of different checkpoints are mixed")
+            raise InputError(
+                f"{name} says dp_world_size={world}, but zero/{_OPTIM} says partition_count={dp}: files "
+                "of different checkpoints are mixed"
+            )
         shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
         for sub in shapes:
             for pname in need_mapping(sub, f"{name}: a param_shapes entry"):
                 check_name(pname, f"{name}: param_shapes")
         for rank, tf in self._models.items():
             if rank and (not isinstance(tf.obj, Mapping) or tf.obj.get("param_shapes") != head["param_shapes"]):
-                raise InputError(f"{tf.path.name} and {name} disagree on param_shapes: files of different checkpoints "
-                                 "are mixed")
+                raise InputError(
+                    f"{tf.path.name} and {name} disagree on param_shapes: files of different checkpoints are mixed"
+                )
         return head
 
     def _require(self, pname: str, leaf: str, keys: tuple[str, ...] = ()) -> Path:
@@ -216,8 +272,10 @@ class DsUniversalSource(Reader):
         if not path.is_file():
             files = [_FP32] + [k + ".pt" for k in keys] + ([_STEP] if self._step_files else [])
             needs = ", ".join(files[:-1]) + f" and {files[-1]}" if len(files) > 1 else files[0]
-            raise InputError(f"zero/{pname}/{leaf} is missing from {self.root}: every optimized parameter needs "
-                             f"{needs}; the folder is incomplete, so rerun ds_to_universal")
+            raise InputError(
+                f"zero/{pname}/{leaf} is missing from {self.root}: every optimized parameter needs "
+                f"{needs}; the folder is incomplete, so rerun ds_to_universal"
+            )
         return path
 
     def _state_keys(self, pname: str) -> tuple[str, ...]:
@@ -264,8 +322,10 @@ class DsUniversalSource(Reader):
                         raise InputError(f"parameter {pname!r} appears twice in param_shapes")
                     if pname.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", pname):
                         # ds_to_universal joins the name onto zero/ as it is; never follow one out of it
-                        raise InputError(f"parameter name {pname!r:.60} in param_shapes leads outside {self._zero}: "
-                                         "the model states are damaged or hand-made")
+                        raise InputError(
+                            f"parameter name {pname!r:.60} in param_shapes leads outside {self._zero}: "
+                            "the model states are damaged or hand-made"
+                        )
                     self._shape[pname] = tensor_shape(shape)
                     self._steps[pname] = sub_steps[sub]
                     self._group_of[pname] = g
@@ -328,19 +388,27 @@ class DsUniversalSource(Reader):
             warnings=warnings,
         )
 
-    def _zero3_layout(self, optim: Mapping[str, Any], shapes: list[Mapping[str, Any]], layout: list[list[int]],
-                      ds_config: Mapping[str, Any], optimizer: str | None,
-                      dp: int) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
+    def _zero3_layout(
+        self,
+        optim: Mapping[str, Any],
+        shapes: list[Mapping[str, Any]],
+        layout: list[list[int]],
+        ds_config: Mapping[str, Any],
+        optimizer: str | None,
+        dp: int,
+    ) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
         """Sub-groups per param group, the flavour, and each sub-group's step (rank 0's copy)."""
         sub_of_group: dict[int, int] = {}
         for g, subs in enumerate(layout):
             for sub in subs:
                 if not 0 <= sub < len(shapes):
-                    raise InputError(f"zero/{_OPTIM}: param group {g} names sub-group {sub}, but param_shapes has "
-                                     f"{len(shapes)}")
+                    raise InputError(
+                        f"zero/{_OPTIM}: param group {g} names sub-group {sub}, but param_shapes has {len(shapes)}"
+                    )
                 if sub in sub_of_group:
-                    raise InputError(f"zero/{_OPTIM}: sub-group {sub} belongs to param groups {sub_of_group[sub]} "
-                                     f"and {g}")
+                    raise InputError(
+                        f"zero/{_OPTIM}: sub-group {sub} belongs to param groups {sub_of_group[sub]} and {g}"
+                    )
                 sub_of_group[sub] = g
         for sub in range(len(shapes)):
             if sub not in sub_of_group:
@@ -349,13 +417,17 @@ class DsUniversalSource(Reader):
         if numels is not None:
             # rank 0's own shards ride along: their sizes tell whether param_shapes fit this dp
             if len(numels) != len(shapes):
-                raise InputError(f"zero/{_OPTIM} holds fp32_flat_groups for {len(numels)} sub-groups, but "
-                                 f"param_shapes has {len(shapes)}: files of different checkpoints are mixed")
+                raise InputError(
+                    f"zero/{_OPTIM} holds fp32_flat_groups for {len(numels)} sub-groups, but "
+                    f"param_shapes has {len(shapes)}: files of different checkpoints are mixed"
+                )
             for sub, members in enumerate(shapes):
                 want = sum(zero3_partition_size(_numel(tensor_shape(s)), dp) for s in members.values())
                 if numels[sub] != want:
-                    raise InputError(f"sub-group {sub} holds {numels[sub]} elements on rank 0, but its parameters' "
-                                     f"partitions add up to {want} at dp={dp}: files of different checkpoints are mixed")
+                    raise InputError(
+                        f"sub-group {sub} holds {numels[sub]} elements on rank 0, but its parameters' "
+                        f"partitions add up to {want} at dp={dp}: files of different checkpoints are mixed"
+                    )
         state = optim["state"]
         detection = flavours.detect({"param_groups": optim["param_groups"], "state": state}, ds_config, optimizer)
         steps: dict[int, int | None] = {}
@@ -364,17 +436,26 @@ class DsUniversalSource(Reader):
             steps[sub] = detection.flavour.read_step(group, state.get(sub, {})) if detection.flavour else None
         return layout, detection, steps
 
-    def _zero12_layout(self, shapes: list[Mapping[str, Any]], groups_raw: list[dict[str, Any]],
-                       layout: list[list[int]], ds_config: Mapping[str, Any],
-                       optimizer: str | None) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
+    def _zero12_layout(
+        self,
+        shapes: list[Mapping[str, Any]],
+        groups_raw: list[dict[str, Any]],
+        layout: list[list[int]],
+        ds_config: Mapping[str, Any],
+        optimizer: str | None,
+    ) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
         """One param_shapes entry per group; the flavour and group steps from each group's step.pt."""
         if len(groups_raw) != len(shapes):
-            raise InputError(f"zero/{_OPTIM} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}: "
-                             "files of different checkpoints are mixed")
+            raise InputError(
+                f"zero/{_OPTIM} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}: "
+                "files of different checkpoints are mixed"
+            )
         for g, subs in enumerate(layout):
             if subs != [g]:
-                raise InputError(f"zero/{_OPTIM}: param group {g} holds flat tensors {subs}, expected [{g}]: not a "
-                                 "ZeRO-1/2 optimizer (one flat partition per group)")
+                raise InputError(
+                    f"zero/{_OPTIM}: param group {g} holds flat tensors {subs}, expected [{g}]: not a "
+                    "ZeRO-1/2 optimizer (one flat partition per group)"
+                )
         # ds_to_universal copies the group's step into each member's step.pt, and writes none when the
         # optimizer keeps its step in the param group (apex) rather than in the state
         state: dict[int, dict[str, Any]] = {}
@@ -388,8 +469,9 @@ class DsUniversalSource(Reader):
             steps[g] = detection.flavour.read_step(group, state.get(g, {})) if detection.flavour else None
         return layout, detection, steps
 
-    def _zero3_frozen(self, head: Mapping[str, Any], dp: int,
-                      warnings: list[str]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    def _zero3_frozen(
+        self, head: Mapping[str, Any], dp: int, warnings: list[str]
+    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
         """Frozen parameters live only in the model states, one partition per rank file."""
         name0 = self._models[0].path.name
         out: dict[str, tuple[tuple[int, ...], str | None]] = {}
@@ -405,27 +487,33 @@ class DsUniversalSource(Reader):
                     continue
                 tf = self._models.get(rank)
                 if tf is None:
-                    raise InputError(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt is missing from {self.root}: "
-                                     f"it holds rank {rank}'s part of frozen parameter {pname!r}, and ds_to_universal "
-                                     "writes no folder for frozen ZeRO-3 parameters; copy every rank's model states "
-                                     "from the source tag folder")
+                    raise InputError(
+                        f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt is missing from {self.root}: "
+                        f"it holds rank {rank}'s part of frozen parameter {pname!r}, and ds_to_universal "
+                        "writes no folder for frozen ZeRO-3 parameters; copy every rank's model states "
+                        "from the source tag folder"
+                    )
                 fragment = (tf.obj.get("frozen_param_fragments") or {}).get(pname)
                 if fragment is None:
                     raise InputError(f"{tf.path.name} has no fragment of frozen parameter {pname!r}")
                 fragment = need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {pname!r}")
                 if fragment.numel() < end - start:
-                    raise InputError(f"{tf.path.name}: fragment of {pname!r} holds {fragment.numel()} elements, "
-                                     f"needs {end - start}")
+                    raise InputError(
+                        f"{tf.path.name}: fragment of {pname!r} holds {fragment.numel()} elements, needs {end - start}"
+                    )
                 frozen_dtype = frozen_dtype or dtype_name(fragment.dtype)
             out[pname] = (shape, frozen_dtype)
         missing = [r for r in range(dp) if r not in self._models]
         if missing:
-            warnings.append(f"model states of dp rank(s) {missing} are missing from {self.root}; nothing needed was "
-                            "in them (no frozen parameter has a part there)")
+            warnings.append(
+                f"model states of dp rank(s) {missing} are missing from {self.root}; nothing needed was "
+                "in them (no frozen parameter has a part there)"
+            )
         return out
 
-    def _zero12_frozen(self, head: Mapping[str, Any], tied: Mapping[str, str],
-                       buffer_names: list[str]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    def _zero12_frozen(
+        self, head: Mapping[str, Any], tied: Mapping[str, str], buffer_names: list[str]
+    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
         """Stage 2 lists frozen parameters (frozen_param_*); stage 1 leaves them in ``module`` only."""
         name = self._models[0].path.name
         module = head.get("module") or {}
@@ -437,13 +525,17 @@ class DsUniversalSource(Reader):
             check_name(pname, f"{name}: frozen parameters")
             value = fragments.get(pname, module.get(pname))
             if value is None:
-                raise InputError(f"{name} holds no values for frozen parameter {pname!r} (neither in "
-                                 "frozen_param_fragments nor in module)")
+                raise InputError(
+                    f"{name} holds no values for frozen parameter {pname!r} (neither in "
+                    "frozen_param_fragments nor in module)"
+                )
             value = need_tensor(value, f"{name}: frozen parameter {pname!r}")
             shape = tensor_shape(listed[pname]) if listed is not None else tuple(value.shape)
             if value.numel() != _numel(shape):
-                raise InputError(f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
-                                 f"{shape} needs {_numel(shape)}")
+                raise InputError(
+                    f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
+                    f"{shape} needs {_numel(shape)}"
+                )
             self._frozen_values[pname] = value
             out[pname] = (shape, dtype_name(value.dtype))
         return out
@@ -459,9 +551,11 @@ class DsUniversalSource(Reader):
             raise InputError(f"{where} holds no tensor (neither the tensor itself nor one under 'param')")
         shape = self._shape[pname]
         if tensor.dtype != torch.float32 or tensor.numel() != _numel(shape):
-            raise InputError(f"{where} holds a {str(tensor.dtype).replace('torch.', '')} tensor of "
-                             f"{tensor.numel()} elements; {pname!r} has shape {shape}, so float32 with {_numel(shape)} "
-                             "elements was expected: files of different checkpoints are mixed")
+            raise InputError(
+                f"{where} holds a {str(tensor.dtype).replace('torch.', '')} tensor of "
+                f"{tensor.numel()} elements; {pname!r} has shape {shape}, so float32 with {_numel(shape)} "
+                "elements was expected: files of different checkpoints are mixed"
+            )
         return tensor.reshape(shape)
 
     def _step(self, pname: str) -> int | None:
@@ -472,9 +566,11 @@ class DsUniversalSource(Reader):
         group = self._groups_raw[self._group_of[pname]]
         own = self._flavour.read_step(group, {"step": torchfile.load(self._require(pname, _STEP))})
         if own != step:
-            raise StepConflictError(f"zero/{pname}/step.pt says step {own}, but param group "
-                                    f"{self._group_of[pname]} is at step {step}; they share one flat optimizer "
-                                    "tensor, so the folder mixes checkpoints")
+            raise StepConflictError(
+                f"zero/{pname}/step.pt says step {own}, but param group "
+                f"{self._group_of[pname]} is at step {step}; they share one flat optimizer "
+                "tensor, so the folder mixes checkpoints"
+            )
         return own
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
@@ -492,8 +588,12 @@ class DsUniversalSource(Reader):
         shape = self._frozen[name]
         if name in self._frozen_values:  # ZeRO-1/2: whole in module
             return self._frozen_values[name].detach().reshape(shape).to(torch.float32, copy=True)
-        return zero3_gather(lambda rank: self._models[rank].obj["frozen_param_fragments"][name], _numel(shape), shape,
-                            self.facts.info.dp_world_size)
+        return zero3_gather(
+            lambda rank: self._models[rank].obj["frozen_param_fragments"][name],
+            _numel(shape),
+            shape,
+            self.facts.info.dp_world_size,
+        )
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return module_buffers(self._models[0].obj, self._models[0].path.name)

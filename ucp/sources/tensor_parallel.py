@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from ucp.model import tp as tpl
-from ucp.errors import InputError
-from ucp.model.records import Facts, ParamMeta, ParamState, Reader, ReaderView
 from ucp.deepspeed.fields import MALFORMED, first_line
 from ucp.deepspeed.layout import CheckpointFiles
+from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
+from ucp.model import tp as tpl
+from ucp.model.records import Facts, ParamMeta, ParamState, Reader, ReaderView
 
 __all__ = ["TensorParallelSource", "checkpoint_tp_info", "given_rules", "with_tp_rules"]
 
@@ -85,8 +86,9 @@ def with_tp_rules(reader: Reader, patterns: Sequence[tuple[str, tpl.TpRule]]) ->
 class TensorParallelSource(Reader):
     """A ZeRO checkpoint saved at TP degree > 1, read as full parameters."""
 
-    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None,
-                 rules: Sequence[tuple[str, tpl.TpRule]] = ()) -> None:
+    def __init__(
+        self, files: CheckpointFiles, *, optimizer: str | None = None, rules: Sequence[tuple[str, tpl.TpRule]] = ()
+    ) -> None:
         self.files = files
         self.tp = files.mp
         self._ranks: list[Reader] = []
@@ -108,8 +110,10 @@ class TensorParallelSource(Reader):
             theirs = [m.name for m in reader.facts.params if m.name not in first.tied]
             if theirs != names:
                 odd = sorted(set(theirs) ^ set(names))[:3]
-                raise InputError(f"{self.files.tag_dir}: TP rank {r} holds other parameters than rank 0 ({odd}); "
-                                 "the mp_rank files are not one run")
+                raise InputError(
+                    f"{self.files.tag_dir}: TP rank {r} holds other parameters than rank 0 ({odd}); "
+                    "the mp_rank files are not one run"
+                )
         shapes = {n: [reader.facts.param(n).shape for reader in self._ranks] for n in names}
         try:
             rules = tpl.rules_from_info(self.info, shapes) if self.info else {}
@@ -118,9 +122,11 @@ class TensorParallelSource(Reader):
         rules.update(given_rules(given, names))
         missing = [n for n in names if n not in rules]
         if missing:
-            raise InputError(f"{self.files.tag_dir} has {self.tp} tensor-parallel ranks but no rule for {missing[0]!r} "
-                             f"({len(missing)} parameters): the checkpoint carries no {INFO_KEY}; give the rules "
-                             "in the migration YAML (tensor_parallel.rules)")
+            raise InputError(
+                f"{self.files.tag_dir} has {self.tp} tensor-parallel ranks but no rule for {missing[0]!r} "
+                f"({len(missing)} parameters): the checkpoint carries no {INFO_KEY}; give the rules "
+                "in the migration YAML (tensor_parallel.rules)"
+            )
         self.rules: dict[str, tpl.TpRule] = {}
         self.layouts: dict[str, list[tpl.RankLayout]] = {}
         params = []
@@ -133,11 +139,11 @@ class TensorParallelSource(Reader):
             self.layouts[meta.name] = layouts
             params.append(ParamMeta(meta.name, full, meta.dtype, meta.group, meta.frozen))
         info = replace(first.info, mp_world_size=self.tp)
-        return replace(first, info=info, params=params,
-                       tp_rules={n: r.to_json() for n, r in self.rules.items()})
+        return replace(first, info=info, params=params, tp_rules={n: r.to_json() for n, r in self.rules.items()})
 
-    def _layouts(self, name: str, rule: tpl.TpRule,
-                 shapes: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tpl.RankLayout]]:
+    def _layouts(
+        self, name: str, rule: tpl.TpRule, shapes: list[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], list[tpl.RankLayout]]:
         where = f"{self.files.tag_dir}: {name}"
         try:
             affine = tpl.affine_layouts(self.info, name, self.tp) if self.info else None
@@ -150,8 +156,10 @@ class TensorParallelSource(Reader):
             raise InputError(f"{where}: {INFO_KEY}: {first_line(err)}") from None
         for r, (shape, layout) in enumerate(zip(shapes, layouts)):
             if tuple(shape) != tuple(layout.shard_shape):
-                raise InputError(f"{where}: TP rank {r} holds shape {tuple(shape)}, but its rule "
-                                 f"{rule.to_json()} gives {tuple(layout.shard_shape)} at TP={self.tp}")
+                raise InputError(
+                    f"{where}: TP rank {r} holds shape {tuple(shape)}, but its rule "
+                    f"{rule.to_json()} gives {tuple(layout.shard_shape)} at TP={self.tp}"
+                )
         return full, layouts
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
@@ -167,15 +175,20 @@ class TensorParallelSource(Reader):
 
         keys = list(states[0].optim)
         if any(list(s.optim) != keys for s in states[1:]):
-            raise InputError(f"{self.files.tag_dir}: {name}: TP ranks hold different optimizer state "
-                             f"{sorted({tuple(s.optim) for s in states})}")
+            raise InputError(
+                f"{self.files.tag_dir}: {name}: TP ranks hold different optimizer state "
+                f"{sorted({tuple(s.optim) for s in states})}"
+            )
 
         def merge(shards: list[torch.Tensor]) -> torch.Tensor:
             return tpl.gather(shards, layouts[: len(shards)], full)
 
         try:
-            return ParamState(fp32=merge([s.fp32 for s in states]),
-                              optim={k: merge([s.optim[k] for s in states]) for k in keys}, step=states[0].step)
+            return ParamState(
+                fp32=merge([s.fp32 for s in states]),
+                optim={k: merge([s.optim[k] for s in states]) for k in keys},
+                step=states[0].step,
+            )
         except tpl.TpInfoError as err:
             raise InputError(f"{self.files.tag_dir}: {name}: {err}") from None
 

@@ -12,20 +12,39 @@ order (``param_shapes``) and holds the low-precision module, frozen parameters i
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from ucp.model import flavours
-from ucp.errors import InputError
-from ucp.model.partition import Zero12Group, zero12_group
-from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
-from ucp.deepspeed.fields import as_int, build_facts, check_name, engine_counters, jsonable, missing_ranks, model_dtype, model_extras, module_buffers, need_list, need_mapping, need_tensor, optimizer_block, partition_count, tensor_shape, zero12_frozen_names, flat_state_keys
-from ucp.sources.common import file_pieces, group_meta
+from ucp.deepspeed.fields import (
+    as_int,
+    build_facts,
+    check_name,
+    engine_counters,
+    flat_state_keys,
+    jsonable,
+    missing_ranks,
+    model_dtype,
+    model_extras,
+    module_buffers,
+    need_list,
+    need_mapping,
+    need_tensor,
+    optimizer_block,
+    partition_count,
+    tensor_shape,
+    zero12_frozen_names,
+)
 from ucp.deepspeed.layout import CheckpointFiles
-from ucp.io.pieces import Pieces
+from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
+from ucp.model import flavours
+from ucp.model.partition import Zero12Group, zero12_group
+from ucp.model.pieces import Pieces
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
+from ucp.sources.common import file_pieces, group_meta
 
 __all__ = ["Zero12Source"]
 
@@ -49,14 +68,16 @@ class Zero12Source(Reader):
         self.mp_rank = mp_rank
         self._optim: list[TorchFile] = []
         self._model: TorchFile | None = None
+
         def build() -> Facts:
             for path in files.optim[mp_rank]:
                 self._optim.append(TorchFile(path))
             self._model = TorchFile(files.model[mp_rank][0])
             return self._facts(optimizer)
 
-        self.facts = build_facts(build, close=self.close,
-                                 where=f"{files.tag_dir}: the rank files are not a ZeRO-1/2 checkpoint ucp can read")
+        self.facts = build_facts(
+            build, close=self.close, where=f"{files.tag_dir}: the rank files are not a ZeRO-1/2 checkpoint ucp can read"
+        )
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
@@ -77,26 +98,34 @@ class Zero12Source(Reader):
             kinds.add("zero")
             stage = as_int(block["zero_stage"], f"{tf.path.name}: zero_stage")
             if stage == 3:
-                raise InputError(f"{tf.path.name} says zero_stage=3, but its folder holds a ZeRO-1/2 model file "
-                                 f"({self._model_name()}) and no per-rank model states; the checkpoint mixes stages")
+                raise InputError(
+                    f"{tf.path.name} says zero_stage=3, but its folder holds a ZeRO-1/2 model file "
+                    f"({self._model_name()}) and no per-rank model states; the checkpoint mixes stages"
+                )
             if stage not in (1, 2):
-                raise InputError(f"{tf.path.name}: zero_stage={stage} is not supported: ucp reads ZeRO stage 1, 2 "
-                                 "and 3 checkpoints")
+                raise InputError(
+                    f"{tf.path.name}: zero_stage={stage} is not supported: ucp reads ZeRO stage 1, 2 and 3 checkpoints"
+                )
             stages.add(stage)
         if len(kinds) > 1:
-            raise InputError(f"{self.files.tag_dir} mixes files of DeepSpeedZeroOptimizer and BF16_Optimizer: ranks "
-                             "from different runs are mixed")
+            raise InputError(
+                f"{self.files.tag_dir} mixes files of DeepSpeedZeroOptimizer and BF16_Optimizer: ranks "
+                "from different runs are mixed"
+            )
         if len(stages) > 1:
-            raise InputError(f"rank files disagree on zero_stage ({sorted(stages)}): ranks from different runs are "
-                             "mixed")
+            raise InputError(
+                f"rank files disagree on zero_stage ({sorted(stages)}): ranks from different runs are mixed"
+            )
         kind = kinds.pop()
         if kind == "zero":
             return stages.pop(), kind
         zero = (head.get("ds_config") or {}).get("zero_optimization") or {}
         stage = as_int(zero.get("stage", 0), "ds_config zero_optimization.stage") if isinstance(zero, Mapping) else 0
         if stage not in (0, 1):
-            raise InputError(f"{self._model_name()}: ds_config says zero stage {stage}, but the optim files were "
-                             "written by BF16_Optimizer (stage 0 or 1)")
+            raise InputError(
+                f"{self._model_name()}: ds_config says zero stage {stage}, but the optim files were "
+                "written by BF16_Optimizer (stage 0 or 1)"
+            )
         self._stage0 = stage == 0
         return 1, kind
 
@@ -113,25 +142,36 @@ class Zero12Source(Reader):
             found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
             if count > dp:
                 what = missing_ranks(self._rank_file, dp, count)
-                raise InputError(f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
-                                 f"partition_count={count}, but {found}")
+                raise InputError(
+                    f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
+                    f"partition_count={count}, but {found}"
+                )
             if count < dp:
                 extra = [t.path.name for t in self._optim[count:]]
-                what = f"{', '.join(extra)} are extra rank files" if len(extra) > 1 else f"{extra[0]} is an extra rank file"
-                raise InputError(f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
-                                 f"{found}; remove the extra files or check they belong to this run")
+                what = (
+                    f"{', '.join(extra)} are extra rank files"
+                    if len(extra) > 1
+                    else f"{extra[0]} is an extra rank file"
+                )
+                raise InputError(
+                    f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
+                    f"{found}; remove the extra files or check they belong to this run"
+                )
         world = head.get("dp_world_size")
         if world is not None and as_int(world, "dp_world_size") != dp:
-            raise InputError(f"{self._model_name()} says dp_world_size={as_int(world, 'dp_world_size')}, but {dp} "
-                             "optim rank files were found: files from different runs are mixed")
+            raise InputError(
+                f"{self._model_name()} says dp_world_size={as_int(world, 'dp_world_size')}, but {dp} "
+                "optim rank files were found: files from different runs are mixed"
+            )
 
     def _check_model(self) -> Mapping[str, Any]:
         assert self._model is not None
         name = self._model.path.name
         head = self._model.obj
         if not isinstance(head, Mapping) or head.get("param_shapes") is None:
-            raise InputError(f"{name} has no param_shapes: not a ZeRO-1/2 model-states file (saved without "
-                             "optimizer state?)")
+            raise InputError(
+                f"{name} has no param_shapes: not a ZeRO-1/2 model-states file (saved without optimizer state?)"
+            )
         shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
         for group in shapes:
             for pname in need_mapping(group, f"{name}: a param_shapes entry"):
@@ -154,8 +194,10 @@ class Zero12Source(Reader):
         stamped += [optimizer_block(tf) for tf in self._optim]
         versions = {str(m["ds_version"]) for m in stamped if m.get("ds_version") is not None}
         if len(versions) > 1:
-            raise InputError(f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
-                             "from different runs, so use one tag folder as DeepSpeed saved it")
+            raise InputError(
+                f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
+                "from different runs, so use one tag folder as DeepSpeed saved it"
+            )
         return head
 
     def _base(self, tf: TorchFile, block: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
@@ -163,17 +205,25 @@ class Zero12Source(Reader):
         name = tf.path.name
         base = block[_BASE]
         if isinstance(base, (list, tuple)):
-            raise InputError(f"{name} was saved with zero_optimization.elastic_checkpoint=true, which keeps no param "
-                             "groups; ucp reads the default (rigid) ZeRO-1/2 checkpoints")
+            raise InputError(
+                f"{name} was saved with zero_optimization.elastic_checkpoint=true, which keeps no param "
+                "groups; ucp reads the default (rigid) ZeRO-1/2 checkpoints"
+            )
         base = need_mapping(base, f"{name}: {_BASE}")
-        groups = [need_mapping(g, f"{name}: a param group") for g in need_list(base.get("param_groups") or [],
-                                                                                  f"{name}: param_groups")]
+        groups = [
+            need_mapping(g, f"{name}: a param group")
+            for g in need_list(base.get("param_groups") or [], f"{name}: param_groups")
+        ]
         for g, group in enumerate(groups):
-            members = [as_int(p, f"{name}: param group {g} params entry")
-                       for p in need_list(group.get("params", []), f"{name}: param group {g} params")]
+            members = [
+                as_int(p, f"{name}: param group {g} params entry")
+                for p in need_list(group.get("params", []), f"{name}: param group {g} params")
+            ]
             if members != [g]:
-                raise InputError(f"{name}: param group {g} holds flat tensors {members}, expected [{g}]: not a "
-                                 "ZeRO-1/2 optimizer (one flat partition per group)")
+                raise InputError(
+                    f"{name}: param group {g} holds flat tensors {members}, expected [{g}]: not a "
+                    "ZeRO-1/2 optimizer (one flat partition per group)"
+                )
         state = need_mapping(base.get("state") or {}, f"{name}: optimizer state")
         return groups, state
 
@@ -184,7 +234,7 @@ class Zero12Source(Reader):
         layouts = []
         for g, members in enumerate(shapes):
             numels = []
-            for pname, shape in members.items():
+            for shape in members.values():
                 shape = tensor_shape(shape)
                 numel = 1
                 for d in shape:
@@ -192,17 +242,28 @@ class Zero12Source(Reader):
                 numels.append(numel)
             pads = None
             if paddings is not None:
-                pads = [as_int(p, f"{name0}: param_alignment_paddings")
-                        for p in need_list(need_list(paddings, f"{name0}: param_alignment_paddings")[g],
-                                           f"{name0}: param_alignment_paddings[{g}]")]
+                pads = [
+                    as_int(p, f"{name0}: param_alignment_paddings")
+                    for p in need_list(
+                        need_list(paddings, f"{name0}: param_alignment_paddings")[g],
+                        f"{name0}: param_alignment_paddings[{g}]",
+                    )
+                ]
                 if len(pads) != len(numels):
-                    raise InputError(f"{name0}: param_alignment_paddings[{g}] has {len(pads)} entries, but param "
-                                     f"group {g} has {len(numels)} parameters")
+                    raise InputError(
+                        f"{name0}: param_alignment_paddings[{g}] has {len(pads)} entries, but param "
+                        f"group {g} has {len(numels)} parameters"
+                    )
             layouts.append(zero12_group(numels, dp, param_paddings=pads))
         return layouts
 
-    def _check_group_sizes(self, shapes: list[Mapping[str, Any]], blocks: list[Mapping[str, Any]],
-                           layouts: list[Zero12Group], states: list[Mapping[Any, Any]]) -> None:
+    def _check_group_sizes(
+        self,
+        shapes: list[Mapping[str, Any]],
+        blocks: list[Mapping[str, Any]],
+        layouts: list[Zero12Group],
+        states: list[Mapping[Any, Any]],
+    ) -> None:
         """Every rank's buffers must be exactly the sizes the parameters imply at this DP size."""
         dp = len(self._optim)
         self._keys: list[tuple[str, ...]] = [() for _ in layouts]
@@ -211,8 +272,10 @@ class Zero12Source(Reader):
             fp32 = need_list(block[_FP32], f"{name}: {_FP32}")
             group_paddings = need_list(block.get("group_paddings") or [], f"{name}: group_paddings")
             if len(fp32) != len(shapes) or len(group_paddings) != len(shapes):
-                raise InputError(f"{name} holds {len(fp32)} fp32 partitions and {len(group_paddings)} group paddings, "
-                                 f"but param_shapes has {len(shapes)} param groups")
+                raise InputError(
+                    f"{name} holds {len(fp32)} fp32 partitions and {len(group_paddings)} group paddings, "
+                    f"but param_shapes has {len(shapes)} param groups"
+                )
             mappings = block.get("param_slice_mappings")
             for g, layout in enumerate(layouts):
                 size, pad = layout.partition_size, layout.padding(rank)
@@ -222,25 +285,35 @@ class Zero12Source(Reader):
                     raise InputError(
                         f"param group {g} on rank {rank} holds {tensor.numel()} fp32 elements with padding {have_pad}, "
                         f"but its parameters ({layout.numel} elements) split at dp={dp} give partitions of {size} "
-                        f"with padding {pad}: the group sizes do not add up (param_shapes do not match the shards)")
+                        f"with padding {pad}: the group sizes do not add up (param_shapes do not match the shards)"
+                    )
                 if state:
                     entry = need_mapping(state.get(g), f"{name}: optimizer state of param group {g}")
-                    self._keys[g] = flat_state_keys(entry, size, f"{name}: param group {g}",
-                                                    self._keys[g] if rank else None)
+                    self._keys[g] = flat_state_keys(
+                        entry, size, f"{name}: param group {g}", self._keys[g] if rank else None
+                    )
                 if mappings is not None:
-                    mapping = need_mapping(need_list(mappings, f"{name}: param_slice_mappings")[g],
-                                           f"{name}: param_slice_mappings[{g}]")
+                    mapping = need_mapping(
+                        need_list(mappings, f"{name}: param_slice_mappings")[g], f"{name}: param_slice_mappings[{g}]"
+                    )
                     expected = {}
                     for i, pname in enumerate(shapes[g]):
                         where = layout.rank_slice(i, rank)
                         if where is not None:
                             expected[pname] = where
-                    found = {k: (as_int(getattr(v, "start", None), f"{name}: slice start"),
-                                 as_int(getattr(v, "numel", None), f"{name}: slice numel")) for k, v in mapping.items()}
+                    found = {
+                        k: (
+                            as_int(getattr(v, "start", None), f"{name}: slice start"),
+                            as_int(getattr(v, "numel", None), f"{name}: slice numel"),
+                        )
+                        for k, v in mapping.items()
+                    }
                     if found != expected:
-                        raise InputError(f"{name}: param_slice_mappings of param group {g} do not match the flat layout "
-                                         "ucp expects (params in param_shapes order, aligned to 2 x dp): a layout "
-                                         "this ucp does not know")
+                        raise InputError(
+                            f"{name}: param_slice_mappings of param group {g} do not match the flat layout "
+                            "ucp expects (params in param_shapes order, aligned to 2 x dp): a layout "
+                            "this ucp does not know"
+                        )
 
     def _facts(self, optimizer: str | None) -> Facts:
         dp = len(self._optim)
@@ -253,12 +326,15 @@ class Zero12Source(Reader):
         bases = [self._base(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw, state = bases[0]
         if len(groups_raw) != len(shapes):
-            raise InputError(f"{self._optim[0].path.name} has {len(groups_raw)} param groups, but param_shapes has "
-                             f"{len(shapes)}")
+            raise InputError(
+                f"{self._optim[0].path.name} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}"
+            )
         for tf, (groups, _) in zip(self._optim[1:], bases[1:]):
             if len(groups) != len(groups_raw):
-                raise InputError(f"{tf.path.name} and {self._optim[0].path.name} have different numbers of param "
-                                 "groups: ranks from different runs are mixed")
+                raise InputError(
+                    f"{tf.path.name} and {self._optim[0].path.name} have different numbers of param "
+                    "groups: ranks from different runs are mixed"
+                )
         for pad_list in (b.get("param_alignment_paddings") for b in blocks[1:]):
             if pad_list != blocks[0].get("param_alignment_paddings"):
                 raise InputError("rank files disagree on param_alignment_paddings: ranks from different runs are mixed")
@@ -266,9 +342,11 @@ class Zero12Source(Reader):
         self._has_moments = bool(state)
         for tf, (_, rank_state) in zip(self._optim, bases):
             if bool(rank_state) != self._has_moments:
-                raise InputError(f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
-                                 f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
-                                 "saves are mixed")
+                raise InputError(
+                    f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
+                    f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
+                    "saves are mixed"
+                )
         self._layouts_ = self._layouts(shapes, blocks)
         self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
 
@@ -280,7 +358,9 @@ class Zero12Source(Reader):
                 entry = rank_state.get(g, {})
                 steps.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
             if len(steps) > 1:
-                detection.warnings.append(f"param group {g} has different steps across ranks: {sorted(map(str, steps))}")
+                detection.warnings.append(
+                    f"param group {g} has different steps across ranks: {sorted(map(str, steps))}"
+                )
             group_steps.append(max((s for s in steps if s is not None), default=None))
 
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
@@ -310,8 +390,10 @@ class Zero12Source(Reader):
 
         warnings = list(detection.warnings)
         if getattr(self, "_stage0", False):
-            warnings.append("written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
-                            "like ZeRO-1, so ucp reads it as stage 1")
+            warnings.append(
+                "written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
+                "like ZeRO-1, so ucp reads it as stage 1"
+            )
         counters = engine_counters(head)
         info = SourceInfo(
             format="deepspeed",
@@ -337,8 +419,9 @@ class Zero12Source(Reader):
             warnings=warnings,
         )
 
-    def _frozen_tensors(self, head: Mapping[str, Any], tied: Mapping[str, str],
-                        buffer_names: list[str]) -> dict[str, torch.Tensor]:
+    def _frozen_tensors(
+        self, head: Mapping[str, Any], tied: Mapping[str, str], buffer_names: list[str]
+    ) -> dict[str, torch.Tensor]:
         """Parameters outside the flat groups: stage 2 lists them (frozen_param_*); stage 1 leaves them
         in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
         name = self._model_name()
@@ -350,8 +433,10 @@ class Zero12Source(Reader):
         for pname in names:
             value = fragments.get(pname, module.get(pname))
             if value is None:
-                raise InputError(f"{name} holds no values for frozen parameter {pname!r} (neither in "
-                                 "frozen_param_fragments nor in module)")
+                raise InputError(
+                    f"{name} holds no values for frozen parameter {pname!r} (neither in "
+                    "frozen_param_fragments nor in module)"
+                )
             value = need_tensor(value, f"{name}: frozen parameter {pname!r}")
             if listed is not None:
                 shape = tensor_shape(listed[pname])
@@ -359,8 +444,10 @@ class Zero12Source(Reader):
                 for d in shape:
                     numel *= d
                 if value.numel() != numel:
-                    raise InputError(f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
-                                     f"{shape} needs {numel}")
+                    raise InputError(
+                        f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
+                        f"{shape} needs {numel}"
+                    )
                 value = value.reshape(shape)
             out[pname] = value
         return out
@@ -372,8 +459,9 @@ class Zero12Source(Reader):
         parts = []
         for span in self._layouts_[g].spans(i):
             tf = self._optim[span.rank]
-            parts.append((tf, pick(tf.obj["optimizer_state_dict"], g).detach().narrow(0, span.partition_start,
-                                                                                       span.length)))
+            parts.append(
+                (tf, pick(tf.obj["optimizer_state_dict"], g).detach().narrow(0, span.partition_start, span.length))
+            )
         return file_pieces(parts, self._shape[pname])
 
     def _piece_state(self, name: str, moments: bool) -> PieceState:
@@ -386,7 +474,9 @@ class Zero12Source(Reader):
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=step)
         g = self._where[name][0]
-        optim = {key: self._pieces(name, lambda block, g, key=key: block[_BASE]["state"][g][key]) for key in self._keys[g]}
+        optim = {
+            key: self._pieces(name, lambda block, g, key=key: block[_BASE]["state"][g][key]) for key in self._keys[g]
+        }
         return PieceState(fp32=fp32, optim=optim, step=step)
 
     @contextmanager

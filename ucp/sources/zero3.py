@@ -9,22 +9,42 @@ sub-group in order; the optimizer's param groups list which sub-groups each grou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from ucp.model import flavours
-from ucp.errors import InputError
-from ucp.model.partition import zero3_partition_size, zero3_rank_span
-from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
-from ucp.deepspeed.fields import as_int, build_facts, check_name, engine_counters, jsonable, missing_ranks, model_dtype, model_extras, module_buffers, need_list, need_mapping, need_tensor, flat_state_keys, optimizer_block, partition_count, stage_of, sub_group_size, tensor_shape
-from ucp.sources.common import file_pieces, group_meta, zero3_gather, zero3_pieces
+from ucp.deepspeed.fields import (
+    as_int,
+    build_facts,
+    check_name,
+    engine_counters,
+    flat_state_keys,
+    jsonable,
+    missing_ranks,
+    model_dtype,
+    model_extras,
+    module_buffers,
+    need_list,
+    need_mapping,
+    need_tensor,
+    optimizer_block,
+    partition_count,
+    stage_of,
+    sub_group_size,
+    tensor_shape,
+)
 from ucp.deepspeed.layout import CheckpointFiles
-from ucp.io.pieces import Pieces
+from ucp.errors import InputError
 from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
+from ucp.model import flavours
+from ucp.model.partition import zero3_partition_size, zero3_rank_span
+from ucp.model.pieces import Pieces
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
+from ucp.sources.common import file_pieces, group_meta, zero3_gather, zero3_pieces
 
 __all__ = ["Zero3Source"]
 
@@ -50,6 +70,7 @@ class Zero3Source(Reader):
         self.mp_rank = mp_rank
         self._optim: list[TorchFile] = []
         self._model: list[TorchFile] = []
+
         def build() -> Facts:
             for path in files.optim[mp_rank]:
                 self._optim.append(TorchFile(path))
@@ -57,8 +78,9 @@ class Zero3Source(Reader):
                 self._model.append(TorchFile(path))
             return self._facts(optimizer)
 
-        self.facts = build_facts(build, close=self.close,
-                                 where=f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read")
+        self.facts = build_facts(
+            build, close=self.close, where=f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read"
+        )
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
@@ -73,8 +95,10 @@ class Zero3Source(Reader):
             except InputError as err:
                 raise InputError(f"{tf.path.name}: {err}") from None
             if stage != 3:
-                raise InputError(f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files "
-                                 "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages")
+                raise InputError(
+                    f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files "
+                    "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages"
+                )
             try:
                 count = partition_count(block)
             except InputError as err:
@@ -82,13 +106,21 @@ class Zero3Source(Reader):
             found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
             if count > dp:
                 what = missing_ranks(self._rank_file, dp, count)
-                raise InputError(f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
-                                 f"partition_count={count}, but {found}")
+                raise InputError(
+                    f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
+                    f"partition_count={count}, but {found}"
+                )
             if count < dp:
                 extra = [t.path.name for t in self._optim[count:]]
-                what = f"{', '.join(extra)} are extra rank files" if len(extra) > 1 else f"{extra[0]} is an extra rank file"
-                raise InputError(f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
-                                 f"{found}; remove the extra files or check they belong to this run")
+                what = (
+                    f"{', '.join(extra)} are extra rank files"
+                    if len(extra) > 1
+                    else f"{extra[0]} is an extra rank file"
+                )
+                raise InputError(
+                    f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
+                    f"{found}; remove the extra files or check they belong to this run"
+                )
 
     def _check_models(self) -> list[Mapping[str, Any]]:
         models = []
@@ -114,15 +146,19 @@ class Zero3Source(Reader):
         stamped = models + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
         versions = {str(m["ds_version"]) for m in stamped if m.get("ds_version") is not None}
         if len(versions) > 1:
-            raise InputError(f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
-                             "from different runs, so use one tag folder as DeepSpeed saved it")
+            raise InputError(
+                f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
+                "from different runs, so use one tag folder as DeepSpeed saved it"
+            )
         counters = engine_counters(head)
         for tf, model in zip(self._model[1:], models[1:]):
             other = engine_counters(model)
             for key in ("global_steps", "global_samples", "skipped_steps"):
                 if other[key] != counters[key]:
-                    raise InputError(f"{tf.path.name} is at {key}={other[key]} but {first} is at {counters[key]}: "
-                                     "rank files from different saves (tags) are mixed in one folder")
+                    raise InputError(
+                        f"{tf.path.name} is at {key}={other[key]} but {first} is at {counters[key]}: "
+                        "rank files from different saves (tags) are mixed in one folder"
+                    )
         shapes = head["param_shapes"]
         if any(m["param_shapes"] != shapes for m in models[1:]):
             raise InputError("model-states files disagree on param_shapes: ranks from different runs are mixed")
@@ -130,16 +166,19 @@ class Zero3Source(Reader):
         for tf, model in zip(self._model[1:], models[1:]):
             theirs = {k: tensor_shape(v) for k, v in (model.get("frozen_param_shapes") or {}).items()}
             if theirs != frozen:
-                raise InputError(f"{tf.path.name} and {first} disagree on frozen_param_shapes: ranks from different "
-                                 "runs are mixed")
+                raise InputError(
+                    f"{tf.path.name} and {first} disagree on frozen_param_shapes: ranks from different runs are mixed"
+                )
         return models
 
     def _inner(self, tf: TorchFile, block: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
         """The torch optimizer state inside a ZeRO block: its param groups and per-sub-group state."""
         name = tf.path.name
         inner = need_mapping(block.get("optimizer_state_dict"), f"{name}: optimizer_state_dict.optimizer_state_dict")
-        groups = [need_mapping(g, f"{name}: a param group") for g in need_list(inner.get("param_groups") or [],
-                                                                                  f"{name}: param_groups")]
+        groups = [
+            need_mapping(g, f"{name}: a param group")
+            for g in need_list(inner.get("param_groups") or [], f"{name}: param_groups")
+        ]
         for g, group in enumerate(groups):
             for sub in need_list(group.get("params", []), f"{name}: param group {g} params"):
                 as_int(sub, f"{name}: param group {g} params entry")
@@ -160,32 +199,44 @@ class Zero3Source(Reader):
         for tf, block in zip(self._optim, blocks):
             scaler = block.get("loss_scaler")
             if scaler is not None and not isinstance(scaler, (LossScaler, DynamicLossScaler)):
-                raise InputError(f"{tf.path.name}: loss_scaler is a {type(scaler).__name__}, not a DeepSpeed loss "
-                                 "scaler: the file is damaged or not from DeepSpeed")
+                raise InputError(
+                    f"{tf.path.name}: loss_scaler is a {type(scaler).__name__}, not a DeepSpeed loss "
+                    "scaler: the file is damaged or not from DeepSpeed"
+                )
             for key in ("dynamic_loss_scale", "overflow"):
                 if block.get(key) is not None and not isinstance(block[key], bool):
-                    raise InputError(f"{tf.path.name}: {key} is a {type(block[key]).__name__}, not a bool: the file "
-                                     "is damaged or not from DeepSpeed")
+                    raise InputError(
+                        f"{tf.path.name}: {key} is a {type(block[key]).__name__}, not a bool: the file "
+                        "is damaged or not from DeepSpeed"
+                    )
         inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw, state = inners[0]
         layout = [[int(s) for s in g.get("params", [])] for g in groups_raw]
         for tf, (groups, _) in zip(self._optim[1:], inners[1:]):
             if [[int(s) for s in g.get("params", [])] for g in groups] != layout:
-                raise InputError(f"{tf.path.name} and {self._optim[0].path.name} group their sub-groups differently: "
-                                 "ranks from different runs are mixed")
+                raise InputError(
+                    f"{tf.path.name} and {self._optim[0].path.name} group their sub-groups differently: "
+                    "ranks from different runs are mixed"
+                )
         base = blocks[0]["optimizer_state_dict"]
         detection = flavours.detect(base, ds_config, optimizer)
-        flat = [need_list(b.get("fp32_flat_groups"), f"{tf.path.name}: fp32_flat_groups")
-                for tf, b in zip(self._optim, blocks)]
+        flat = [
+            need_list(b.get("fp32_flat_groups"), f"{tf.path.name}: fp32_flat_groups")
+            for tf, b in zip(self._optim, blocks)
+        ]
         for tf, rank_flat in zip(self._optim, flat):
             if len(rank_flat) != len(shapes):
-                raise InputError(f"{tf.path.name} holds fp32_flat_groups for {len(rank_flat)} sub-groups, but "
-                                 f"param_shapes has {len(shapes)}")
+                raise InputError(
+                    f"{tf.path.name} holds fp32_flat_groups for {len(rank_flat)} sub-groups, but "
+                    f"param_shapes has {len(shapes)}"
+                )
             for sub, tensor in enumerate(rank_flat):
                 need_tensor(tensor, f"{tf.path.name}: fp32_flat_groups[{sub}]")
                 if tensor.dim() != 1:
-                    raise InputError(f"{tf.path.name}: fp32_flat_groups[{sub}] has shape {tuple(tensor.shape)}; "
-                                     "expected a flat buffer")
+                    raise InputError(
+                        f"{tf.path.name}: fp32_flat_groups[{sub}] has shape {tuple(tensor.shape)}; "
+                        "expected a flat buffer"
+                    )
 
         # where every optimized parameter sits
         self._where: dict[str, _Where] = {}
@@ -212,8 +263,10 @@ class Zero3Source(Reader):
             for rank, rank_flat in enumerate(flat):
                 have = rank_flat[sub].numel()
                 if have != offset:
-                    raise InputError(f"sub-group {sub} on rank {rank} holds {have} elements, but its parameters' "
-                                     f"partitions add up to {offset} at dp={dp}: the shapes do not match the shards")
+                    raise InputError(
+                        f"sub-group {sub} on rank {rank} holds {have} elements, but its parameters' "
+                        f"partitions add up to {offset} at dp={dp}: the shapes do not match the shards"
+                    )
             if sub not in sub_of_group:
                 raise InputError(f"sub-group {sub} belongs to no param group in the optimizer state")
 
@@ -222,9 +275,11 @@ class Zero3Source(Reader):
         self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(len(shapes))}
         for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
             if bool(rank_state) != self._has_moments:
-                raise InputError(f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
-                                 f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
-                                 "saves are mixed")
+                raise InputError(
+                    f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
+                    f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
+                    "saves are mixed"
+                )
             if not self._has_moments:
                 continue
             for sub in range(len(shapes)):
@@ -232,19 +287,25 @@ class Zero3Source(Reader):
                 if entry is None:
                     raise InputError(f"{tf.path.name} has no optimizer state for sub-group {sub}")
                 entry = need_mapping(entry, f"{tf.path.name}: optimizer state of sub-group {sub}")
-                self._keys[sub] = flat_state_keys(entry, flat[rank][sub].numel(), f"{tf.path.name}: sub-group {sub}",
-                                                  self._keys[sub] if rank else None)
+                self._keys[sub] = flat_state_keys(
+                    entry,
+                    flat[rank][sub].numel(),
+                    f"{tf.path.name}: sub-group {sub}",
+                    self._keys[sub] if rank else None,
+                )
 
         # steps, per sub-group, checked across ranks
         sub_steps: dict[int, int | None] = {}
         for sub in range(len(shapes)):
             group = groups_raw[sub_of_group[sub]]
             steps = set()
-            for rank, (_, rank_state) in enumerate(inners):
+            for _, rank_state in inners:
                 entry = rank_state.get(sub, {})
                 steps.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
             if len(steps) > 1:
-                detection.warnings.append(f"sub-group {sub} has different steps across ranks: {sorted(map(str, steps))}")
+                detection.warnings.append(
+                    f"sub-group {sub} has different steps across ranks: {sorted(map(str, steps))}"
+                )
             sub_steps[sub] = max((s for s in steps if s is not None), default=None)
 
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
@@ -260,8 +321,11 @@ class Zero3Source(Reader):
             keys = {self._keys[s] for s in layout[g]}
             if len(keys) > 1:
                 raise InputError(f"the sub-groups of param group {g} hold different optimizer state {sorted(keys)}")
-            groups.append(group_meta(g, group, names, max(member_steps, default=None), detection.adam_w_mode,
-                                     keys.pop() if keys else ()))
+            groups.append(
+                group_meta(
+                    g, group, names, max(member_steps, default=None), detection.adam_w_mode, keys.pop() if keys else ()
+                )
+            )
         self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
 
         frozen_shapes = head.get("frozen_param_shapes") or {}
@@ -320,12 +384,14 @@ class Zero3Source(Reader):
                 raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
             need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {name!r}")
             if fragment.numel() < end - start:
-                raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, "
-                                 f"needs {end - start}")
+                raise InputError(
+                    f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}"
+                )
 
     # -- tensors -----------------------------------------------------------------------------
     def _pieces(self, where: _Where, pick: Callable[[Mapping[str, Any]], torch.Tensor]) -> Pieces:
         """One flat state of a parameter as its rank slices, each where it lies in its shard on disk."""
+
         def fragment_of(rank: int) -> torch.Tensor:
             tf = self._optim[rank]
             return pick(tf.obj["optimizer_state_dict"]).detach().narrow(0, where.offset, where.size)
@@ -350,8 +416,10 @@ class Zero3Source(Reader):
         fp32 = self._pieces(where, lambda block: block["fp32_flat_groups"][sub])
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=self._steps.get(name))
-        optim = {key: self._pieces(where, lambda block, key=key: block["optimizer_state_dict"]["state"][sub][key])
-                 for key in self._keys[sub]}
+        optim = {
+            key: self._pieces(where, lambda block, key=key: block["optimizer_state_dict"]["state"][sub][key])
+            for key in self._keys[sub]
+        }
         return PieceState(fp32=fp32, optim=optim, step=self._steps.get(name))
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
@@ -371,8 +439,9 @@ class Zero3Source(Reader):
                 raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
             start, end = zero3_rank_span(numel, dp, rank)
             if fragment.numel() < end - start:
-                raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, "
-                                 f"needs {end - start}")
+                raise InputError(
+                    f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}"
+                )
             return fragment
 
         return zero3_gather(fragment_of, numel, shape, dp)

@@ -20,31 +20,44 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ucp.io.atomic import PARTIAL_MARK, staged_output
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
+from ucp.io.atomic import PARTIAL_MARK, staged_output
+from ucp.io.pool import default_workers, parallel_map
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import open_reader
-from ucp.io.pool import default_workers, parallel_map
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
 logger = logging.getLogger(__name__)
 
 #: format -> (single file name, shard stem, suffix)
-FORMATS = {"safetensors": ("model.safetensors", "model", ".safetensors"),
-           "torch": ("pytorch_model.bin", "pytorch_model", ".bin")}
+FORMATS = {
+    "safetensors": ("model.safetensors", "model", ".safetensors"),
+    "torch": ("pytorch_model.bin", "pytorch_model", ".bin"),
+}
 _FILE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
 #: metadata key (safetensors header and index ``metadata``) listing tied aliases: alias -> owner
 TIED_KEY = "ucp_tied"
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -137,13 +150,23 @@ def _require_safetensors() -> None:
     try:
         import safetensors.torch  # noqa: F401
     except ImportError:
-        raise UcpError("--format safetensors needs the safetensors package: pip install safetensors "
-                       "(or pip install 'ucp[export]'), or export with --format torch") from None
+        raise UcpError(
+            "--format safetensors needs the safetensors package: pip install safetensors "
+            "(or pip install 'ucp[export]'), or export with --format torch"
+        ) from None
 
 
-def export(src: str | os.PathLike | Reader, out: str | os.PathLike, *, format: str = "safetensors",
-           dtype: str | None = None, max_shard_size: int | str = "5GB", tag: str | None = None,
-           overwrite: bool = False, workers: int | None = None) -> list[Path]:
+def export(
+    src: str | os.PathLike | Reader,
+    out: str | os.PathLike,
+    *,
+    format: str = "safetensors",
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    tag: str | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+) -> list[Path]:
     """Write consolidated weights of ``src`` to ``out``; returns the files written (index last).
 
     ``out`` ending in ``.safetensors`` / ``.bin`` names one file (refused if it needs shards);
@@ -168,8 +191,16 @@ def export(src: str | os.PathLike | Reader, out: str | os.PathLike, *, format: s
             reader.close()
 
 
-def _export(reader: Reader, out: Path, file_name: str | None, fmt: str, dtype: str | None, max_bytes: int,
-            overwrite: bool, workers: int) -> list[Path]:
+def _export(
+    reader: Reader,
+    out: Path,
+    file_name: str | None,
+    fmt: str,
+    dtype: str | None,
+    max_bytes: int,
+    overwrite: bool,
+    workers: int,
+) -> list[Path]:
     facts = reader.facts
     for alias, owner in facts.tied.items():
         if owner not in {p.name for p in facts.params}:
@@ -178,11 +209,16 @@ def _export(reader: Reader, out: Path, file_name: str | None, fmt: str, dtype: s
     by_name = {item.name: item for item in items}
     shards = plan_shards([(item.name, item.nbytes) for item in items], max_bytes)
     if file_name is not None and len(shards) > 1:
-        raise ConfigError(f"the export needs {len(shards)} shards of at most {max_bytes:,} bytes; give a folder as "
-                          f"OUT instead of the file {out.name}, or raise --max-shard-size")
+        raise ConfigError(
+            f"the export needs {len(shards)} shards of at most {max_bytes:,} bytes; give a folder as "
+            f"OUT instead of the file {out.name}, or raise --max-shard-size"
+        )
     single, stem, suffix = FORMATS[fmt]
-    names = ([file_name or single] if len(shards) == 1 else
-             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))])
+    names = (
+        [file_name or single]
+        if len(shards) == 1
+        else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
+    )
     aliases_of: dict[str, list[str]] = {}
     for alias, owner in facts.tied.items():
         aliases_of.setdefault(owner, []).append(alias)
@@ -235,8 +271,9 @@ class _staged:
             self._ctx = staged_output(self.out, overwrite=self.overwrite)
             return self._ctx.__enter__()
         if self.out.exists() and (not self.overwrite or self.out.is_dir()):
-            raise OutputExistsError(f"{self.out} already exists" + ("" if self.overwrite else
-                                                                     "; pass --overwrite to replace it"))
+            raise OutputExistsError(
+                f"{self.out} already exists" + ("" if self.overwrite else "; pass --overwrite to replace it")
+            )
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:

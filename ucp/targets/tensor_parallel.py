@@ -12,21 +12,28 @@ full shape, replication.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ucp.model import tp as tpl
 from ucp.errors import CorruptFileError, InputError
+from ucp.model import tp as tpl
 from ucp.model.records import ParamMeta, ParamState, Reader
 
 __all__ = ["TpShardReader", "rank_layouts", "target_tp_info", "live_tp_view"]
 
 
-def rank_layouts(reader: Reader, tp: int, rank: int, *, rules: Mapping[str, tpl.TpRule] | None = None,
-                 exact: Mapping[str, tpl.RankLayout] | None = None,
-                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tpl.RankLayout]:
+def rank_layouts(
+    reader: Reader,
+    tp: int,
+    rank: int,
+    *,
+    rules: Mapping[str, tpl.TpRule] | None = None,
+    exact: Mapping[str, tpl.RankLayout] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, tpl.RankLayout]:
     """Per parameter, the blocks TP ``rank`` of ``tp`` holds.
 
     ``exact`` layouts win; then ``rules`` (default: the reader's recorded ones). ``shapes`` are
@@ -51,13 +58,17 @@ def rank_layouts(reader: Reader, tp: int, rank: int, *, rules: Mapping[str, tpl.
         elif tp == 1 or (shapes is not None and tuple(shapes.get(name, ())) == tuple(meta.shape)):
             layout = tpl.rank_layout(tpl.REPLICATED, meta.shape, tp, rank)
         else:
-            raise InputError(f"no tensor-parallel rule for {name!r} to cut it for TP={tp}: the checkpoint was not "
-                             "saved with tensor parallelism; give the rules in the migration YAML "
-                             "(tensor_parallel.rules)")
+            raise InputError(
+                f"no tensor-parallel rule for {name!r} to cut it for TP={tp}: the checkpoint was not "
+                "saved with tensor parallelism; give the rules in the migration YAML "
+                "(tensor_parallel.rules)"
+            )
         if shapes is not None and name in shapes and tuple(shapes[name]) != tuple(layout.shard_shape):
-            raise InputError(f"{name}: TP rank {rank} of the target holds shape {tuple(shapes[name])}, the "
-                             f"checkpoint's rule {rules.get(name, tpl.REPLICATED).to_json()} gives "
-                             f"{tuple(layout.shard_shape)} for full shape {meta.shape} at TP={tp}")
+            raise InputError(
+                f"{name}: TP rank {rank} of the target holds shape {tuple(shapes[name])}, the "
+                f"checkpoint's rule {rules.get(name, tpl.REPLICATED).to_json()} gives "
+                f"{tuple(layout.shard_shape)} for full shape {meta.shape} at TP={tp}"
+            )
         out[name] = layout
     return out
 
@@ -70,15 +81,19 @@ class TpShardReader(Reader):
         self.layouts = dict(layouts)
         self.tp, self.rank = tp, rank
         facts = reader.facts
-        params = [ParamMeta(m.name, tuple(self.layouts[m.name].shard_shape), m.dtype, m.group, m.frozen)
-                  for m in facts.params]
+        params = [
+            ParamMeta(m.name, tuple(self.layouts[m.name].shard_shape), m.dtype, m.group, m.frozen) for m in facts.params
+        ]
         self.facts = replace(facts, params=params, info=replace(facts.info, mp_world_size=tp))
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         state = self.full.read(name, moments=moments)
         layout = self.layouts[name]
-        return ParamState(fp32=tpl.scatter(state.fp32, layout),
-                          optim={k: tpl.scatter(v, layout) for k, v in state.optim.items()}, step=state.step)
+        return ParamState(
+            fp32=tpl.scatter(state.fp32, layout),
+            optim={k: tpl.scatter(v, layout) for k, v in state.optim.items()},
+            step=state.step,
+        )
 
     def param_steps(self) -> dict[str, int | None]:
         return self.full.param_steps()
@@ -120,11 +135,21 @@ def target_tp_info(reader: Reader, tp: int) -> dict[str, Any]:
         layouts = tpl.layouts_for(rule, meta.shape, tp)
         exact[pattern] = {
             "logical_shape": list(meta.shape),
-            "ranks": {r: {"shard_shape": list(lay.shard_shape), "pieces": [
-                {"shape": list(p.shape), "source": [p.full_offset, list(p.full_strides)],
-                 "dest": [p.shard_offset, list(p.shard_strides)],
-                 "locations": list(range(tp)) if lay.replicated else [r]} for p in lay.pieces]}
-                for r, lay in enumerate(layouts)},
+            "ranks": {
+                r: {
+                    "shard_shape": list(lay.shard_shape),
+                    "pieces": [
+                        {
+                            "shape": list(p.shape),
+                            "source": [p.full_offset, list(p.full_strides)],
+                            "dest": [p.shard_offset, list(p.shard_strides)],
+                            "locations": list(range(tp)) if lay.replicated else [r],
+                        }
+                        for p in lay.pieces
+                    ],
+                }
+                for r, lay in enumerate(layouts)
+            },
         }
     info: dict[str, Any] = {
         "universal_checkpoint_version": 0.4,
@@ -168,8 +193,9 @@ def live_tp_view(engine: Any, reader: Reader) -> Reader:
             if found is not None:
                 full, layouts = found
                 if tuple(full) != tuple(meta.shape):
-                    raise InputError(f"{meta.name}: the engine's full shape is {tuple(full)}, the checkpoint's "
-                                     f"{meta.shape}")
+                    raise InputError(
+                        f"{meta.name}: the engine's full shape is {tuple(full)}, the checkpoint's {meta.shape}"
+                    )
                 exact[meta.name] = layouts[rank]
     except tpl.TpInfoError as err:
         raise InputError(f"the engine's universal_checkpoint_info: {err}") from None

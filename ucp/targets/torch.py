@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ucp.model import flavours
 from ucp.errors import InputError
+from ucp.model import flavours
 from ucp.model.records import Reader
 from ucp.sources import open_reader
 from ucp.targets.engine import match_groups
@@ -21,9 +21,15 @@ from ucp.targets.engine import match_groups
 __all__ = ["restore_torch"]
 
 
-def restore_torch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  universal_dir: str | os.PathLike | Reader, *, flavour: str | None = None,
-                  scheduler: Any = None, strict: bool = True) -> dict[str, Any]:
+def restore_torch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    universal_dir: str | os.PathLike | Reader,
+    *,
+    flavour: str | None = None,
+    scheduler: Any = None,
+    strict: bool = True,
+) -> dict[str, Any]:
     """Load weights, buffers, optimizer state and (optionally) an lr scheduler; returns client state."""
     reader = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
     try:
@@ -32,11 +38,15 @@ def restore_torch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         expected = {m.name for m in facts.params}
         if strict and set(params) != expected:
             extra, lost = sorted(set(params) - expected), sorted(expected - set(params))
-            raise InputError(f"parameters differ: model has {extra[:3]} not in the checkpoint, checkpoint has "
-                             f"{lost[:3]} not in the model; pass strict=False to restore the common ones")
+            raise InputError(
+                f"parameters differ: model has {extra[:3]} not in the checkpoint, checkpoint has "
+                f"{lost[:3]} not in the model; pass strict=False to restore the common ones"
+            )
         names_of = {id(p): n for n, p in params.items()}
-        live_members = [[names_of[id(p)] for p in g["params"] if id(p) in names_of]
-                        for g in (optimizer.param_groups if optimizer else [])]
+        live_members = [
+            [names_of[id(p)] for p in g["params"] if id(p) in names_of]
+            for g in (optimizer.param_groups if optimizer else [])
+        ]
         matched = match_groups(reader, live_members, strict=strict) if optimizer else []
         kind = flavours.get(flavour) if flavour else flavours.detect_live(optimizer) if optimizer else None
         for name, param in params.items():
@@ -55,8 +65,9 @@ def restore_torch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             if source is None:
                 continue
             meta = facts.groups[source]
-            group.update({k: v for k, v in kind.update_group(group, meta.hyper, int(meta.step or 0)).items()
-                          if k != "params"})
+            group.update(
+                {k: v for k, v in kind.update_group(group, meta.hyper, int(meta.step or 0)).items() if k != "params"}
+            )
         buffers = reader.buffers()
         for name, buf in model.named_buffers():
             if name in buffers:

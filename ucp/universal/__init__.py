@@ -8,5 +8,16 @@ from ucp.universal.manifest import FORMAT, FORMAT_VERSION, MANIFEST, ParamEntry,
 from ucp.universal.reader import UniversalReader, is_universal, open_universal
 from ucp.universal.writer import finish_universal, write_params, write_universal
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "ParamEntry", "folder_for", "UniversalReader", "is_universal",
-           "open_universal", "finish_universal", "write_params", "write_universal"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "ParamEntry",
+    "folder_for",
+    "UniversalReader",
+    "is_universal",
+    "open_universal",
+    "finish_universal",
+    "write_params",
+    "write_universal",
+]

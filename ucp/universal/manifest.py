@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from ucp.errors import CorruptFileError, InputError
 from ucp.model.flavours import Hyper
 from ucp.model.records import Facts, GroupMeta, ParamMeta, SourceInfo
 from ucp.model.version import VERSION
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "STATE_FILE", "FP32_FILE", "STEP_FILE", "FileEntry", "ParamEntry",
-           "folder_for", "state_file", "manifest_json", "facts_from_manifest"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "STATE_FILE",
+    "FP32_FILE",
+    "STEP_FILE",
+    "FileEntry",
+    "ParamEntry",
+    "folder_for",
+    "state_file",
+    "manifest_json",
+    "facts_from_manifest",
+]
 
 FORMAT = "ucp-universal"
 FORMAT_VERSION = 1
@@ -37,8 +50,9 @@ def folder_for(name: str) -> str:
         raise InputError(f"parameter name {name!r} is empty or holds a NUL byte")
     if _SAFE.match(name) and len(name) <= _MAX_FOLDER and name not in (".", ".."):
         return name
-    encoded = "".join(c if (c.isascii() and (c.isalnum() or c in "_.-")) else
-                      "".join(f"%{b:02X}" for b in c.encode()) for c in name)
+    encoded = "".join(
+        c if (c.isascii() and (c.isalnum() or c in "_.-")) else "".join(f"%{b:02X}" for b in c.encode()) for c in name
+    )
     if encoded.startswith("."):
         encoded = "%2E" + encoded[1:]
     if len(encoded) > _MAX_FOLDER:
@@ -94,8 +108,11 @@ def manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, FileE
         "tied": dict(facts.tied),
         "buffers": list(facts.buffer_names),
         "files": {name: asdict(entry) for name, entry in files.items()},
-        **({"tensor_parallel": {"source_degree": facts.info.mp_world_size, "rules": dict(facts.tp_rules)}}
-           if facts.tp_rules else {}),
+        **(
+            {"tensor_parallel": {"source_degree": facts.info.mp_world_size, "rules": dict(facts.tp_rules)}}
+            if facts.tp_rules
+            else {}
+        ),
     }
 
 
@@ -108,23 +125,33 @@ def facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry]
         ]
         keys = {p.name: p.state_keys for p in params}
         groups = [
-            GroupMeta(index=g["index"], hyper=Hyper.from_json(g["hyperparameters"]), raw=dict(g.get("raw", {})),
-                      params=list(g["params"]), step=g.get("step"), state_keys=_union(keys.get(n, ()) for n in g["params"]))
+            GroupMeta(
+                index=g["index"],
+                hyper=Hyper.from_json(g["hyperparameters"]),
+                raw=dict(g.get("raw", {})),
+                params=list(g["params"]),
+                step=g.get("step"),
+                state_keys=_union(keys.get(n, ()) for n in g["params"]),
+            )
             for g in raw["param_groups"]
         ]
         opt = raw.get("optimizer", {})
         facts = Facts(
-            info=info, flavour=opt.get("flavour"), adam_w_mode=opt.get("adam_w_mode"), step=opt.get("step"),
-            groups=groups, params=[p.meta() for p in params], tied=dict(raw.get("tied", {})),
-            buffer_names=list(raw.get("buffers", [])), warnings=list(raw.get("warnings", [])),
+            info=info,
+            flavour=opt.get("flavour"),
+            adam_w_mode=opt.get("adam_w_mode"),
+            step=opt.get("step"),
+            groups=groups,
+            params=[p.meta() for p in params],
+            tied=dict(raw.get("tied", {})),
+            buffer_names=list(raw.get("buffers", [])),
+            warnings=list(raw.get("warnings", [])),
             tp_rules={k: dict(v) for k, v in (raw.get("tensor_parallel") or {}).get("rules", {}).items()},
         )
         files = {k: FileEntry(**v) for k, v in raw.get("files", {}).items()}
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptFileError(f"{MANIFEST} is malformed: {type(err).__name__}: {err}") from None
     return facts, params, files
-
-
 
 
 def _union(key_lists: Iterable[tuple[str, ...]]) -> tuple[str, ...]:

@@ -7,15 +7,16 @@ import json
 import mmap
 import os
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.io import torchfile
-from ucp.io.pieces import FileSpan, Pieces
+from ucp.model.pieces import FileSpan, Pieces
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.universal.manifest import (
     FORMAT,
@@ -65,8 +66,12 @@ class UniversalReader(Reader):
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()
         for entry in entries:
-            if not isinstance(entry.folder, str) or "\x00" in entry.folder or "/" in entry.folder or \
-                    entry.folder in ("", ".", ".."):
+            if (
+                not isinstance(entry.folder, str)
+                or "\x00" in entry.folder
+                or "/" in entry.folder
+                or entry.folder in ("", ".", "..")
+            ):
                 raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
             folder = (root / entry.folder).resolve()
             if folder.parent != root:
@@ -118,9 +123,11 @@ class UniversalReader(Reader):
             raise CorruptFileError(f"{path} holds no tensor under 'param'")
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != torch.float32:
             tf.close()
-            raise CorruptFileError(f"{path} holds a {str(tensor.dtype).replace('torch.', '')} "
-                                   f"tensor of shape {tuple(tensor.shape)}; {MANIFEST} says float32 "
-                                   f"{tuple(entry.shape)}")
+            raise CorruptFileError(
+                f"{path} holds a {str(tensor.dtype).replace('torch.', '')} "
+                f"tensor of shape {tuple(tensor.shape)}; {MANIFEST} says float32 "
+                f"{tuple(entry.shape)}"
+            )
         return tf, tensor
 
     def _tensor(self, name: str, key: str) -> torch.Tensor:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -62,16 +63,20 @@ def _write_param(root: Path, meta: ParamMeta, state: ParamState | PieceState) ->
     try:
         target.mkdir(parents=True, exist_ok=False)
     except FileExistsError:  # two names that one case-insensitive file system cannot tell apart
-        raise InputError(f"parameter {meta.name!r} needs folder {folder!r}, which another parameter's folder already "
-                         "takes on this file system (names differing only in case?); convert onto a "
-                         "case-sensitive file system") from None
+        raise InputError(
+            f"parameter {meta.name!r} needs folder {folder!r}, which another parameter's folder already "
+            "takes on this file system (names differing only in case?); convert onto a "
+            "case-sensitive file system"
+        ) from None
     entry = ParamEntry(meta.name, folder, list(meta.shape), meta.dtype, meta.group, meta.frozen, state.step)
     entry.files[FP32_FILE] = _save({"param": state.fp32}, target / FP32_FILE)
     if not meta.frozen:
         for key, tensor in state.optim.items():
             if state_file(key) in (FP32_FILE, STEP_FILE) or not folder_for(key) == key:
-                raise InputError(f"{meta.name}: the optimizer keeps state under {key!r}, which cannot be a file name "
-                                 "of a universal directory")
+                raise InputError(
+                    f"{meta.name}: the optimizer keeps state under {key!r}, which cannot be a file name "
+                    "of a universal directory"
+                )
             entry.files[state_file(key)] = _save({"param": tensor}, target / state_file(key))
     if not meta.frozen and state.step is not None:
         entry.files[STEP_FILE] = _save(torch.tensor(float(state.step), dtype=torch.float32), target / STEP_FILE)
@@ -88,13 +93,18 @@ def _ds_compat_files(root: Path, facts: Facts, extras: Mapping[str, Any], buffer
     (root / LATEST_UNIVERSAL).write_text(".")
 
 
-def write_params(reader: Reader, root: Path, metas: list[ParamMeta], workers: int,
-                 ) -> list[ParamEntry]:
+def write_params(
+    reader: Reader,
+    root: Path,
+    metas: list[ParamMeta],
+    workers: int,
+) -> list[ParamEntry]:
     """Write the per-parameter folders of ``metas`` under ``root/zero``; returns their manifest entries.
 
     Each state comes from :meth:`Reader.read_pieces`: a streaming source's slices go from its files
     into the output records, never held whole in memory.
     """
+
     def one(meta: ParamMeta) -> ParamEntry:
         with reader.read_pieces(meta.name) as pieces:
             return _write_param(root, meta, pieces)
@@ -102,8 +112,9 @@ def write_params(reader: Reader, root: Path, metas: list[ParamMeta], workers: in
     return list(parallel_map(one, metas, workers, desc="to-universal"))
 
 
-def write_universal(reader: Reader, out: str | os.PathLike, *, overwrite: bool = False,
-                    workers: int | None = None, fsync: bool = False) -> dict[str, Any]:
+def write_universal(
+    reader: Reader, out: str | os.PathLike, *, overwrite: bool = False, workers: int | None = None, fsync: bool = False
+) -> dict[str, Any]:
     """Stream every parameter of ``reader`` into a universal directory at ``out``; returns the manifest.
 
     Memory stays near ``2 x workers`` parameters.
@@ -116,8 +127,9 @@ def write_universal(reader: Reader, out: str | os.PathLike, *, overwrite: bool =
     return manifest
 
 
-def finish_universal(root: Path, facts: Facts, entries: list[ParamEntry], extras: Mapping[str, Any],
-                     buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def finish_universal(
+    root: Path, facts: Facts, entries: list[ParamEntry], extras: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
     """Write the shared state and, last, the manifest of a universal directory being built at root."""
     files = {STATE_FILE: _save({"buffers": dict(buffers), **dict(extras)}, root / STATE_FILE)}
     _ds_compat_files(root, facts, extras, buffers)
@@ -126,5 +138,3 @@ def finish_universal(root: Path, facts: Facts, entries: list[ParamEntry], extras
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, root / MANIFEST)
     return manifest
-
-

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -22,10 +22,12 @@ class RankBuffers:
     optim: list[dict[str, torch.Tensor]]
 
     @classmethod
-    def of_sizes(cls, sizes: Sequence[int], keys: Sequence[Sequence[str]]) -> "RankBuffers":
+    def of_sizes(cls, sizes: Sequence[int], keys: Sequence[Sequence[str]]) -> RankBuffers:
         """Zeroed buffers: ``sizes[i]`` elements for flat group i, with ``keys[i]`` state tensors."""
-        return cls([torch.zeros(n, dtype=torch.float32) for n in sizes],
-                   [{k: torch.zeros(n, dtype=torch.float32) for k in ks} for n, ks in zip(sizes, keys)])
+        return cls(
+            [torch.zeros(n, dtype=torch.float32) for n in sizes],
+            [{k: torch.zeros(n, dtype=torch.float32) for k in ks} for n, ks in zip(sizes, keys)],
+        )
 
 
 def check_state(name: str, state: PieceState, keys: Sequence[str], numel: int, *, moments: bool) -> None:
@@ -38,5 +40,7 @@ def check_state(name: str, state: PieceState, keys: Sequence[str], numel: int, *
     if not state.optim:
         raise InputError(f"{name} has no optimizer moments in the source; restore with step reset")
     if set(state.optim) != set(keys):
-        raise InputError(f"{name} carries optimizer state {sorted(state.optim)}, but its param group keeps "
-                         f"{sorted(keys)}: the source's groups do not match the target's")
+        raise InputError(
+            f"{name} carries optimizer state {sorted(state.optim)}, but its param group keeps "
+            f"{sorted(keys)}: the source's groups do not match the target's"
+        )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,10 +20,18 @@ def zero12_buffers(layouts: Sequence[Zero12Group], keys: Sequence[Sequence[str]]
     return RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys)
 
 
-def fill_zero12_ranks(reader: Reader, layouts: list[Zero12Group], names: list[list[str]],
-                      ranks: dict[int, RankBuffers], *, keys: Sequence[Sequence[str]], moments: bool, workers: int,
-                      step_of: Callable[[ParamState], int],
-                      on_state: Callable[[str, ParamState], None] | None = None) -> list[set[int]]:
+def fill_zero12_ranks(
+    reader: Reader,
+    layouts: list[Zero12Group],
+    names: list[list[str]],
+    ranks: dict[int, RankBuffers],
+    *,
+    keys: Sequence[Sequence[str]],
+    moments: bool,
+    workers: int,
+    step_of: Callable[[ParamState], int],
+    on_state: Callable[[str, ParamState], None] | None = None,
+) -> list[set[int]]:
     """Read every parameter of ``names`` (per param group, in flat order) once into the ranks' partitions.
 
     ``on_state(name, state)`` sees each state as it is read (the native writer takes the module
@@ -46,7 +54,8 @@ def fill_zero12_ranks(reader: Reader, layouts: list[Zero12Group], names: list[li
                 buffers = ranks[span.rank]
                 target = buffers.fp32[g] if key is None else buffers.optim[g][key]
                 target.narrow(0, span.partition_start, span.length).copy_(
-                    values[span.param_start : span.param_start + span.length])
+                    values[span.param_start : span.param_start + span.length]
+                )
         steps[g].add(step_of(state))
         if on_state is not None:
             on_state(name, state)

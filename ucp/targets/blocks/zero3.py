@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ucp.io.pool import parallel_map
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_rank_span
@@ -13,8 +13,9 @@ from ucp.targets.blocks.common import RankBuffers, check_state
 __all__ = ["zero3_buffers", "fill_ranks", "sub_group_steps", "sub_group_keys"]
 
 
-def sub_group_keys(reader: Reader, layout: Zero3Layout, matched: list[int | None] | None = None,
-                   moments: bool = True) -> list[tuple[str, ...]]:
+def sub_group_keys(
+    reader: Reader, layout: Zero3Layout, matched: list[int | None] | None = None, moments: bool = True
+) -> list[tuple[str, ...]]:
     """The state keys of each sub-group: its param group's (``matched[g]``: the source group of live group g)."""
     if not moments:
         return [() for _ in layout.sub_group_numel]
@@ -42,9 +43,17 @@ def _scatter(state: PieceState, slot: Zero3Slot, dp: int, ranks: dict[int, RankB
             pieces.slice(start, end).copy_to(flat.narrow(0, slot.offset, end - start))
 
 
-def fill_ranks(reader: Reader, layout: Zero3Layout, names: list[list[str]], ranks: Iterable[int], *,
-               keys: list[tuple[str, ...]], moments: bool, workers: int,
-               step_of: Callable[[PieceState], int]) -> tuple[dict[int, RankBuffers], list[set[int]]]:
+def fill_ranks(
+    reader: Reader,
+    layout: Zero3Layout,
+    names: list[list[str]],
+    ranks: Iterable[int],
+    *,
+    keys: list[tuple[str, ...]],
+    moments: bool,
+    workers: int,
+    step_of: Callable[[PieceState], int],
+) -> tuple[dict[int, RankBuffers], list[set[int]]]:
     """Read every parameter of ``names`` (per param group, in layout order) once into the ranks' buffers.
 
     ``keys`` are each sub-group's state keys; ``step_of(state)`` gives the step to record for a

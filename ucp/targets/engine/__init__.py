@@ -28,9 +28,16 @@ __all__ = ["restore", "match_groups"]
 logger = logging.getLogger(__name__)
 
 
-def restore(engine: Any, universal_dir: str | os.PathLike | Reader, *, optimizer: str | None = None,
-            load_optimizer_states: bool = True, strict: bool = True, step: int | str = "keep",
-            workers: int | None = None) -> dict[str, Any]:
+def restore(
+    engine: Any,
+    universal_dir: str | os.PathLike | Reader,
+    *,
+    optimizer: str | None = None,
+    load_optimizer_states: bool = True,
+    strict: bool = True,
+    step: int | str = "keep",
+    workers: int | None = None,
+) -> dict[str, Any]:
     """Restore a universal directory (or any checkpoint ucp reads) into a live DeepSpeed engine.
 
     ``optimizer`` names the engine's flavour when its class does not tell. With
@@ -44,11 +51,25 @@ def restore(engine: Any, universal_dir: str | os.PathLike | Reader, *, optimizer
         reader = live_tp_view(engine, source)  # this rank's shards under tensor parallelism
         stage = int(engine.zero_optimization_stage())
         if stage != 3:
-            restore_zero12(engine, reader, optimizer=optimizer, load_optimizer_states=load_optimizer_states,
-                           strict=strict, workers=workers or default_workers(), step_of=step_of)
+            restore_zero12(
+                engine,
+                reader,
+                optimizer=optimizer,
+                load_optimizer_states=load_optimizer_states,
+                strict=strict,
+                workers=workers or default_workers(),
+                step_of=step_of,
+            )
         else:
-            restore_zero3(engine, reader, optimizer=optimizer, load_optimizer_states=load_optimizer_states,
-                           strict=strict, workers=workers or default_workers(), step_of=step_of)
+            restore_zero3(
+                engine,
+                reader,
+                optimizer=optimizer,
+                load_optimizer_states=load_optimizer_states,
+                strict=strict,
+                workers=workers or default_workers(),
+                step_of=step_of,
+            )
         restore_common(engine, reader, strict=strict)
         return dict(reader.extras().get("client_state") or {})
     finally:

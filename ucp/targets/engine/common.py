@@ -20,12 +20,16 @@ def match_groups(reader: Reader, live_members: list[list[str]], *, strict: bool)
         found = {owner.get(n) for n in names}
         missing = [n for n in names if n not in owner]
         if missing and strict:
-            raise InputError(f"param group {i} of the engine holds {missing[0]!r}, which the checkpoint does not "
-                             "optimize; start DeepSpeed with the checkpoint's parameters or pass strict=False")
+            raise InputError(
+                f"param group {i} of the engine holds {missing[0]!r}, which the checkpoint does not "
+                "optimize; start DeepSpeed with the checkpoint's parameters or pass strict=False"
+            )
         found.discard(None)
         if len(found) > 1:
-            raise InputError(f"param group {i} of the engine mixes members of checkpoint groups {sorted(found)}; "
-                             "DeepSpeed must be started with the same param groups as the checkpoint")
+            raise InputError(
+                f"param group {i} of the engine mixes members of checkpoint groups {sorted(found)}; "
+                "DeepSpeed must be started with the same param groups as the checkpoint"
+            )
         matched.append(found.pop() if found else None)
     return matched
 
@@ -37,10 +41,15 @@ def check_names(engine: Any, reader: Reader, *, strict: bool) -> None:
     if strict and ours != theirs:
         extra = sorted(theirs - ours)
         lost = sorted(ours - theirs)
-        what = f"the engine has {extra[0]!r}, which the checkpoint lacks" if extra else \
-            f"the checkpoint has {lost[0]!r}, which the engine lacks"
-        raise InputError(f"parameters differ: {what} ({len(extra)} extra, {len(lost)} missing); pass strict=False "
-                         "to restore the common ones")
+        what = (
+            f"the engine has {extra[0]!r}, which the checkpoint lacks"
+            if extra
+            else f"the checkpoint has {lost[0]!r}, which the engine lacks"
+        )
+        raise InputError(
+            f"parameters differ: {what} ({len(extra)} extra, {len(lost)} missing); pass strict=False "
+            "to restore the common ones"
+        )
 
 
 def place_steps_on_device(block: dict[str, Any], groups: list[dict[str, Any]], device: torch.device) -> None:

@@ -12,7 +12,8 @@ refreshes the low-precision weights from the fp32 masters; frozen parameters are
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,12 +34,16 @@ logger = logging.getLogger(__name__)
 def _wrapper_groups(opt: Any) -> tuple[list[list[Any]], list[torch.Tensor], list[list[int]] | None]:
     """(low-precision params of each group in flat order, this rank's fp32 partitions, per-param offsets)."""
     if hasattr(opt, "round_robin_bit16_groups"):  # DeepSpeedZeroOptimizer (stage 1/2)
-        return (list(opt.round_robin_bit16_groups), list(opt.single_partition_of_fp32_groups),
-                [list(o) for o in getattr(opt, "round_robin_bit16_offsets", [])] or None)
+        return (
+            list(opt.round_robin_bit16_groups),
+            list(opt.single_partition_of_fp32_groups),
+            [list(o) for o in getattr(opt, "round_robin_bit16_offsets", [])] or None,
+        )
     if hasattr(opt, "bf16_groups") and hasattr(opt, "fp32_groups_flat_partition"):  # BF16_Optimizer
         return list(opt.bf16_groups), list(opt.fp32_groups_flat_partition), None
-    raise InputError(f"{type(opt).__name__} is not a ZeRO-1/2 optimizer ucp knows (DeepSpeedZeroOptimizer, "
-                     "BF16_Optimizer)")
+    raise InputError(
+        f"{type(opt).__name__} is not a ZeRO-1/2 optimizer ucp knows (DeepSpeedZeroOptimizer, BF16_Optimizer)"
+    )
 
 
 def live_zero12_layout(engine: Any) -> tuple[list[Zero12Group], list[list[str]], int]:
@@ -56,15 +61,25 @@ def live_zero12_layout(engine: Any) -> tuple[list[Zero12Group], list[list[str]],
         end = starts[-1] + numels[-1] if numels else 0
         size = int(partition.numel())
         if end > size * dp:
-            raise InputError(f"param group {g} of the engine holds {end} elements but {dp} partitions of {size}: "
-                             "a ZeRO-1/2 layout ucp does not know")
+            raise InputError(
+                f"param group {g} of the engine holds {end} elements but {dp} partitions of {size}: "
+                "a ZeRO-1/2 layout ucp does not know"
+            )
         layouts.append(Zero12Group(dp, tuple(numels), tuple(starts), end, size))
         names.append([engine.param_names[p] for p in params])
     return layouts, names, rank
 
 
-def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_optimizer_states: bool,
-                   strict: bool, workers: int, step_of: Callable[[ParamState], int] | None = None) -> None:
+def restore_zero12(
+    engine: Any,
+    reader: Reader,
+    *,
+    optimizer: str | None,
+    load_optimizer_states: bool,
+    strict: bool,
+    workers: int,
+    step_of: Callable[[ParamState], int] | None = None,
+) -> None:
     """Load ``reader``'s weights (and optimizer state) into a live stage-1/2 engine on this rank."""
     import deepspeed
 
@@ -79,8 +94,10 @@ def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_o
     for g, group in enumerate(live_names):
         for i, name in enumerate(group):
             if name in known and facts.param(name).numel != layouts[g].numels[i]:
-                raise InputError(f"{name} has {facts.param(name).numel} elements in the checkpoint but "
-                                 f"{layouts[g].numels[i]} in the engine")
+                raise InputError(
+                    f"{name} has {facts.param(name).numel} elements in the checkpoint but "
+                    f"{layouts[g].numels[i]} in the engine"
+                )
         names.append([n for n in group if n in known])
     matched = match_groups(reader, live_names, strict=strict)
 
@@ -98,11 +115,25 @@ def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_o
     held = []
     for g, layout in enumerate(layouts):
         index = [live_names[g].index(n) for n in names[g]]
-        held.append(Zero12Group(layout.dp, tuple(layout.numels[i] for i in index),
-                                tuple(layout.offsets[i] for i in index), layout.numel, layout.partition_size))
-    seen = fill_zero12_ranks(reader, held, names, {rank: mine}, keys=keys, moments=load_optimizer_states,
-                             workers=workers,
-                             step_of=step_of or step_chooser("keep"))
+        held.append(
+            Zero12Group(
+                layout.dp,
+                tuple(layout.numels[i] for i in index),
+                tuple(layout.offsets[i] for i in index),
+                layout.numel,
+                layout.partition_size,
+            )
+        )
+    seen = fill_zero12_ranks(
+        reader,
+        held,
+        names,
+        {rank: mine},
+        keys=keys,
+        moments=load_optimizer_states,
+        workers=workers,
+        step_of=step_of or step_chooser("keep"),
+    )
     steps = group_steps(seen)
 
     groups = []
@@ -116,13 +147,27 @@ def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_o
     scaler = getattr(opt, "loss_scaler", None)
     if scaler is not None and extras.get("loss_scaler") is not None and hasattr(extras["loss_scaler"], "__dict__"):
         scaler.__dict__.update(extras["loss_scaler"].__dict__)
-    wrapper = {"zero_stage": 2 if getattr(opt, "partition_gradients", False) else 1, "loss_scaler": scaler,
-               "dynamic_loss_scale": getattr(opt, "dynamic_loss_scale", False), "overflow": False}
+    wrapper = {
+        "zero_stage": 2 if getattr(opt, "partition_gradients", False) else 1,
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": getattr(opt, "dynamic_loss_scale", False),
+        "overflow": False,
+    }
     block = ds_states.zero12_optim_block(
-        wrapper=wrapper, flavour=flavour, fp32=mine.fp32, optim=mine.optim, layouts=layouts, names=live_names,
-        index=rank, steps=steps, groups=groups, clip_grad=getattr(opt, "clip_grad", 0.0),
-        ds_version=deepspeed.__version__, moments=load_optimizer_states,
-        alignment_paddings=getattr(opt, "round_robin_bit16_padding", None))
+        wrapper=wrapper,
+        flavour=flavour,
+        fp32=mine.fp32,
+        optim=mine.optim,
+        layouts=layouts,
+        names=live_names,
+        index=rank,
+        steps=steps,
+        groups=groups,
+        clip_grad=getattr(opt, "clip_grad", 0.0),
+        ds_version=deepspeed.__version__,
+        moments=load_optimizer_states,
+        alignment_paddings=getattr(opt, "round_robin_bit16_padding", None),
+    )
     # the fp32 partitions go in whole (padding included) and on the engine's device
     block["single_partition_of_fp32_groups"] = [t.to(p.device) for t, p in zip(mine.fp32, hp_groups)]
     if load_optimizer_states:
@@ -132,8 +177,11 @@ def restore_zero12(engine: Any, reader: Reader, *, optimizer: str | None, load_o
         opt.checkpoint_event_prologue()
     # the rigid path reads only this rank's entry (param_alignment_paddings equal the engine's)
     _, dp = dp_rank_and_size(opt.dp_process_group)
-    opt.load_state_dict([block if r == rank else None for r in range(dp)],
-                        load_optimizer_states=load_optimizer_states, load_from_fp32_weights=True)
+    opt.load_state_dict(
+        [block if r == rank else None for r in range(dp)],
+        load_optimizer_states=load_optimizer_states,
+        load_from_fp32_weights=True,
+    )
     opt.update_lp_params()
     _restore_frozen(engine, reader)
     if hasattr(opt, "checkpoint_event_epilogue"):

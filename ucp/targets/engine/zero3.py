@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -38,13 +39,25 @@ def _live_zero3_layout(engine: Any) -> tuple[Zero3Layout, list[list[str]]]:
             offset += size
         sub_numel.append(offset)
         sub_group_of_group.append(group)
-    layout = Zero3Layout(dp=dp_rank_and_size(opt.dp_process_group)[1], slots=tuple(tuple(s) for s in slots),
-                         sub_group_numel=tuple(sub_numel), sub_group_of_group=tuple(sub_group_of_group))
+    layout = Zero3Layout(
+        dp=dp_rank_and_size(opt.dp_process_group)[1],
+        slots=tuple(tuple(s) for s in slots),
+        sub_group_numel=tuple(sub_numel),
+        sub_group_of_group=tuple(sub_group_of_group),
+    )
     return layout, names
 
 
-def restore_zero3(engine: Any, reader: Reader, *, optimizer: str | None, load_optimizer_states: bool,
-                   strict: bool, workers: int, step_of: Callable[[ParamState], int]) -> None:
+def restore_zero3(
+    engine: Any,
+    reader: Reader,
+    *,
+    optimizer: str | None,
+    load_optimizer_states: bool,
+    strict: bool,
+    workers: int,
+    step_of: Callable[[ParamState], int],
+) -> None:
     check_names(engine, reader, strict=strict)
     opt = engine.optimizer
     base = opt.optimizer
@@ -54,13 +67,16 @@ def restore_zero3(engine: Any, reader: Reader, *, optimizer: str | None, load_op
         for name in group:
             meta = reader.facts.param(name)
             if meta.numel != layout.slots[g][names[g].index(name)].numel:
-                raise InputError(f"{name} has {meta.numel} elements in the checkpoint but "
-                                 f"{layout.slots[g][names[g].index(name)].numel} in the engine")
+                raise InputError(
+                    f"{name} has {meta.numel} elements in the checkpoint but "
+                    f"{layout.slots[g][names[g].index(name)].numel} in the engine"
+                )
     matched = match_groups(reader, names, strict=strict)
     rank, dp = dp_rank_and_size(opt.dp_process_group)[0], layout.dp
     keys = sub_group_keys(reader, layout, matched, moments=load_optimizer_states)
-    buffers, seen = fill_ranks(reader, layout, names, [rank], keys=keys, moments=load_optimizer_states, workers=workers,
-                               step_of=step_of)
+    buffers, seen = fill_ranks(
+        reader, layout, names, [rank], keys=keys, moments=load_optimizer_states, workers=workers, step_of=step_of
+    )
     steps = sub_group_steps(seen)
     members = [layout.sub_groups_in(g) for g in range(len(names))]
     groups = []
@@ -72,20 +88,34 @@ def restore_zero3(engine: Any, reader: Reader, *, optimizer: str | None, load_op
         group["params"] = members[g]
         groups.append(group)
     device = opt.fp32_partitioned_groups_flat[0].device if opt.fp32_partitioned_groups_flat else torch.device("cpu")
-    wrapper = {"zero_stage": 3, "loss_scaler": opt.loss_scaler, "dynamic_loss_scale": opt.dynamic_loss_scale,
-               "overflow": False}
+    wrapper = {
+        "zero_stage": 3,
+        "loss_scaler": opt.loss_scaler,
+        "dynamic_loss_scale": opt.dynamic_loss_scale,
+        "overflow": False,
+    }
     extras = reader.extras()
     if extras.get("loss_scaler") is not None and hasattr(extras["loss_scaler"], "__dict__"):
         opt.loss_scaler.__dict__.update(extras["loss_scaler"].__dict__)
-    block = ds_states.zero3_optim_block(wrapper=wrapper, flavour=flavour, fp32=buffers[rank].fp32,
-                                        optim=buffers[rank].optim, steps=steps, groups=groups, dp=dp,
-                        moments=load_optimizer_states)
+    block = ds_states.zero3_optim_block(
+        wrapper=wrapper,
+        flavour=flavour,
+        fp32=buffers[rank].fp32,
+        optim=buffers[rank].optim,
+        steps=steps,
+        groups=groups,
+        dp=dp,
+        moments=load_optimizer_states,
+    )
     if load_optimizer_states:
         place_steps_on_device(block, groups, device)
     if hasattr(opt, "checkpoint_event_prologue"):
         opt.checkpoint_event_prologue()
-    opt.load_state_dict([block if r == rank else None for r in range(dp)],
-                        load_optimizer_states=load_optimizer_states, load_from_fp32_weights=True)
+    opt.load_state_dict(
+        [block if r == rank else None for r in range(dp)],
+        load_optimizer_states=load_optimizer_states,
+        load_from_fp32_weights=True,
+    )
     _restore_frozen_zero3(engine, reader, rank, dp)
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()

@@ -29,8 +29,15 @@ __all__ = ["NativePlan", "RestoreOptions", "plan_native", "write_native", "write
 logger = logging.getLogger(__name__)
 
 
-def write_plan(reader: Reader, plan: NativePlan, out: str | os.PathLike, *, overwrite: bool = False,
-               workers: int | None = None, fsync: bool = False) -> NativePlan:
+def write_plan(
+    reader: Reader,
+    plan: NativePlan,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    fsync: bool = False,
+) -> NativePlan:
     """Carry out a plan: ``out/latest`` and ``out/<tag>/``, whole or not at all."""
     workers = workers or default_workers()
     with staged_output(out, overwrite=overwrite, durable=fsync) as root:
@@ -46,9 +53,16 @@ def write_plan(reader: Reader, plan: NativePlan, out: str | os.PathLike, *, over
     return plan
 
 
-def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, options: RestoreOptions | None = None, *,
-                 overwrite: bool = False, workers: int | None = None, fsync: bool = False,
-                 **fields: Any) -> NativePlan:
+def write_native(
+    source: Reader | str | os.PathLike,
+    out: str | os.PathLike,
+    options: RestoreOptions | None = None,
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    fsync: bool = False,
+    **fields: Any,
+) -> NativePlan:
     """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of the options' DP size (and TP degree).
 
     ``options`` or its fields as keywords (``dp=8, stage=3, optimizer=..., dtype=..., tag=...,
@@ -62,8 +76,9 @@ def write_native(source: Reader | str | os.PathLike, out: str | os.PathLike, opt
         options = replace(options, **fields)
     reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
     try:
-        return write_plan(reader, plan_native(reader.facts, options), out, overwrite=overwrite, workers=workers,
-                          fsync=fsync)
+        return write_plan(
+            reader, plan_native(reader.facts, options), out, overwrite=overwrite, workers=workers, fsync=fsync
+        )
     finally:
         if reader is not source:
             reader.close()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ucp.deepspeed import states as ds_states
 from ucp.io.torchzip import write_torch_file
@@ -19,16 +20,20 @@ def model_states(reader: Reader, plan: NativePlan, *, extra: Mapping[str, Any]) 
     if plan.tp > 1:
         from ucp.targets.tensor_parallel import target_tp_info
 
-        tp_fields = {"universal_checkpoint_info": target_tp_info(reader, plan.tp),
-                     "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": plan.tp}}
+        tp_fields = {
+            "universal_checkpoint_info": target_tp_info(reader, plan.tp),
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": plan.tp},
+        }
         more = {**tp_fields, **more}
-    return ds_states.model_states(reader.facts, reader.extras(), reader.buffers(), dtype=plan.dtype, dp=plan.dp,
-                                  tp=plan.tp, extra=more)
+    return ds_states.model_states(
+        reader.facts, reader.extras(), reader.buffers(), dtype=plan.dtype, dp=plan.dp, tp=plan.tp, extra=more
+    )
 
 
 def zero_wrapper(reader: Reader, plan: NativePlan) -> dict[str, Any]:
-    return ds_states.zero_wrapper(reader.extras(), source_dtype=reader.facts.info.dtype, dtype=plan.dtype,
-                                  stage=plan.stage)
+    return ds_states.zero_wrapper(
+        reader.extras(), source_dtype=reader.facts.info.dtype, dtype=plan.dtype, stage=plan.stage
+    )
 
 
 def optimizer_groups(reader: Reader, plan: NativePlan, members: list[list[int]], steps: list[int]) -> list[dict]:

@@ -43,8 +43,9 @@ def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
     problems = options.problems()
     name = options.optimizer or facts.flavour
     if name is None:
-        problems.append("the source's optimizer flavour is unknown; name it with --optimizer "
-                        f"({', '.join(flavours.FLAVOURS)})")
+        problems.append(
+            f"the source's optimizer flavour is unknown; name it with --optimizer ({', '.join(flavours.FLAVOURS)})"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
     assert name is not None  # for mypy: checked just above
@@ -53,9 +54,18 @@ def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
     tag = options.tag or f"global_step{facts.info.global_steps}"
     if "/" in tag or tag in ("", ".", ".."):
         raise ConfigError(f"tag {tag!r} is not a folder name")
-    plan = NativePlan(dp=options.dp, stage=options.stage, flavour=flavours.get(name),
-                      dtype=options.dtype or facts.info.dtype, tag=tag, sub_group_size=size,
-                      step=options.fixed_step, reset_moments=options.reset, group_names=group_names, tp=options.tp)
+    plan = NativePlan(
+        dp=options.dp,
+        stage=options.stage,
+        flavour=flavours.get(name),
+        dtype=options.dtype or facts.info.dtype,
+        tag=tag,
+        sub_group_size=size,
+        step=options.fixed_step,
+        reset_moments=options.reset,
+        group_names=group_names,
+        tp=options.tp,
+    )
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
         plan.layout = zero3_layout(numels, options.dp, size)

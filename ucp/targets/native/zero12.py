@@ -55,13 +55,22 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
         weights[name] = state.fp32.to(lp)
 
     ranks = {r: zero12_buffers(layouts, keys) for r in range(dp)}
-    seen = fill_zero12_ranks(reader, layouts, names, ranks, keys=keys, moments=moments, workers=workers,
-                             step_of=lambda state: param_step(plan, state), on_state=keep_weight)
+    seen = fill_zero12_ranks(
+        reader,
+        layouts,
+        names,
+        ranks,
+        keys=keys,
+        moments=moments,
+        workers=workers,
+        step_of=lambda state: param_step(plan, state),
+        on_state=keep_weight,
+    )
     steps = group_steps(seen)
     groups = optimizer_groups(reader, plan, [[g] for g in range(len(names))], steps)
     frozen = OrderedDict((n, reader.read(n, moments=False).fp32.to(lp)) for n in outside)
 
-    module: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    module: OrderedDict[str, torch.Tensor] = OrderedDict()
     for meta in facts.params:
         module[meta.name] = weights[meta.name] if meta.name in weights else frozen[meta.name]
     for alias, owner in facts.tied.items():
@@ -70,12 +79,16 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
         module[alias] = module[owner]
     module.update(reader.buffers())
     stage2 = plan.stage == 2
-    states = model_states(reader, plan, extra={
-        "param_shapes": [OrderedDict((n, torch.Size(facts.param(n).shape)) for n in group) for group in names],
-        "frozen_param_shapes": OrderedDict((n, torch.Size(t.shape)) for n, t in frozen.items()) if stage2 else None,
-        "shared_params": dict(facts.tied),
-        "frozen_param_fragments": frozen if stage2 else None,
-    })
+    states = model_states(
+        reader,
+        plan,
+        extra={
+            "param_shapes": [OrderedDict((n, torch.Size(facts.param(n).shape)) for n in group) for group in names],
+            "frozen_param_shapes": OrderedDict((n, torch.Size(t.shape)) for n, t in frozen.items()) if stage2 else None,
+            "shared_params": dict(facts.tied),
+            "frozen_param_fragments": frozen if stage2 else None,
+        },
+    )
     states["module"] = module
     config = ds_states.config_for_stage(facts.info.ds_config, plan.stage)
     states["ds_config"] = config
@@ -86,9 +99,21 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
     for r in range(dp):
         buffers = ranks.pop(r)
         block = ds_states.zero12_optim_block(
-            wrapper=wrapper, flavour=plan.flavour, fp32=buffers.fp32, optim=buffers.optim, layouts=layouts,
-            names=names, index=r, steps=steps, groups=groups, clip_grad=clip_grad, ds_version=facts.info.ds_version,
-            moments=moments)
-        save_rank_file(ds_states.optim_file_dict(block, config, facts.info.ds_version),
-                       tag_dir / optim_file(r, plan.mp_rank, bf16=plan.dtype == "bf16"))
+            wrapper=wrapper,
+            flavour=plan.flavour,
+            fp32=buffers.fp32,
+            optim=buffers.optim,
+            layouts=layouts,
+            names=names,
+            index=r,
+            steps=steps,
+            groups=groups,
+            clip_grad=clip_grad,
+            ds_version=facts.info.ds_version,
+            moments=moments,
+        )
+        save_rank_file(
+            ds_states.optim_file_dict(block, config, facts.info.ds_version),
+            tag_dir / optim_file(r, plan.mp_rank, bf16=plan.dtype == "bf16"),
+        )
     logger.info("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, dp, tag_dir)

@@ -43,8 +43,16 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
     batches = [[rank] for rank in range(dp)] if reader.streams else [list(range(dp))]
     settled: tuple[list[int], list[dict]] | None = None
     for batch in batches:
-        ranks, seen = fill_ranks(reader, layout, plan.group_names, batch, keys=keys, moments=moments, workers=workers,
-                                 step_of=lambda state: param_step(plan, state))
+        ranks, seen = fill_ranks(
+            reader,
+            layout,
+            plan.group_names,
+            batch,
+            keys=keys,
+            moments=moments,
+            workers=workers,
+            step_of=lambda state: param_step(plan, state),
+        )
         if settled is None:  # every pass sees every parameter's step; the first settles them
             steps = sub_group_steps(seen)
             members = [layout.sub_groups_in(g) for g in range(len(plan.group_names))]
@@ -58,17 +66,31 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
                 fragment = torch.zeros(zero3_partition_size(meta.numel, dp), dtype=lp)
                 fragment[: end - start].copy_(frozen_full[meta.name][start:end])
                 fragments[meta.name] = fragment
-            states = model_states(reader, plan, extra={
-                "param_shapes": param_shapes,
-                "frozen_param_shapes": OrderedDict((m.name, torch.Size(m.shape)) for m in frozen),
-                "shared_params": dict(facts.tied),
-                "frozen_param_fragments": fragments,
-            })
+            states = model_states(
+                reader,
+                plan,
+                extra={
+                    "param_shapes": param_shapes,
+                    "frozen_param_shapes": OrderedDict((m.name, torch.Size(m.shape)) for m in frozen),
+                    "shared_params": dict(facts.tied),
+                    "frozen_param_fragments": fragments,
+                },
+            )
             save_rank_file(states, tag_dir / zero3_model_file(rank, plan.mp_rank))
             buffers = ranks.pop(rank)
-            block = ds_states.zero3_optim_block(wrapper=wrapper, flavour=plan.flavour, fp32=buffers.fp32,
-                                                optim=buffers.optim, steps=steps, groups=groups, dp=dp, moments=moments)
-            save_rank_file(ds_states.optim_file_dict(block, facts.info.ds_config, facts.info.ds_version),
-                           tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"))
+            block = ds_states.zero3_optim_block(
+                wrapper=wrapper,
+                flavour=plan.flavour,
+                fp32=buffers.fp32,
+                optim=buffers.optim,
+                steps=steps,
+                groups=groups,
+                dp=dp,
+                moments=moments,
+            )
+            save_rank_file(
+                ds_states.optim_file_dict(block, facts.info.ds_config, facts.info.ds_version),
+                tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
+            )
         del ranks  # before the next pass allocates its rank's buffers
     logger.info("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, tag_dir)

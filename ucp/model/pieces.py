@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -34,12 +33,14 @@ class FileSpan:
         while done < len(view):
             got = os.preadv(fd, [view[done:]], self.offset + skip + done)
             if got == 0:
-                raise CorruptFileError(f"{getattr(self.file, 'name', 'a file')} ends inside a tensor it holds: it was "
-                                       "truncated after it was opened")
+                raise CorruptFileError(
+                    f"{getattr(self.file, 'name', 'a file')} ends inside a tensor it holds: it was "
+                    "truncated after it was opened"
+                )
             done += got
 
 
-Part = Union[torch.Tensor, FileSpan]
+Part = torch.Tensor | FileSpan
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,15 @@ class Pieces:
         for d in self.shape:
             numel *= d
         item = self.dtype.itemsize
-        if (any(isinstance(p, FileSpan) and p.nbytes % item for p in self.parts)
-                or any(torch.is_tensor(p) and p.dtype != self.dtype for p in self.parts)
-                or sum(part_numel(p, item) for p in self.parts) != numel):
+        if (
+            any(isinstance(p, FileSpan) and p.nbytes % item for p in self.parts)
+            or any(torch.is_tensor(p) and p.dtype != self.dtype for p in self.parts)
+            or sum(part_numel(p, item) for p in self.parts) != numel
+        ):
             raise ValueError(f"pieces {self.parts!r:.200} do not make a {self.dtype} tensor of shape {self.shape}")
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Pieces":
+    def of(cls, tensor: torch.Tensor) -> Pieces:
         """A whole tensor as one piece."""
         return cls((tensor.reshape(-1),), tuple(tensor.shape), tensor.dtype)
 
@@ -96,7 +99,7 @@ class Pieces:
                 target.copy_(part.reshape(-1))
             offset += n
 
-    def slice(self, start: int, end: int) -> "Pieces":
+    def slice(self, start: int, end: int) -> Pieces:
         """Flat elements ``[start, end)`` as pieces (shape ``(end - start,)``), still without a copy."""
         item = self.dtype.itemsize
         parts: list[Part] = []
@@ -105,8 +108,11 @@ class Pieces:
             n = part_numel(part, item)
             lo, hi = max(start - offset, 0), min(end - offset, n)
             if hi > lo:
-                parts.append(FileSpan(part.file, part.offset + lo * item, (hi - lo) * item)
-                             if isinstance(part, FileSpan) else part.reshape(-1)[lo:hi])
+                parts.append(
+                    FileSpan(part.file, part.offset + lo * item, (hi - lo) * item)
+                    if isinstance(part, FileSpan)
+                    else part.reshape(-1)[lo:hi]
+                )
             offset += n
         return Pieces(tuple(parts), (end - start,), self.dtype)
 
