@@ -38,7 +38,7 @@ __all__ = ["TorchFile", "allowed_globals", "load"]
 logger = logging.getLogger(__name__)
 
 
-_SAFE_GLOBALS = [(cls, cls.ds_name) for cls in STANDINS]
+_SAFE_GLOBALS: list[Any] = [(cls, cls.ds_name) for cls in STANDINS]
 # torch keeps its allow-list in one process-wide set; the lock keeps our additions scoped to our loads.
 _ALLOW_LOCK = threading.Lock()
 _UNSUPPORTED = re.compile(
@@ -52,8 +52,8 @@ _LEGACY_PICKLES = 5  # magic number, protocol, sys info, the object, storage key
 _MAX_OVERLAP_BYTES = 1 << 20
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    """The first line of ``text``, cut to ``limit`` characters: error messages stay one line."""
+def _one_line(text: object, limit: int = 300) -> str:
+    """The first line of ``str(text)`` (a message or an exception), cut to ``limit`` characters: error messages stay one line."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     first = lines[0] if lines else ""
     return first if len(first) <= limit else first[: limit - 3] + "..."
@@ -324,7 +324,7 @@ class TorchFile:
         _check_globals(data, self.path)
         data.seek(0)
         unpickler = _weights_only_unpickler.Unpickler(data, encoding="utf-8")
-        unpickler.persistent_load = persistent_load
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # pickle's documented hook
         try:
             with _ALLOW_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
                 obj = unpickler.load()

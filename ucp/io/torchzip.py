@@ -24,6 +24,7 @@ import pickle
 import struct
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,21 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = flat.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[misc,name-defined]
+# The pure-Python pickler: its save() is the one hook for writing DeepSpeed's globals (the C one has none);
+# the stubs leave it out, hence getattr.
+_PyPickler: Any = pickle._Pickler
+_Chunk = memoryview | bytes | FileSpan
+
+
+class _Pickler(_PyPickler):
     """Pickles tensors the way torch.save does: a rebuild call over a persistent storage id."""
 
     def __init__(self, buffer: io.BytesIO) -> None:
         super().__init__(buffer, protocol=2)
-        self.records: list[tuple[str, list[memoryview | FileSpan]]] = []
+        self.records: list[tuple[str, Sequence[_Chunk]]] = []
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageRef):
@@ -256,7 +263,6 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     return WrittenFile(bytes=size, crc32=f"{crc & 0xFFFFFFFF:08x}")
 
 
-_Chunk = memoryview | bytes | FileSpan
 
 
 class _ZipStream:
@@ -271,7 +277,7 @@ class _ZipStream:
         self.central: list[bytes] = []
         self.crc = 0  # of the whole file so far
 
-    def record(self, name: bytes, parts: list[_Chunk]) -> int:
+    def record(self, name: bytes, parts: Sequence[_Chunk]) -> int:
         """Place one stored member; returns its crc32."""
         full = self.prefix + b"/" + name
         size = sum(p.nbytes if isinstance(p, FileSpan) else len(p) for p in parts)

@@ -250,7 +250,7 @@ def detect(
         if "step" in group_keys or (not offload and "amsgrad" not in group_keys):
             flavour = FLAVOURS["ds-fused-adam"]
             stale = [g.get("step") for g in groups if "step" in g]
-            real = max(int(s) for s in steps)
+            real = max(int(s) for s in steps if s is not None)
             if stale and any(int(v) != real for v in stale):
                 warnings.append(
                     f"group['step'] reads {sorted({int(v) for v in stale})} while parameters took {real} steps: "

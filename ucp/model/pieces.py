@@ -92,7 +92,7 @@ class Pieces:
             if isinstance(part, FileSpan):
                 staging = target if out.dtype == self.dtype else torch.empty(n, dtype=self.dtype)
                 if n:
-                    part.read_into(memoryview(staging.view(torch.uint8).numpy()).cast("B"))
+                    part.read_into(memoryview(staging.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
                 if staging is not target:
                     target.copy_(staging)
             else:

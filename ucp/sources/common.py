@@ -13,21 +13,27 @@ from ucp.model.partition import zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import GroupMeta
 
-__all__ = ["zero3_pieces", "file_pieces", "zero3_gather", "group_meta"]
+__all__ = ["zero3_slices", "zero3_pieces", "file_pieces", "zero3_gather", "group_meta"]
 
 
-def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...], dp: int) -> Pieces:
-    """A parameter as its ZeRO-3 rank slices, without copying them (views on the fragments).
+def zero3_slices(fragment_of: Callable[[int], torch.Tensor], numel: int, dp: int) -> list[torch.Tensor]:
+    """A parameter's ZeRO-3 rank slices, without copying them (views on the fragments).
 
     ``fragment_of(rank)`` is asked only for ranks that hold part of the parameter, and must give at
     least that many elements (the rest is padding, left out). Those ranks are always 0..k-1 (the
-    ceil split leaves only trailing ranks empty), so ``parts[r]`` is rank r's slice.
+    ceil split leaves only trailing ranks empty), so slice r is rank r's.
     """
-    parts = []
+    slices = []
     for rank in range(dp):
         start, end = zero3_rank_span(numel, dp, rank)
         if end > start:
-            parts.append(fragment_of(rank).detach().reshape(-1)[: end - start])
+            slices.append(fragment_of(rank).detach().reshape(-1)[: end - start])
+    return slices
+
+
+def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: tuple[int, ...], dp: int) -> Pieces:
+    """A parameter as its ZeRO-3 rank slices (:func:`zero3_slices`) in one :class:`Pieces`."""
+    parts = zero3_slices(fragment_of, numel, dp)
     return Pieces(tuple(parts), shape, parts[0].dtype if parts else torch.float32)
 
 

@@ -333,7 +333,7 @@ class DsUniversalSource(Reader):
                         self._require(pname, leaf)
                     names.append(pname)
                     params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
-            member_steps = [sub_steps[s] for s in members[g] if sub_steps[s] is not None]
+            member_steps = [s for s in (sub_steps[m] for m in members[g]) if s is not None]
             keys = tuple(sorted({k for n in names for k in self._state_keys(n)}))
             for pname in names:  # every member holds every key of its group
                 for key in keys:

@@ -315,55 +315,45 @@ class Zero12Source(Reader):
                             "this ucp does not know"
                         )
 
-    def _facts(self, optimizer: str | None) -> Facts:
-        dp = len(self._optim)
-        blocks = [optimizer_block(tf) for tf in self._optim]
-        head = self._check_model()
-        stage, self._kind = self._stage(blocks, head)
-        self._check_rank_count(blocks, head)
-        shapes = [need_mapping(g, "param_shapes entry") for g in head["param_shapes"]]
-        ds_config = head.get("ds_config") or {}
-        bases = [self._base(tf, block) for tf, block in zip(self._optim, blocks)]
-        groups_raw, state = bases[0]
-        if len(groups_raw) != len(shapes):
-            raise InputError(
-                f"{self._optim[0].path.name} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}"
-            )
-        for tf, (groups, _) in zip(self._optim[1:], bases[1:]):
-            if len(groups) != len(groups_raw):
-                raise InputError(
-                    f"{tf.path.name} and {self._optim[0].path.name} have different numbers of param "
-                    "groups: ranks from different runs are mixed"
-                )
-        for pad_list in (b.get("param_alignment_paddings") for b in blocks[1:]):
-            if pad_list != blocks[0].get("param_alignment_paddings"):
-                raise InputError("rank files disagree on param_alignment_paddings: ranks from different runs are mixed")
-
-        self._has_moments = bool(state)
+    def _check_moments(self, bases: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]) -> None:
+        """Every rank holds optimizer state, or none does."""
+        head_state = bases[0][1]
+        self._has_moments = bool(head_state)
         for tf, (_, rank_state) in zip(self._optim, bases):
             if bool(rank_state) != self._has_moments:
                 raise InputError(
                     f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
-                    f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
+                    f"{self._optim[0].path.name} {'has' if head_state else 'lacks'} them: ranks from different "
                     "saves are mixed"
                 )
-        self._layouts_ = self._layouts(shapes, blocks)
-        self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
 
-        detection = flavours.detect(blocks[0][_BASE], ds_config, optimizer)
+    def _group_steps(
+        self,
+        groups_raw: list[Mapping[str, Any]],
+        bases: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
+        detection: flavours.Detection,
+    ) -> list[int | None]:
+        """Each param group's step, checked across ranks (the highest wins, with a warning)."""
         group_steps: list[int | None] = []
         for g, group in enumerate(groups_raw):
-            steps = set()
+            seen: set[int | None] = set()
             for _, rank_state in bases:
                 entry = rank_state.get(g, {})
-                steps.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
-            if len(steps) > 1:
-                detection.warnings.append(
-                    f"param group {g} has different steps across ranks: {sorted(map(str, steps))}"
-                )
-            group_steps.append(max((s for s in steps if s is not None), default=None))
+                seen.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
+            if len(seen) > 1:
+                detection.warnings.append(f"param group {g} has different steps across ranks: {sorted(map(str, seen))}")
+            group_steps.append(max((s for s in seen if s is not None), default=None))
+        return group_steps
 
-        dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
+    def _groups(
+        self,
+        groups_raw: list[Mapping[str, Any]],
+        shapes: list[Mapping[str, Any]],
+        group_steps: list[int | None],
+        detection: flavours.Detection,
+        dtype: str,
+    ) -> tuple[list[ParamMeta], list[GroupMeta]]:
+        """The optimized parameters in group order (placing each), and each group's metadata."""
         self._where: dict[str, tuple[int, int]] = {}  # name -> (group, index in group)
         self._shape: dict[str, tuple[int, ...]] = {}
         params: list[ParamMeta] = []
@@ -378,7 +368,38 @@ class Zero12Source(Reader):
                 names.append(pname)
                 params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
             groups.append(group_meta(g, group, names, group_steps[g], detection.adam_w_mode, self._keys[g]))
+        return params, groups
 
+    def _facts(self, optimizer: str | None) -> Facts:
+        dp = len(self._optim)
+        blocks = [optimizer_block(tf) for tf in self._optim]
+        head = self._check_model()
+        stage, self._kind = self._stage(blocks, head)
+        self._check_rank_count(blocks, head)
+        shapes = [need_mapping(g, "param_shapes entry") for g in head["param_shapes"]]
+        ds_config = head.get("ds_config") or {}
+        bases = [self._base(tf, block) for tf, block in zip(self._optim, blocks)]
+        groups_raw = bases[0][0]
+        if len(groups_raw) != len(shapes):
+            raise InputError(
+                f"{self._optim[0].path.name} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}"
+            )
+        for tf, (rank_groups, _) in zip(self._optim[1:], bases[1:]):
+            if len(rank_groups) != len(groups_raw):
+                raise InputError(
+                    f"{tf.path.name} and {self._optim[0].path.name} have different numbers of param "
+                    "groups: ranks from different runs are mixed"
+                )
+        for pad_list in (b.get("param_alignment_paddings") for b in blocks[1:]):
+            if pad_list != blocks[0].get("param_alignment_paddings"):
+                raise InputError("rank files disagree on param_alignment_paddings: ranks from different runs are mixed")
+        self._check_moments(bases)
+        self._layouts_ = self._layouts(shapes, blocks)
+        self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
+        detection = flavours.detect(blocks[0][_BASE], ds_config, optimizer)
+        group_steps = self._group_steps(groups_raw, bases, detection)
+        dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
+        params, groups = self._groups(groups_raw, shapes, group_steps, detection, dtype)
         tied = dict(head.get("shared_params") or {})
         buffer_names = list(head.get("buffer_names") or [])
         self._frozen: dict[str, torch.Tensor] = {}
@@ -387,14 +408,12 @@ class Zero12Source(Reader):
                 raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
             self._frozen[pname] = value
             params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), None, True))
-
         warnings = list(detection.warnings)
         if getattr(self, "_stage0", False):
             warnings.append(
                 "written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
                 "like ZeRO-1, so ucp reads it as stage 1"
             )
-        counters = engine_counters(head)
         info = SourceInfo(
             format="deepspeed",
             zero_stage=stage,
@@ -405,7 +424,7 @@ class Zero12Source(Reader):
             tag=self.files.tag,
             sub_group_size=None,
             ds_config=jsonable(ds_config),
-            **counters,
+            **engine_counters(head),
         )
         return Facts(
             info=info,
@@ -498,5 +517,6 @@ class Zero12Source(Reader):
     def close(self) -> None:
         for tf in getattr(self, "_optim", []):
             tf.close()
-        if getattr(self, "_model", None) is not None:
-            self._model.close()
+        model = getattr(self, "_model", None)
+        if model is not None:
+            model.close()

@@ -44,7 +44,7 @@ from ucp.model import flavours
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
-from ucp.sources.common import file_pieces, group_meta, zero3_gather, zero3_pieces
+from ucp.sources.common import file_pieces, group_meta, zero3_gather, zero3_slices
 
 __all__ = ["Zero3Source"]
 
@@ -58,6 +58,11 @@ class _Where:
     size: int
     numel: int
     shape: tuple[int, ...]
+
+
+def _state_of(sub: int, key: str) -> Callable[[Mapping[str, Any]], torch.Tensor]:
+    """Picks state ``key`` of sub-group ``sub`` out of a rank's ZeRO block."""
+    return lambda block: block["optimizer_state_dict"]["state"][sub][key]
 
 
 class Zero3Source(Reader):
@@ -186,7 +191,6 @@ class Zero3Source(Reader):
         return groups, state
 
     def _facts(self, optimizer: str | None) -> Facts:
-        dp = len(self._optim)
         blocks = [optimizer_block(tf) for tf in self._optim]
         self._check_rank_count(blocks)
         models = self._check_models()
@@ -195,7 +199,36 @@ class Zero3Source(Reader):
         ds_config = head.get("ds_config") or {}
         if not isinstance(ds_config, Mapping):
             raise InputError(f"{self._model[0].path.name}: ds_config is a {type(ds_config).__name__}, not a dict")
+        self._check_scalers(blocks)
+        inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
+        groups_raw = inners[0][0]
+        layout = self._layout(inners)
+        detection = flavours.detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
+        flat = self._flat(blocks, len(shapes))
+        sub_of_group = self._place(layout, shapes, flat)
+        self._collect_keys(inners, flat, len(shapes))
+        sub_steps = self._sub_steps(groups_raw, sub_of_group, inners, detection)
+        self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
+        dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
+        params, groups = self._groups(groups_raw, layout, shapes, sub_steps, detection, dtype)
+        params += self._frozen_params(head, dtype)
+        tied = head.get("shared_params") or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+            raise InputError(f"{self._model[0].path.name}: shared_params maps names that are not strings")
+        steps = [s for s in self._steps.values() if s is not None]
+        return Facts(
+            info=self._info(head, ds_config, dtype),
+            flavour=detection.flavour.name if detection.flavour else None,
+            adam_w_mode=detection.adam_w_mode,
+            step=max(steps, default=None),
+            groups=groups,
+            params=params,
+            tied=dict(tied),
+            buffer_names=list(head.get("buffer_names") or []),
+            warnings=detection.warnings,
+        )
 
+    def _check_scalers(self, blocks: list[Mapping[str, Any]]) -> None:
         for tf, block in zip(self._optim, blocks):
             scaler = block.get("loss_scaler")
             if scaler is not None and not isinstance(scaler, (LossScaler, DynamicLossScaler)):
@@ -209,26 +242,29 @@ class Zero3Source(Reader):
                         f"{tf.path.name}: {key} is a {type(block[key]).__name__}, not a bool: the file "
                         "is damaged or not from DeepSpeed"
                     )
-        inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
-        groups_raw, state = inners[0]
-        layout = [[int(s) for s in g.get("params", [])] for g in groups_raw]
-        for tf, (groups, _) in zip(self._optim[1:], inners[1:]):
-            if [[int(s) for s in g.get("params", [])] for g in groups] != layout:
+
+    def _layout(self, inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]) -> list[list[int]]:
+        """The sub-groups of each param group, the same on every rank."""
+        layout = [[int(s) for s in g.get("params", [])] for g in inners[0][0]]
+        for tf, (rank_groups, _) in zip(self._optim[1:], inners[1:]):
+            if [[int(s) for s in g.get("params", [])] for g in rank_groups] != layout:
                 raise InputError(
                     f"{tf.path.name} and {self._optim[0].path.name} group their sub-groups differently: "
                     "ranks from different runs are mixed"
                 )
-        base = blocks[0]["optimizer_state_dict"]
-        detection = flavours.detect(base, ds_config, optimizer)
+        return layout
+
+    def _flat(self, blocks: list[Mapping[str, Any]], subs: int) -> list[list[torch.Tensor]]:
+        """Each rank's flat fp32 buffer per sub-group, checked to be flat tensors."""
         flat = [
             need_list(b.get("fp32_flat_groups"), f"{tf.path.name}: fp32_flat_groups")
             for tf, b in zip(self._optim, blocks)
         ]
         for tf, rank_flat in zip(self._optim, flat):
-            if len(rank_flat) != len(shapes):
+            if len(rank_flat) != subs:
                 raise InputError(
                     f"{tf.path.name} holds fp32_flat_groups for {len(rank_flat)} sub-groups, but "
-                    f"param_shapes has {len(shapes)}"
+                    f"param_shapes has {subs}"
                 )
             for sub, tensor in enumerate(rank_flat):
                 need_tensor(tensor, f"{tf.path.name}: fp32_flat_groups[{sub}]")
@@ -237,8 +273,12 @@ class Zero3Source(Reader):
                         f"{tf.path.name}: fp32_flat_groups[{sub}] has shape {tuple(tensor.shape)}; "
                         "expected a flat buffer"
                     )
+        return flat
 
-        # where every optimized parameter sits
+    def _place(
+        self, layout: list[list[int]], shapes: list[Mapping[str, Any]], flat: list[list[torch.Tensor]]
+    ) -> dict[int, int]:
+        """Where every optimized parameter sits (``self._where``); returns each sub-group's param group."""
         self._where: dict[str, _Where] = {}
         sub_of_group: dict[int, int] = {}
         for g, subs in enumerate(layout):
@@ -250,12 +290,12 @@ class Zero3Source(Reader):
                 sub_of_group[sub] = g
         for sub, members in enumerate(shapes):
             offset = 0
-            for name, shape in members.items():
-                shape = tensor_shape(shape)
+            for name, raw_shape in members.items():
+                shape = tensor_shape(raw_shape)
                 numel = 1
                 for d in shape:
                     numel *= d
-                size = zero3_partition_size(numel, dp)
+                size = zero3_partition_size(numel, len(flat))
                 if name in self._where:
                     raise InputError(f"parameter {name!r} appears twice in param_shapes")
                 self._where[name] = _Where(sub, offset, size, numel, shape)
@@ -265,24 +305,29 @@ class Zero3Source(Reader):
                 if have != offset:
                     raise InputError(
                         f"sub-group {sub} on rank {rank} holds {have} elements, but its parameters' "
-                        f"partitions add up to {offset} at dp={dp}: the shapes do not match the shards"
+                        f"partitions add up to {offset} at dp={len(flat)}: the shapes do not match the shards"
                     )
             if sub not in sub_of_group:
                 raise InputError(f"sub-group {sub} belongs to no param group in the optimizer state")
+        return sub_of_group
 
-        # optimizer state: every sub-group on every rank, the same keys everywhere, or none at all
-        self._has_moments = bool(state)
-        self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(len(shapes))}
+    def _collect_keys(
+        self, inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]], flat: list[list[torch.Tensor]], subs: int
+    ) -> None:
+        """Optimizer state: every sub-group on every rank, the same keys everywhere, or none at all."""
+        head_state = inners[0][1]
+        self._has_moments = bool(head_state)
+        self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(subs)}
         for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
             if bool(rank_state) != self._has_moments:
                 raise InputError(
                     f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
-                    f"{self._optim[0].path.name} {'has' if state else 'lacks'} them: ranks from different "
+                    f"{self._optim[0].path.name} {'has' if head_state else 'lacks'} them: ranks from different "
                     "saves are mixed"
                 )
             if not self._has_moments:
                 continue
-            for sub in range(len(shapes)):
+            for sub in range(subs):
                 entry = rank_state.get(sub)
                 if entry is None:
                     raise InputError(f"{tf.path.name} has no optimizer state for sub-group {sub}")
@@ -294,21 +339,36 @@ class Zero3Source(Reader):
                     self._keys[sub] if rank else None,
                 )
 
-        # steps, per sub-group, checked across ranks
+    def _sub_steps(
+        self,
+        groups_raw: list[Mapping[str, Any]],
+        sub_of_group: dict[int, int],
+        inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
+        detection: flavours.Detection,
+    ) -> dict[int, int | None]:
+        """The step of each sub-group, checked across ranks (the highest wins, with a warning)."""
         sub_steps: dict[int, int | None] = {}
-        for sub in range(len(shapes)):
+        for sub in range(len(self._keys)):
             group = groups_raw[sub_of_group[sub]]
-            steps = set()
+            seen: set[int | None] = set()
             for _, rank_state in inners:
                 entry = rank_state.get(sub, {})
-                steps.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
-            if len(steps) > 1:
-                detection.warnings.append(
-                    f"sub-group {sub} has different steps across ranks: {sorted(map(str, steps))}"
-                )
-            sub_steps[sub] = max((s for s in steps if s is not None), default=None)
+                seen.add(detection.flavour.read_step(group, entry) if detection.flavour else None)
+            if len(seen) > 1:
+                detection.warnings.append(f"sub-group {sub} has different steps across ranks: {sorted(map(str, seen))}")
+            sub_steps[sub] = max((s for s in seen if s is not None), default=None)
+        return sub_steps
 
-        dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
+    def _groups(
+        self,
+        groups_raw: list[Mapping[str, Any]],
+        layout: list[list[int]],
+        shapes: list[Mapping[str, Any]],
+        sub_steps: dict[int, int | None],
+        detection: flavours.Detection,
+        dtype: str,
+    ) -> tuple[list[ParamMeta], list[GroupMeta]]:
+        """The optimized parameters in group order, and each group's metadata."""
         params: list[ParamMeta] = []
         groups: list[GroupMeta] = []
         for g, group in enumerate(groups_raw):
@@ -317,56 +377,41 @@ class Zero3Source(Reader):
                 for name in shapes[sub]:
                     names.append(name)
                     params.append(ParamMeta(name, self._where[name].shape, dtype, g, False))
-            member_steps = [sub_steps[s] for s in layout[g] if sub_steps[s] is not None]
+            member_steps = [s for s in (sub_steps[sub] for sub in layout[g]) if s is not None]
             keys = {self._keys[s] for s in layout[g]}
             if len(keys) > 1:
                 raise InputError(f"the sub-groups of param group {g} hold different optimizer state {sorted(keys)}")
-            groups.append(
-                group_meta(
-                    g, group, names, max(member_steps, default=None), detection.adam_w_mode, keys.pop() if keys else ()
-                )
-            )
-        self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
+            step = max(member_steps, default=None)
+            groups.append(group_meta(g, group, names, step, detection.adam_w_mode, keys.pop() if keys else ()))
+        return params, groups
 
+    def _frozen_params(self, head: Mapping[str, Any], dtype: str) -> list[ParamMeta]:
         frozen_shapes = head.get("frozen_param_shapes") or {}
         self._frozen: dict[str, tuple[int, ...]] = {}
-        for name, shape in frozen_shapes.items():
+        params = []
+        for name, raw_shape in frozen_shapes.items():
             if name in self._where:
                 raise InputError(f"parameter {name!r} is listed both as optimized and as frozen")
-            shape = tensor_shape(shape)
+            shape = tensor_shape(raw_shape)
             self._frozen[name] = shape
             self._check_fragments(name, shape)
             fragment = (head.get("frozen_param_fragments") or {}).get(name)
             frozen_dtype = dtype_name(fragment.dtype) if torch.is_tensor(fragment) else dtype
             params.append(ParamMeta(name, shape, frozen_dtype, None, True))
+        return params
 
-        counters = engine_counters(head)
-        info = SourceInfo(
+    def _info(self, head: Mapping[str, Any], ds_config: Mapping[str, Any], dtype: str) -> SourceInfo:
+        return SourceInfo(
             format="deepspeed",
             zero_stage=3,
-            dp_world_size=dp,
+            dp_world_size=len(self._optim),
             mp_world_size=as_int(head.get("mp_world_size") or 1, "mp_world_size"),
             dtype=dtype,
             ds_version=str(head.get("ds_version")),
             tag=self.files.tag,
             sub_group_size=sub_group_size(ds_config),
             ds_config=jsonable(ds_config),
-            **counters,
-        )
-        steps = [s for s in self._steps.values() if s is not None]
-        tied = head.get("shared_params") or {}
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-            raise InputError(f"{self._model[0].path.name}: shared_params maps names that are not strings")
-        return Facts(
-            info=info,
-            flavour=detection.flavour.name if detection.flavour else None,
-            adam_w_mode=detection.adam_w_mode,
-            step=max(steps, default=None),
-            groups=groups,
-            params=params,
-            tied=dict(tied),
-            buffer_names=list(head.get("buffer_names") or []),
-            warnings=detection.warnings,
+            **engine_counters(head),
         )
 
     def _check_fragments(self, name: str, shape: tuple[int, ...]) -> None:
@@ -396,9 +441,8 @@ class Zero3Source(Reader):
             tf = self._optim[rank]
             return pick(tf.obj["optimizer_state_dict"]).detach().narrow(0, where.offset, where.size)
 
-        pieces = zero3_pieces(fragment_of, where.numel, where.shape, len(self._optim))
-        # the ceil split leaves only trailing ranks empty: parts[r] is rank r's slice
-        return file_pieces(zip(self._optim, pieces.parts), pieces.shape)
+        slices = zero3_slices(fragment_of, where.numel, len(self._optim))
+        return file_pieces(zip(self._optim, slices), where.shape)
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
@@ -416,10 +460,7 @@ class Zero3Source(Reader):
         fp32 = self._pieces(where, lambda block: block["fp32_flat_groups"][sub])
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=self._steps.get(name))
-        optim = {
-            key: self._pieces(where, lambda block, key=key: block["optimizer_state_dict"]["state"][sub][key])
-            for key in self._keys[sub]
-        }
+        optim = {key: self._pieces(where, _state_of(sub, key)) for key in self._keys[sub]}
         return PieceState(fp32=fp32, optim=optim, step=self._steps.get(name))
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
