@@ -55,6 +55,7 @@ def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLi
     failed = []
     try:
         for rank, proc, log in procs:
+            code: int | str
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

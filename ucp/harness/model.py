@@ -67,7 +67,8 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "calls"):
             with torch.no_grad():
-                self.calls += torch.tensor([1.0, 0.5], dtype=self.calls.dtype)
+                calls: torch.Tensor = self.calls  # type: ignore[assignment]  # a registered buffer
+                calls += torch.tensor([1.0, 0.5], dtype=calls.dtype)
         x = self.embed(tokens[:, :-1])
         for block in self.blocks:
             x = x + block(x)

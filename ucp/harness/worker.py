@@ -139,7 +139,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     out["lrs"] = [g["lr"] for g in base.param_groups]
     dp_rank, tp_rank = _parallel_ranks(spec)
-    if dp_rank == 0:
+    if dp_rank == 0 and spec.record:
         torch.save(out, record_path(spec.record, tp_rank))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +16,7 @@ def default_workers() -> int:
 
 def parallel_map(
     fn: Callable[[Any], Any], items: Iterable[Any], workers: int, *, desc: str = "", total: int | None = None
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """Map in a thread pool, in order, keeping at most ``2 x workers`` items in flight (bounded memory)."""
     items = list(items)
     bar = _progress(total if total is not None else len(items), desc)

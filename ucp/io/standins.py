@@ -68,4 +68,10 @@ class Namespace(DSObject):
     ds_name = "argparse.Namespace"
 
 
-STANDINS: tuple[type[DSEnum] | type[DSObject], ...] = (ZeroStageEnum, LossScaler, DynamicLossScaler, FragmentAddress, Namespace)
+STANDINS: tuple[type[DSEnum] | type[DSObject], ...] = (
+    ZeroStageEnum,
+    LossScaler,
+    DynamicLossScaler,
+    FragmentAddress,
+    Namespace,
+)

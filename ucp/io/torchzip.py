@@ -263,8 +263,6 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     return WrittenFile(bytes=size, crc32=f"{crc & 0xFFFFFFFF:08x}")
 
 
-
-
 class _ZipStream:
     """Zip records, in order, onto ``fd``: small buffers go out together in one ``writev``; a
     :class:`FileSpan` streams through a per-thread buffer, CRC'd while hot, and its record's local

@@ -122,7 +122,7 @@ def _run(
                 except BaseException:
                     dist.broadcast_object_list([None], src=0)  # release the other ranks, then fail
                     raise
-                box = [str(root)]
+                box: list[Any] = [str(root)]
                 dist.broadcast_object_list(box, src=0)
                 entries = _write_share(dist, reader, root, mine, workers)
                 gathered: list[list[ParamEntry] | None] = [None] * world
@@ -132,11 +132,11 @@ def _run(
                 manifest = finish_universal(root, reader.facts, ordered, reader.extras(), reader.buffers())
             dist.barrier()
             return manifest
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
+        staged: list[Any] = [None]
+        dist.broadcast_object_list(staged, src=0)
+        if staged[0] is None:
             raise UcpError("rank 0 could not stage the output")
-        entries = _write_share(dist, reader, Path(box[0]), mine, workers)
+        entries = _write_share(dist, reader, Path(staged[0]), mine, workers)
         dist.gather_object(entries, None, dst=0)
         dist.barrier()
         return None

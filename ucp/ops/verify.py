@@ -106,9 +106,9 @@ def _facts_difference(src: Facts, uni: Facts) -> str | None:
             return f"parameter {extra[0]!r} is in the universal directory but not in the source"
         i = next(i for i, (a, b) in enumerate(zip(src_names, uni_names)) if a != b)
         return f"parameter order differs at position {i}: source {src_names[i]!r}, universal {uni_names[i]!r}"
-    for a, b in zip(src.params, uni.params):
-        if a != b:
-            return f"{a.name}: source says {_meta_text(a)}, universal says {_meta_text(b)}"
+    for p, q in zip(src.params, uni.params):
+        if p != q:
+            return f"{p.name}: source says {_meta_text(p)}, universal says {_meta_text(q)}"
     if len(src.groups) != len(uni.groups):
         return f"source has {len(src.groups)} param groups, universal {len(uni.groups)}"
     for a, b in zip(src.groups, uni.groups):

@@ -7,6 +7,7 @@ downstream branches on the stage.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ __all__ = ["open_reader", "is_universal"]
 
 
 def open_reader(
-    path: str | Path,
+    path: str | os.PathLike[str],
     *,
     tag: str | None = None,
     optimizer: str | None = None,

@@ -119,7 +119,7 @@ def _items(reader: Reader, dtype: str | None) -> list[_Item]:
         items.append(_Item(meta.name, meta.shape, torch_dtype(name)))
     for name, tensor in reader.buffers().items():
         cast = dtype is not None and tensor.is_floating_point()
-        tensor = tensor.to(torch_dtype(dtype)) if cast else tensor
+        tensor = tensor.to(torch_dtype(dtype)) if cast and dtype else tensor
         items.append(_Item(name, tuple(tensor.shape), tensor.dtype, tensor.contiguous()))
     return items
 

@@ -183,7 +183,7 @@ def live_tp_view(engine: Any, reader: Reader) -> Reader:
         return reader
     module = getattr(engine, "module", engine)
     info = getattr(module, "universal_checkpoint_info", None) or {}
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for name, param in module.named_parameters():
         shapes.setdefault(name, tuple(param.shape))
     exact = {}
@@ -191,12 +191,12 @@ def live_tp_view(engine: Any, reader: Reader) -> Reader:
         for meta in reader.facts.params:
             found = tpl.affine_layouts(info, meta.name, tp) if info else None
             if found is not None:
-                full, layouts = found
+                full, per_rank = found
                 if tuple(full) != tuple(meta.shape):
                     raise InputError(
                         f"{meta.name}: the engine's full shape is {tuple(full)}, the checkpoint's {meta.shape}"
                     )
-                exact[meta.name] = layouts[rank]
+                exact[meta.name] = per_rank[rank]
     except tpl.TpInfoError as err:
         raise InputError(f"the engine's universal_checkpoint_info: {err}") from None
     layouts = rank_layouts(reader, tp, rank, exact=exact, shapes=shapes)

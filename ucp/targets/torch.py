@@ -62,7 +62,7 @@ def restore_torch(
                 optimizer.state[param] = new
         for g, group in enumerate(optimizer.param_groups if optimizer else []):
             source = matched[g]
-            if source is None:
+            if source is None or kind is None:
                 continue
             meta = facts.groups[source]
             group.update(

@@ -61,7 +61,7 @@ class UniversalReader(Reader):
             raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
         self.manifest = raw
         self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
-        self._memo: dict[Path, tuple[tuple[int, ...], Any]] = {}  # path -> (_stamp, what parsing it told)
+        self._memo: dict[Path, tuple[tuple[int, ...] | None, Any]] = {}  # path -> (_stamp, what parsing it told)
         self.facts, entries, self._files = facts_from_manifest(raw)
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()

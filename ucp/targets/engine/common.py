@@ -17,14 +17,13 @@ def match_groups(reader: Reader, live_members: list[list[str]], *, strict: bool)
     owner = {name: g.index for g in reader.facts.groups for name in g.params}
     matched: list[int | None] = []
     for i, names in enumerate(live_members):
-        found = {owner.get(n) for n in names}
+        found: set[int] = {owner[n] for n in names if n in owner}
         missing = [n for n in names if n not in owner]
         if missing and strict:
             raise InputError(
                 f"param group {i} of the engine holds {missing[0]!r}, which the checkpoint does not "
                 "optimize; start DeepSpeed with the checkpoint's parameters or pass strict=False"
             )
-        found.discard(None)
         if len(found) > 1:
             raise InputError(
                 f"param group {i} of the engine mixes members of checkpoint groups {sorted(found)}; "

@@ -136,13 +136,13 @@ def restore_zero12(
     )
     steps = group_steps(seen)
 
-    groups = []
+    groups: list[dict[str, Any]] = []
     for g, live in enumerate(base.param_groups):
         source = matched[g]
         hyper = facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
-        group = flavour.update_group(live, hyper, steps[g])
-        group["params"] = [g]
-        groups.append(group)
+        updated = flavour.update_group(live, hyper, steps[g])
+        updated["params"] = [g]
+        groups.append(updated)
     extras = reader.extras()
     scaler = getattr(opt, "loss_scaler", None)
     if scaler is not None and extras.get("loss_scaler") is not None and hasattr(extras["loss_scaler"], "__dict__"):

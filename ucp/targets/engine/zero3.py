@@ -12,7 +12,7 @@ from ucp.deepspeed import states as ds_states
 from ucp.errors import InputError
 from ucp.model import flavours
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_rank_span
-from ucp.model.records import ParamState, Reader
+from ucp.model.records import ParamState, PieceState, Reader
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.engine.common import check_names, dp_rank_and_size, match_groups, place_steps_on_device
 
@@ -56,7 +56,7 @@ def restore_zero3(
     load_optimizer_states: bool,
     strict: bool,
     workers: int,
-    step_of: Callable[[ParamState], int],
+    step_of: Callable[[ParamState | PieceState], int],
 ) -> None:
     check_names(engine, reader, strict=strict)
     opt = engine.optimizer
@@ -79,14 +79,14 @@ def restore_zero3(
     )
     steps = sub_group_steps(seen)
     members = [layout.sub_groups_in(g) for g in range(len(names))]
-    groups = []
+    groups: list[dict[str, Any]] = []
     for g, live in enumerate(base.param_groups):
         source = matched[g]
         hyper = reader.facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
         step = max((steps[s] for s in members[g]), default=0)
-        group = flavour.update_group(live, hyper, step)
-        group["params"] = members[g]
-        groups.append(group)
+        updated = flavour.update_group(live, hyper, step)
+        updated["params"] = members[g]
+        groups.append(updated)
     device = opt.fp32_partitioned_groups_flat[0].device if opt.fp32_partitioned_groups_flat else torch.device("cpu")
     wrapper = {
         "zero_stage": 3,

@@ -1,0 +1,109 @@
+"""Running a plan: source -> transforms -> universal (if asked) -> native target (if asked) -> exports."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ucp.errors import StepConflictError
+from ucp.migrate.issues import Issue, MigrationConfigError
+from ucp.migrate.plan import MigrationPlan, plan_with
+from ucp.migrate.yaml_file import read_config
+from ucp.model.records import Reader
+from ucp.transforms import TransformedReader
+
+logger = logging.getLogger(__name__)
+
+
+# -- running ----------------------------------------------------------------------------------
+def execute(plan: MigrationPlan, *, overwrite: bool = False, workers: int | None = None) -> list[str]:
+    """Do what the plan says, in order; returns one line per output written. Closes the plan's source."""
+    from ucp.universal.reader import open_universal
+    from ucp.universal.writer import write_universal
+
+    config = plan.config
+    tplan = plan.transforms
+    reader: Reader = TransformedReader(plan.reader, tplan) if tplan.changes_anything else plan.reader
+    done: list[str] = []
+    downstream: Reader = reader
+    try:
+        if config.universal is not None:
+            manifest = write_universal(reader, config.universal, overwrite=overwrite, workers=workers)
+            done.append(f"wrote {len(manifest['params'])} parameters to universal directory {config.universal}")
+            downstream = open_universal(config.universal)  # the target reads what was written, checksums checked
+        if config.target is not None:
+            done.append(_write_target(plan, downstream, overwrite=overwrite, workers=workers))
+        if config.exports:
+            done += _exports(plan, reader, overwrite=overwrite, workers=workers)
+    finally:
+        if downstream is not reader:
+            downstream.close()
+        plan.close()
+    return done
+
+
+def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
+    from ucp.targets.native import write_plan
+
+    target = plan.config.target
+    if target is None or plan.native is None:
+        raise ValueError("the plan has no target")
+    try:
+        native = write_plan(reader, plan.native, target.output, overwrite=overwrite, workers=workers)
+    except StepConflictError as err:
+        # plan_migration checks this up front; a source whose own steps disagree still lands here
+        origin = plan.config.origin
+        raise MigrationConfigError(
+            [origin.where(Issue(("target", "step"), f"{err}; set target.step to an integer or reset"))]
+        ) from None
+    tp = f" tp={native.tp}" if native.tp > 1 else ""
+    return (
+        f"wrote a native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
+        f"{native.dtype}) to {target.output}/{native.tag}"
+    )
+
+
+def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> list[str]:
+    from ucp.targets.export import export
+
+    config = plan.config
+    # from the universal directory when one was written (what a later export would read), else
+    # straight from the (transformed) source
+    src: Path | Reader = config.universal if config.universal is not None else reader
+    done = []
+    for item in config.exports:
+        kwargs: dict[str, Any] = {
+            "format": item.format,
+            "dtype": item.dtype,
+            "overwrite": overwrite,
+            "workers": workers,
+        }
+        if item.max_shard_size is not None:
+            kwargs["max_shard_size"] = item.max_shard_size
+        written = export(src, item.path, **kwargs)
+        done.append(f"exported {item.format} ({len(written)} file(s)) to {item.path}")
+    return done
+
+
+def run_migration(config_path: str | os.PathLike, *, dry_run: bool = False, overwrite: bool = False) -> str:
+    """Load, check and plan a migration; then either describe it (``dry_run``) or run it. Returns the text to show.
+
+    Every problem is reported at once: the config's own, and what the source shows about the
+    parts of the config that are sound (a rename that collides, a drop that empties the model).
+    Each output appears whole or not at all; should a late step fail, the earlier outputs stay
+    (complete) and a re-run needs ``overwrite``.
+    """
+    config, issues = read_config(Path(config_path))
+    plan = plan_with(config, overwrite, issues)
+    if dry_run:
+        try:
+            return plan.describe(dry_run=True)
+        finally:
+            plan.close()
+    for warning in plan.warnings:
+        logger.warning("%s", warning)
+    text = plan.describe(dry_run=False)
+    done = execute(plan, overwrite=overwrite)
+    return "\n".join([text, *done])

@@ -1,0 +1,208 @@
+"""The migration config's schema: one dataclass per YAML mapping, with the checks of each field."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ucp.migrate.checking import Check, Node, checked
+from ucp.migrate.issues import Issue, KeyPath, Origin
+from ucp.model import flavours
+from ucp.model.options import RestoreOptions
+from ucp.model.records import DTYPES
+from ucp.transforms import Drop, Rename, ResetOptimizer, Step
+
+EXPORT_FORMATS = ("safetensors", "torch")
+EXPORT_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}  # else OUT is a folder
+SIZE_PATTERN = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+
+
+def _positive(value: int) -> Iterator[tuple[KeyPath, str]]:
+    if value < 1:
+        yield (), f"must be a positive integer, got {value}"
+
+
+def _one_of(choices: Iterable[Any]) -> Check:
+    choices = tuple(choices)
+
+    def check(value: Any) -> Iterator[tuple[KeyPath, str]]:
+        if value is not None and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            yield (), f"must be one of {', '.join(map(str, choices))}, got {value!r}{hint}"
+
+    return check
+
+
+def _regex(value: str) -> Iterator[tuple[KeyPath, str]]:
+    try:
+        re.compile(value)
+    except re.error as err:
+        yield (), f"{value!r} is not a valid regular expression: {err}"
+
+
+def _patterns(value: Any) -> Iterator[tuple[KeyPath, str]]:
+    if not isinstance(value, list):
+        return  # None, or a mapping form that checks its own
+    if not value:
+        yield (), "must list at least one regular expression"
+    for j, pattern in enumerate(value):
+        for _, message in _regex(pattern):
+            yield (j,), message
+
+
+def _step_value(value: str | int) -> Iterator[tuple[KeyPath, str]]:
+    if isinstance(value, str) and value not in ("keep", "reset"):
+        yield (), f"must be keep, reset or a non-negative integer, got {value!r}"
+    elif isinstance(value, int) and value < 0:
+        yield (), f"must be keep, reset or a non-negative integer, got {value}"
+
+
+def _tag(value: str | None) -> Iterator[tuple[KeyPath, str]]:
+    if value is not None and (not value or "/" in value or value in (".", "..")):
+        yield (), f"{value!r} is not a folder name"
+
+
+def _size(value: str | int | None) -> Iterator[tuple[KeyPath, str]]:
+    if isinstance(value, int) and value < 1:
+        yield (), f"must be a positive number of bytes, got {value}"
+    elif isinstance(value, str) and not SIZE_PATTERN.match(value):
+        yield (), f"must be a size such as 500MB or 5GB, got {value!r}"
+
+
+@dataclass
+class RenameConfig(Node):
+    """``re.sub(pattern, replace, name)`` on every parameter, tied alias and buffer name."""
+
+    pattern: str = field(metadata={"check": _regex})  # required: no default, unlike checked()
+    replace: str
+
+
+@dataclass
+class ResetConfig(Node):
+    """``reset_optimizer`` in full: which parameters, and whether their step restarts at 0 too."""
+
+    params: list[str] = checked(_patterns)
+    step: str = checked(_one_of(("zero", "keep")), default="zero")
+
+
+@dataclass
+class TransformConfig(Node):
+    """One list item of ``transforms:``; exactly one of its keys is given."""
+
+    rename: RenameConfig | None = None
+    drop: list[str] | None = checked(_patterns, default=None)
+    reset_optimizer: list[str] | ResetConfig | None = checked(_patterns, default=None)
+
+    def kinds(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def cross_issues(self) -> Iterator[Issue]:
+        kinds = self.kinds()
+        if not kinds:
+            yield Issue((), "must hold one of rename, drop, reset_optimizer")
+        elif len(kinds) > 1:
+            yield Issue((), f"holds {' and '.join(kinds)}; give each transform its own list item (they run in order)")
+
+    def to_step(self) -> Step:
+        if self.rename is not None:
+            return Rename(self.rename.pattern, self.rename.replace)
+        if self.drop is not None:
+            return Drop(tuple(self.drop))
+        if isinstance(self.reset_optimizer, ResetConfig):
+            return ResetOptimizer(tuple(self.reset_optimizer.params), keep_step=self.reset_optimizer.step == "keep")
+        return ResetOptimizer(tuple(self.reset_optimizer or ()))
+
+
+@dataclass
+class TpRuleConfig(Node):
+    """How parameters matching ``pattern`` (re.match on the source's names) lie across TP ranks."""
+
+    pattern: str = checked(_regex)
+    kind: str = checked(_one_of(("split", "replicated", "average")), default="split")
+    dim: int = 0  # the dim a split cuts
+    parts: list[int] | None = None  # fused sub-parameters along dim (gate/up, q/k/v), each cut on its own
+    vocab: int | None = None  # real vocabulary rows on dim 0; the rest of the TP shards is padding
+
+    def cross_issues(self) -> Iterator[Issue]:
+        if self.kind != "split" and (self.parts is not None or self.vocab is not None or self.dim):
+            yield Issue((), f"dim, parts and vocab describe a split; a {self.kind} parameter takes none")
+        if isinstance(self.parts, list) and any(not isinstance(p, int) or p < 1 for p in self.parts):
+            yield Issue(("parts",), f"must list positive sizes, got {self.parts}")
+        if self.vocab is not None and self.dim != 0:
+            yield Issue(("vocab",), "vocabulary rows are on dim 0")
+
+    def to_rule(self) -> Any:
+        from ucp.model.tp import TpRule
+
+        return TpRule(self.kind, dim=self.dim, parts=tuple(self.parts or ()), vocab=self.vocab)
+
+
+@dataclass
+class TensorParallelConfig(Node):
+    """Rules for tensor-parallel layouts, where the checkpoint carries none (or to override its own)."""
+
+    rules: list[TpRuleConfig] = field(default_factory=list)
+
+    def pairs(self) -> list[tuple[str, Any]]:
+        return [(r.pattern, r.to_rule()) for r in self.rules]
+
+
+@dataclass
+class TargetConfig(Node):
+    """The native DeepSpeed checkpoint the new run loads with a plain ``engine.load_checkpoint``."""
+
+    output: Path
+    dp: int = checked(_positive)
+    stage: int = checked(_one_of((1, 2, 3)), default=3)
+    optimizer: str | None = checked(_one_of(flavours.FLAVOURS), default=None)  # None: the source's
+    dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the source's
+    step: str | int = checked(_step_value, default="keep")
+    tag: str | None = checked(_tag, default=None)  # None: global_step<N>
+    sub_group_size: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
+    tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
+
+    def options(self) -> RestoreOptions:
+        """The same choices as the CLI's and the API's: one RestoreOptions, planned once."""
+        return RestoreOptions(**{name: getattr(self, name) for name in RestoreOptions.field_names()})
+
+
+@dataclass
+class ExportConfig(Node):
+    """Consolidated weights for inference or Hugging Face (``ucp.targets.export``)."""
+
+    path: Path
+    format: str = checked(_one_of(EXPORT_FORMATS), default="safetensors")
+    dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the model's
+    max_shard_size: str | int | None = checked(_size, default=None)  # None: the exporter's default
+
+
+@dataclass
+class MigrationConfig(Node):
+    """A whole migration: what to read, how to change it, and what to write."""
+
+    source: Path
+    tag: str | None = checked(_tag, default=None)
+    universal: Path | None = None
+    transforms: list[TransformConfig] = field(default_factory=list)
+    tensor_parallel: TensorParallelConfig | None = None
+    target: TargetConfig | None = None
+    exports: list[ExportConfig] = field(default_factory=list)
+    origin: Origin = field(default_factory=Origin, repr=False, compare=False, metadata={"yaml": False})
+
+    def cross_issues(self) -> Iterator[Issue]:
+        if self.universal is None and self.target is None and not self.exports:
+            yield Issue((), "nothing to write: give universal, target or exports")
+
+    def outputs(self) -> list[tuple[KeyPath, Path]]:
+        """Every path the migration writes, with its key path (the well-formed ones, if some are not)."""
+        out: list[tuple[KeyPath, Any]] = [(("universal",), self.universal)]
+        if isinstance(self.target, TargetConfig):
+            out.append((("target", "output"), self.target.output))
+        if isinstance(self.exports, list):
+            out += [(("exports", i, "path"), e.path) for i, e in enumerate(self.exports) if isinstance(e, ExportConfig)]
+        return [(at, path) for at, path in out if isinstance(path, Path)]
