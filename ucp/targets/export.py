@@ -30,6 +30,7 @@ import torch
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
 from ucp.io.atomic import PARTIAL_MARK, staged_output
 from ucp.io.pool import default_workers, parallel_map
+from ucp.io.torchzip import write_torch_file
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import open_reader
 
@@ -136,7 +137,7 @@ def _resolve_out(out: Path, fmt: str) -> tuple[Path, str | None]:
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path, fmt: str, tied: Mapping[str, str]) -> None:
     if fmt == "torch":
-        torch.save(tensors, path)
+        write_torch_file(tensors, path)  # an alias is the same tensor object: pickled once, one storage
         return
     from safetensors.torch import save_file
 
@@ -242,7 +243,7 @@ def _export(
                 total += tensor.numel() * tensor.element_size()
                 for alias in aliases_of.get(name, []):
                     tied[alias] = name
-                    if fmt == "torch":  # the same object: torch.save keeps one storage for both names
+                    if fmt == "torch":  # the same object: the pickle memo keeps one storage for both names
                         tensors[alias] = tensor
                         weight_map[alias] = file
             _save_shard(tensors, stage / file, fmt, tied)

@@ -12,15 +12,14 @@ full shape, replication.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from ucp.errors import CorruptFileError, InputError
 from ucp.model import tp as tpl
-from ucp.model.records import ParamMeta, ParamState, Reader
+from ucp.model.records import ParamMeta, ParamState, PieceState, Reader, ReaderView
 
 __all__ = ["TpShardReader", "rank_layouts", "target_tp_info", "live_tp_view"]
 
@@ -73,21 +72,28 @@ def rank_layouts(
     return out
 
 
-class TpShardReader(Reader):
-    """TP rank ``rank``'s view of a reader of full parameters (closing it leaves that reader open)."""
+class TpShardReader(ReaderView):
+    """TP rank ``rank``'s view of a reader of full parameters (closing it leaves that reader open).
+
+    Each tensor is cut from the full one, so nothing streams: pieces are the cut tensors."""
 
     def __init__(self, reader: Reader, layouts: Mapping[str, tpl.RankLayout], *, tp: int, rank: int) -> None:
-        self.full = reader  # the reader of full parameters this view cuts
         self.layouts = dict(layouts)
         self.tp, self.rank = tp, rank
         facts = reader.facts
         params = [
             ParamMeta(m.name, tuple(self.layouts[m.name].shard_shape), m.dtype, m.group, m.frozen) for m in facts.params
         ]
-        self.facts = replace(facts, params=params, info=replace(facts.info, mp_world_size=tp))
+        super().__init__(reader, replace(facts, params=params, info=replace(facts.info, mp_world_size=tp)))
+        self.streams = False
+
+    @property
+    def full(self) -> Reader:
+        """The reader of full parameters this view cuts."""
+        return self.inner
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
-        state = self.full.read(name, moments=moments)
+        state = self.inner.read(name, moments=moments)
         layout = self.layouts[name]
         return ParamState(
             fp32=tpl.scatter(state.fp32, layout),
@@ -95,14 +101,9 @@ class TpShardReader(Reader):
             step=state.step,
         )
 
-    def param_steps(self) -> dict[str, int | None]:
-        return self.full.param_steps()
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        return self.full.buffers()
-
-    def extras(self) -> dict[str, Any]:
-        return self.full.extras()
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        yield PieceState.of(self.read(name, moments=moments))
 
 
 def target_tp_info(reader: Reader, tp: int) -> dict[str, Any]:
