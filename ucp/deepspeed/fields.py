@@ -25,6 +25,9 @@ __all__ = [
     "need_list",
     "need_tensor",
     "optimizer_block",
+    "flat_state_scalars",
+    "same_scalars",
+    "show_scalars",
     "stage_of",
     "partition_count",
     "tensor_shape",
@@ -311,13 +314,33 @@ def zero12_frozen_names(
     return [k for k in (model_states.get("module") or {}) if k not in skip]
 
 
+def _is_scalar(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point()
+
+
+def flat_state_scalars(entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The 0-dim floating entries of a flat tensor's optimizer state besides the step (NAdam's
+    ``mu_product``): one value for every parameter the flat tensor holds."""
+    return {k: v for k, v in entry.items() if k != STEP_KEY and _is_scalar(v)}
+
+
+def same_scalars(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    """Bit-equal scalars (NaN-safe): what ranks stepped together must hold."""
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def show_scalars(scalars: Mapping[str, torch.Tensor]) -> str:
+    return "{" + ", ".join(f"{k}: {v.item()!r}" for k, v in scalars.items()) + "}"
+
+
 def flat_state_keys(
     entry: Mapping[str, Any], size: int, where: str, expected: tuple[str, ...] | None = None
 ) -> tuple[str, ...]:
-    """The state keys of one flat tensor's optimizer entry, in its order: every key but the step must
-    be a flat floating tensor of the partition's ``size`` (elementwise state, which ucp can cut
-    anew), or the checkpoint is refused; nothing is ever dropped. ``expected``: what rank 0 holds."""
-    keys = tuple(k for k in entry if k != STEP_KEY)
+    """The state keys of one flat tensor's optimizer entry, in its order: every key but the step and
+    the 0-dim scalars (:func:`flat_state_scalars`) must be a flat floating tensor of the partition's
+    ``size`` (elementwise state, which ucp can cut anew), or the checkpoint is refused; nothing is
+    ever dropped. ``expected``: what rank 0 holds."""
+    keys = tuple(k for k in entry if k != STEP_KEY and not _is_scalar(entry[k]))
     for key in keys:
         value = entry[key]
         if not torch.is_tensor(value) or not value.is_floating_point() or value.dim() != 1 or value.numel() != size:

@@ -93,12 +93,19 @@ def zero_wrapper(extras: Mapping[str, Any], *, source_dtype: str, dtype: str, st
 
 
 def flat_state(
-    flavour: Flavour, optim: Sequence[Mapping[str, torch.Tensor]], steps: Sequence[int], moments: bool
+    flavour: Flavour,
+    optim: Sequence[Mapping[str, torch.Tensor]],
+    steps: Sequence[int],
+    moments: bool,
+    scalars: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> dict[int, dict[str, Any]]:
     """The torch optimizer state of flat tensors: one entry per flat tensor, as the flavour keeps it."""
     if not moments:
         return {}
-    return {i: flavour.make_state(tensors, step) for i, (tensors, step) in enumerate(zip(optim, steps))}
+    return {
+        i: flavour.make_state(tensors, step, scalars[i] if i < len(scalars) else None)
+        for i, (tensors, step) in enumerate(zip(optim, steps))
+    }
 
 
 def zero3_optim_block(
@@ -111,9 +118,10 @@ def zero3_optim_block(
     groups: list[dict[str, Any]],
     dp: int,
     moments: bool,
+    scalars: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> dict[str, Any]:
     """The dict DeepSpeed's ZeRO-3 optimizer saves for one rank (and loads back)."""
-    inner = {"state": flat_state(flavour, optim, steps, moments), "param_groups": groups}
+    inner = {"state": flat_state(flavour, optim, steps, moments, scalars), "param_groups": groups}
     return {**wrapper, "partition_count": dp, "optimizer_state_dict": inner, "fp32_flat_groups": fp32}
 
 
@@ -132,6 +140,7 @@ def zero12_optim_block(
     ds_version: str | None,
     moments: bool,
     alignment_paddings: list[list[int]] | None = None,
+    scalars: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> dict[str, Any]:
     """The dict DeepSpeedZeroOptimizer saves for rank ``index`` (and its ``load_state_dict`` takes back)."""
     paddings = [layout.padding(index) for layout in layouts]
@@ -150,7 +159,7 @@ def zero12_optim_block(
         "dynamic_loss_scale": wrapper["dynamic_loss_scale"],
         "overflow": wrapper["overflow"],
         "clip_grad": clip_grad,
-        "base_optimizer_state": {"state": flat_state(flavour, optim, steps, moments), "param_groups": groups},
+        "base_optimizer_state": {"state": flat_state(flavour, optim, steps, moments, scalars), "param_groups": groups},
         # DeepSpeedZeroOptimizer strips the end padding; its loader (and BF16_Optimizer's) pads it back
         "single_partition_of_fp32_groups": [
             fp32[g][: layout.partition_size - paddings[g]] for g, layout in enumerate(layouts)

@@ -8,7 +8,21 @@ from dataclasses import asdict, dataclass, field
 __all__ = ["LoadSpec", "ModelSpec", "RunSpec", "OPTIMIZERS"]
 
 #: Optimizers the harness can build, named as ucp's flavours name them (plus the AdamW variant).
-OPTIMIZERS = ("torch-adamw", "torch-adam", "ds-fused-adam", "ds-cpu-adam")
+OPTIMIZERS = (
+    "torch-adamw",
+    "torch-adam",
+    "ds-fused-adam",
+    "ds-cpu-adam",
+    "torch-adamw-amsgrad",
+    "torch-sgd",  # nesterov momentum
+    "torch-rmsprop",  # centered, with momentum
+    "torch-nadam",
+    "torch-radam",
+    "torch-adamax",
+    "torch-adagrad",
+    "ds-cpu-adagrad",  # needs offload
+    "ds-cpu-lion",  # needs offload
+)
 
 
 @dataclass

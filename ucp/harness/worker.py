@@ -32,6 +32,34 @@ def _make_optimizer(spec: RunSpec, groups: list[dict]):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=spec.lr, betas=betas, adamw_mode=True)
+    return _other_optimizer(spec, groups, betas)
+
+
+def _other_optimizer(spec: RunSpec, groups: list[dict], betas: tuple[float, float]):
+    """The optimizers beyond Adam, each with the options that give it the most state to carry."""
+    lr = spec.lr
+    if spec.optimizer == "torch-adamw-amsgrad":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, amsgrad=True)
+    if spec.optimizer == "torch-sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True)
+    if spec.optimizer == "torch-rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr * 0.1, momentum=0.5, centered=True)
+    if spec.optimizer == "torch-nadam":
+        return torch.optim.NAdam(groups, lr=lr, betas=betas)
+    if spec.optimizer == "torch-radam":
+        return torch.optim.RAdam(groups, lr=lr, betas=betas)
+    if spec.optimizer == "torch-adamax":
+        return torch.optim.Adamax(groups, lr=lr, betas=betas)
+    if spec.optimizer == "torch-adagrad":
+        return torch.optim.Adagrad(groups, lr=lr)
+    if spec.optimizer == "ds-cpu-adagrad":
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        return DeepSpeedCPUAdagrad(groups, lr=lr)
+    if spec.optimizer == "ds-cpu-lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        return DeepSpeedCPULion(groups, lr=lr * 0.1, betas=betas)
     raise SystemExit(f"unknown optimizer {spec.optimizer}")
 
 
@@ -43,6 +71,7 @@ def _ds_config(spec: RunSpec) -> dict:
         zero["sub_group_size"] = spec.sub_group_size
     if spec.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    force = spec.offload and spec.optimizer != "ds-cpu-adam"  # DeepSpeed's other CPU optimizers are client ones
     config: dict = {
         "train_micro_batch_size_per_gpu": spec.global_batch // spec.dp,
         "gradient_accumulation_steps": 1,
@@ -50,6 +79,7 @@ def _ds_config(spec: RunSpec) -> dict:
         "bf16": {"enabled": spec.dtype == "bf16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
+        **({"zero_force_ds_cpu_optimizer": False} if force else {}),
     }
     if spec.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.grad_accum_dtype}
@@ -106,7 +136,15 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     _relink_optimizer_state(engine.optimizer)
-    out: dict = {"losses": losses, "params": {}, "exp_avg": {}, "exp_avg_sq": {}, "module": {}}
+    out: dict = {"losses": losses, "params": {}, "exp_avg": {}, "exp_avg_sq": {}, "state": {}, "module": {}}
+    base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    # every elementwise state key the optimizer keeps (safe_get_full_optimizer_state gathers those),
+    # and each flat tensor's 0-dim entries (NAdam's mu_product, the step) as they are
+    keys = sorted({k for s in base.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 1})
+    out["state_scalars"] = [
+        {k: (v.item() if torch.is_tensor(v) else v) for k, v in s.items() if not (torch.is_tensor(v) and v.dim())}
+        for s in base.state.values()
+    ]
     names = []
     seen: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -116,16 +154,18 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         seen[id(param)] = name
         if param.requires_grad:
             out["params"][name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in keys:
                 state = safe_get_full_optimizer_state(param, key)
-                out[key][name] = None if state is None else state.detach().float().cpu().clone()
+                out["state"].setdefault(key, {})[name] = None if state is None else state.detach().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):  # Adam's, in the record's first layout
+                state = out["state"].get(key, {}).get(name)
+                out[key][name] = None if state is None else state.float()
         params = [param] if hasattr(param, "ds_id") else []
         with deepspeed.zero.GatheredParameters(params):
             out["module"][name] = param.detach().cpu().clone()
     out["names"] = names
     out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}
-    base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     out["state_steps"] = [
         (float(s["step"]) if torch.is_tensor(s.get("step")) else s.get("step")) for s in base.state.values()

@@ -1,13 +1,25 @@
-"""Optimizer flavours: the one place that knows where each Adam keeps its step and its settings.
+"""Optimizer flavours: the one place that knows where each optimizer keeps its step, its scalars and its settings.
 
-=================  ===============================  ===========================================
-flavour            step lives in                     type
-=================  ===============================  ===========================================
-torch-adam         ``state[p]["step"]``              0-dim float32 tensor (torch.optim.Adam/AdamW)
-ds-fused-adam      ``state[p]["step"]``              int; ``group["step"]`` is a stale copy (0)
-ds-cpu-adam        ``state[p]["step"]``              int (DeepSpeedCPUAdam)
-apex-fused-adam    ``group["step"]``                 int (an int tensor when capturable)
-=================  ===============================  ===========================================
+=================  ==========  ===========================  ==========================================
+flavour            family      step lives in                 state besides the step
+=================  ==========  ===========================  ==========================================
+torch-adam         adam        ``state[p]["step"]`` float    exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+ds-fused-adam      adam        ``state[p]["step"]`` int      same; ``group["step"]`` is a stale copy
+ds-cpu-adam        adam        ``state[p]["step"]`` int      same
+apex-fused-adam    adam        ``group["step"]`` int         same
+torch-sgd          sgd         none                          momentum_buffer
+torch-rmsprop      rmsprop     ``state[p]["step"]`` float    square_avg (+ momentum_buffer, grad_avg)
+torch-nadam        nadam       ``state[p]["step"]`` float    mu_product (0-dim), exp_avg, exp_avg_sq
+torch-radam        radam       ``state[p]["step"]`` float    exp_avg, exp_avg_sq
+torch-adamax       adamax      ``state[p]["step"]`` float    exp_avg, exp_inf
+torch-adagrad      adagrad     ``state[p]["step"]`` float    sum
+ds-cpu-adagrad     ds-adagrad  ``state[p]["step"]`` int      exp_avg_sq (a running sum of squares)
+ds-lion            lion        ``state[p]["step"]`` int      exp_avg
+=================  ==========  ===========================  ==========================================
+
+State means the same thing within a family, so a restore may move between its flavours (a torch
+AdamW run resumed under DeepSpeed FusedAdam); across families it is refused (the state would be
+read as something it is not), unless the user resets the optimizer.
 
 Call order for a target: ``flavour.make_group(hyper, step)`` for each param group (or
 ``flavour.update_group(live, hyper, step)`` for a live one), then ``flavour.make_state(tensors,
@@ -85,6 +97,15 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _group_value(value: Any) -> Any:
+    """A raw group value back as optimizers hold it: JSON lists were tuples (betas), repr'd floats were floats."""
+    if isinstance(value, list):
+        return tuple(_group_value(v) for v in value)
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        return float(value)
+    return value
+
+
 def raw_group(group: Mapping[str, Any]) -> dict[str, Any]:
     """A param group's own keys as JSON-ready values (kept in ucp.json so the same flavour restores exactly)."""
     return {k: _json_value(v) for k, v in group.items() if k != "params"}
@@ -109,16 +130,25 @@ def hyper_from_group(group: Mapping[str, Any], adam_w_mode: bool | None) -> Hype
 
 @dataclass(frozen=True)
 class Flavour:
-    """Where one optimizer keeps its step and which keys its param groups carry."""
+    """Where one optimizer keeps its step and scalars, and which keys its param groups carry."""
 
     name: str
     step_in_state: bool  # per-parameter step in state[p]["step"]
     step_in_group: bool  # group["step"] is read (apex) or carried stale (ds-fused-adam)
     float_step: bool  # the step is a float32 tensor (torch) rather than an int
     description: str
+    family: str = "adam"  # flavours of one family keep state that means the same thing
+    scalars: Mapping[str, float] = field(default_factory=dict)  # 0-dim per-tensor state -> its value at reset
+    live: tuple[str, ...] = ()  # "module:Class" of the live optimizer objects of this flavour
+
+    @property
+    def has_step(self) -> bool:
+        return self.step_in_state or self.step_in_group
 
     def read_step(self, group: Mapping[str, Any], state: Mapping[str, Any]) -> int | None:
-        """The step this optimizer would use for a state entry, or None when it has none yet."""
+        """The step this optimizer would use for a state entry, or None when it has none (yet)."""
+        if not self.has_step:
+            return None
         raw = state.get("step") if self.step_in_state else group.get("step")
         if raw is None:
             return None
@@ -127,18 +157,25 @@ class Flavour:
             raise InputError(f"optimizer step {value} is not a non-negative whole number")
         return int(value)
 
-    def make_state(self, tensors: Mapping[str, torch.Tensor], step: int) -> dict[str, Any]:
-        """One flat tensor's optimizer state as this optimizer keeps it: its step where it reads it, then
-        every state tensor by key, in order."""
+    def make_state(
+        self, tensors: Mapping[str, torch.Tensor], step: int, scalars: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, Any]:
+        """One flat tensor's optimizer state as this optimizer keeps it: its step where it reads it,
+        its 0-dim scalars, then every state tensor by key, in order (torch's own order)."""
         state: dict[str, Any] = {}
         if self.step_in_state:
             state["step"] = torch.tensor(float(step), dtype=torch.float32) if self.float_step else int(step)
+        state.update(scalars or {})
         state.update(tensors)
         return state
 
-    def update_group(self, live: dict[str, Any], hyper: Hyper, step: int) -> dict[str, Any]:
+    def update_group(self, live: dict[str, Any], hyper: Hyper, step: int, raw: Mapping[str, Any]) -> dict[str, Any]:
         """A live optimizer's group with the checkpoint's hyperparameters; its own switches
         (foreach, fused, capturable, ...) stay as the new run set them."""
+        if self.family != "adam":
+            group = {k: v for k, v in live.items() if k != "params"}
+            group.update({k: _group_value(v) for k, v in raw.items() if k not in _TORCH_KEYS | {"params", "step"}})
+            return group
         group = {k: v for k, v in live.items() if k != "params"}
         group.update(lr=hyper.lr, betas=tuple(hyper.betas), eps=hyper.eps, weight_decay=hyper.weight_decay)
         if "amsgrad" in group:
@@ -151,8 +188,16 @@ class Flavour:
         group.update({k: v for k, v in hyper.extra.items() if k not in group or k == "initial_lr"})
         return group
 
-    def make_group(self, hyper: Hyper, step: int) -> dict[str, Any]:
-        """A param group (without ``params``) as this optimizer writes it in its state_dict."""
+    def make_group(self, hyper: Hyper, step: int, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """A param group (without ``params``) as this optimizer writes it in its state_dict.
+
+        Beyond Adam, the source's own group is the group (ucp keeps it whole, ``raw``): a restore
+        stays within a family, so its keys are the ones the optimizer reads."""
+        if self.family != "adam":
+            own = {k: _group_value(v) for k, v in raw.items() if k not in ("params", "step")}
+            if self.step_in_group:
+                own["step"] = int(step)
+            return own
         group: dict[str, Any] = {
             "lr": hyper.lr,
             "betas": tuple(hyper.betas),
@@ -189,6 +234,65 @@ FLAVOURS: dict[str, Flavour] = {
         ),
         Flavour("ds-cpu-adam", True, False, False, "DeepSpeedCPUAdam: per-parameter int step"),
         Flavour("apex-fused-adam", False, True, False, "Apex FusedAdam: one int step per param group"),
+        Flavour("torch-sgd", False, False, False, "torch.optim.SGD: no step", "sgd", live=("torch.optim:SGD",)),
+        Flavour(
+            "torch-rmsprop",
+            True,
+            False,
+            True,
+            "torch.optim.RMSprop: float32 step",
+            "rmsprop",
+            live=("torch.optim:RMSprop",),
+        ),
+        Flavour(
+            "torch-nadam",
+            True,
+            False,
+            True,
+            "torch.optim.NAdam: float32 step and a 0-dim mu_product per parameter",
+            "nadam",
+            scalars={"mu_product": 1.0},
+            live=("torch.optim:NAdam",),
+        ),
+        Flavour(
+            "torch-radam", True, False, True, "torch.optim.RAdam: float32 step", "radam", live=("torch.optim:RAdam",)
+        ),
+        Flavour(
+            "torch-adamax",
+            True,
+            False,
+            True,
+            "torch.optim.Adamax: float32 step",
+            "adamax",
+            live=("torch.optim:Adamax",),
+        ),
+        Flavour(
+            "torch-adagrad",
+            True,
+            False,
+            True,
+            "torch.optim.Adagrad: float32 step",
+            "adagrad",
+            live=("torch.optim:Adagrad",),
+        ),
+        Flavour(
+            "ds-cpu-adagrad",
+            True,
+            False,
+            False,
+            "DeepSpeedCPUAdagrad: int step; exp_avg_sq is its running sum of squared gradients",
+            "ds-adagrad",
+            live=("deepspeed.ops.adagrad:DeepSpeedCPUAdagrad",),
+        ),
+        Flavour(
+            "ds-lion",
+            True,
+            False,
+            False,
+            "DeepSpeed FusedLion / DeepSpeedCPULion: int step",
+            "lion",
+            live=("deepspeed.ops.lion:FusedLion", "deepspeed.ops.lion:DeepSpeedCPULion"),
+        ),
     )
 }
 
@@ -229,6 +333,32 @@ def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | Non
     return kind, adam_w, bool(offload)
 
 
+def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any]) -> tuple[str, str] | None:
+    """(flavour, reason) for the optimizers that are not Adam, told by the keys only they write."""
+    state_keys = {k for s in states if isinstance(s, Mapping) for k in s}
+    int_steps = bool(steps) and all(
+        isinstance(s, int) or (torch.is_tensor(s) and not s.is_floating_point()) for s in steps
+    )
+    torch_groups = {"foreach", "maximize", "differentiable"} & group_keys
+    if {"nesterov", "dampening"} <= group_keys:
+        return "torch-sgd", "param groups carry nesterov and dampening"
+    if {"centered", "alpha"} <= group_keys:
+        return "torch-rmsprop", "param groups carry centered and alpha"
+    if "momentum_decay" in group_keys or "mu_product" in state_keys:
+        return "torch-nadam", "param groups carry momentum_decay"
+    if {"lr_decay", "initial_accumulator_value"} <= group_keys:
+        return "torch-adagrad", "param groups carry lr_decay and initial_accumulator_value"
+    if "exp_inf" in state_keys:
+        return "torch-adamax", "state holds exp_inf"
+    if torch_groups and "betas" in group_keys and "amsgrad" not in group_keys and not int_steps:
+        return "torch-radam", "torch param groups with betas but no amsgrad, and no exp_inf"
+    if int_steps and "betas" not in group_keys and state_keys - {"step"} == {"exp_avg_sq"}:
+        return "ds-cpu-adagrad", "int steps, exp_avg_sq only, param groups without betas"
+    if int_steps and "betas" in group_keys and "eps" not in group_keys:
+        return "ds-lion", "int steps, param groups with betas but no eps"
+    return None
+
+
 def detect(
     optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, override: str | None = None
 ) -> Detection:
@@ -243,6 +373,9 @@ def detect(
         return Detection(get(override), cfg_adam_w, "given by the user")
     steps = [s.get("step") for s in states if isinstance(s, Mapping) and "step" in s]
     group_keys = set().union(*(g.keys() for g in groups)) if groups else set()
+    other = _detect_beyond_adam(group_keys, states, steps)
+    if other is not None:
+        return Detection(FLAVOURS[other[0]], cfg_adam_w, other[1])
     warnings: list[str] = []
     if steps and all(torch.is_tensor(s) and s.is_floating_point() for s in steps):
         return Detection(FLAVOURS["torch-adam"], cfg_adam_w, "per-parameter float step tensors")
@@ -277,6 +410,11 @@ def detect_live(optimizer: Any) -> Flavour:
         return FLAVOURS["ds-cpu-adam"]
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return FLAVOURS["torch-adam"]
+    for flavour in FLAVOURS.values():
+        for live in flavour.live:
+            where, _, name = live.partition(":")
+            if module.startswith(where) and cls.__name__ == name:
+                return flavour
     raise InputError(
         f"cannot tell where {cls.__module__}.{cls.__name__} keeps its step; pass optimizer= one of "
         f"{', '.join(FLAVOURS)}"

@@ -70,12 +70,14 @@ class ParamState:
     ``optim`` holds every per-parameter tensor its optimizer keeps, by the optimizer's own key and
     in its order (``exp_avg``, ``exp_avg_sq`` for Adam; ``momentum_buffer`` for SGD; ...); it is
     empty for a frozen parameter or when the state was not asked for. ``step`` is the number of
-    updates applied to the parameter (None: never stepped, or frozen).
+    updates applied to the parameter (None: never stepped, frozen, or an optimizer without one).
+    ``scalars`` are the optimizer's other 0-dim entries (NAdam's ``mu_product``), exact as kept.
     """
 
     fp32: torch.Tensor
     optim: dict[str, torch.Tensor] = field(default_factory=dict)
     step: int | None = None
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,11 +88,13 @@ class PieceState:
     fp32: Pieces
     optim: dict[str, Pieces] = field(default_factory=dict)
     step: int | None = None
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def of(cls, state: ParamState) -> PieceState:
         """Whole tensors as one piece each."""
-        return cls(fp32=Pieces.of(state.fp32), optim={k: Pieces.of(v) for k, v in state.optim.items()}, step=state.step)
+        optim = {k: Pieces.of(v) for k, v in state.optim.items()}
+        return cls(fp32=Pieces.of(state.fp32), optim=optim, step=state.step, scalars=dict(state.scalars))
 
     def joined(self) -> ParamState:
         """The same state as whole fp32 tensors (what :meth:`Reader.read` returns)."""
@@ -98,6 +102,7 @@ class PieceState:
             fp32=self.fp32.join(torch.float32),
             optim={k: v.join(torch.float32) for k, v in self.optim.items()},
             step=self.step,
+            scalars=dict(self.scalars),
         )
 
 

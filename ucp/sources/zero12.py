@@ -24,6 +24,7 @@ from ucp.deepspeed.fields import (
     check_name,
     engine_counters,
     flat_state_keys,
+    flat_state_scalars,
     jsonable,
     missing_ranks,
     model_dtype,
@@ -34,6 +35,8 @@ from ucp.deepspeed.fields import (
     need_tensor,
     optimizer_block,
     partition_count,
+    same_scalars,
+    show_scalars,
     tensor_shape,
     zero12_frozen_names,
 )
@@ -267,6 +270,7 @@ class Zero12Source(Reader):
         """Every rank's buffers must be exactly the sizes the parameters imply at this DP size."""
         dp = len(self._optim)
         self._keys: list[tuple[str, ...]] = [() for _ in layouts]
+        self._scalars: list[dict[str, torch.Tensor]] = [{} for _ in layouts]
         for rank, (tf, block, state) in enumerate(zip(self._optim, blocks, states)):
             name = tf.path.name
             fp32 = need_list(block[_FP32], f"{name}: {_FP32}")
@@ -292,6 +296,13 @@ class Zero12Source(Reader):
                     self._keys[g] = flat_state_keys(
                         entry, size, f"{name}: param group {g}", self._keys[g] if rank else None
                     )
+                    scalars = flat_state_scalars(entry)
+                    if rank and not same_scalars(scalars, self._scalars[g]):
+                        raise InputError(
+                            f"{name}: param group {g} holds optimizer scalars {show_scalars(scalars)}, rank 0 holds "
+                            f"{show_scalars(self._scalars[g])}: ranks from different saves are mixed"
+                        )
+                    self._scalars[g] = scalars
                 if mappings is not None:
                     mapping = need_mapping(
                         need_list(mappings, f"{name}: param_slice_mappings")[g], f"{name}: param_slice_mappings[{g}]"
@@ -496,7 +507,8 @@ class Zero12Source(Reader):
         optim = {
             key: self._pieces(name, lambda block, g, key=key: block[_BASE]["state"][g][key]) for key in self._keys[g]
         }
-        return PieceState(fp32=fp32, optim=optim, step=step)
+        scalars = {k: v.clone() for k, v in self._scalars[g].items()}
+        return PieceState(fp32=fp32, optim=optim, step=step, scalars=scalars)
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:

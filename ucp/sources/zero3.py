@@ -22,6 +22,7 @@ from ucp.deepspeed.fields import (
     check_name,
     engine_counters,
     flat_state_keys,
+    flat_state_scalars,
     jsonable,
     missing_ranks,
     model_dtype,
@@ -32,6 +33,8 @@ from ucp.deepspeed.fields import (
     need_tensor,
     optimizer_block,
     partition_count,
+    same_scalars,
+    show_scalars,
     stage_of,
     sub_group_size,
     tensor_shape,
@@ -318,6 +321,7 @@ class Zero3Source(Reader):
         head_state = inners[0][1]
         self._has_moments = bool(head_state)
         self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(subs)}
+        self._scalars: dict[int, dict[str, torch.Tensor]] = {sub: {} for sub in range(subs)}
         for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
             if bool(rank_state) != self._has_moments:
                 raise InputError(
@@ -338,6 +342,13 @@ class Zero3Source(Reader):
                     f"{tf.path.name}: sub-group {sub}",
                     self._keys[sub] if rank else None,
                 )
+                scalars = flat_state_scalars(entry)
+                if rank and not same_scalars(scalars, self._scalars[sub]):
+                    raise InputError(
+                        f"{tf.path.name}: sub-group {sub} holds optimizer scalars {show_scalars(scalars)}, rank 0 "
+                        f"holds {show_scalars(self._scalars[sub])}: ranks from different saves are mixed"
+                    )
+                self._scalars[sub] = scalars
 
     def _sub_steps(
         self,
@@ -461,7 +472,8 @@ class Zero3Source(Reader):
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=self._steps.get(name))
         optim = {key: self._pieces(where, _state_of(sub, key)) for key in self._keys[sub]}
-        return PieceState(fp32=fp32, optim=optim, step=self._steps.get(name))
+        scalars = {k: v.clone() for k, v in self._scalars[sub].items()}
+        return PieceState(fp32=fp32, optim=optim, step=self._steps.get(name), scalars=scalars)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         return self._piece_state(name, moments).joined()

@@ -56,7 +56,9 @@ def restore_torch(
             with torch.no_grad():
                 param.copy_(state.fp32.to(param.dtype))
             if optimizer is not None and kind is not None and state.optim and param.requires_grad:
-                new = kind.make_state({k: v.to(param.device) for k, v in state.optim.items()}, int(state.step or 0))
+                new = kind.make_state(
+                    {k: v.to(param.device) for k, v in state.optim.items()}, int(state.step or 0), state.scalars
+                )
                 if torch.is_tensor(new.get("step")) and _on_device(optimizer, param):
                     new["step"] = new["step"].to(param.device)
                 optimizer.state[param] = new
@@ -66,7 +68,11 @@ def restore_torch(
                 continue
             meta = facts.groups[source]
             group.update(
-                {k: v for k, v in kind.update_group(group, meta.hyper, int(meta.step or 0)).items() if k != "params"}
+                {
+                    k: v
+                    for k, v in kind.update_group(group, meta.hyper, int(meta.step or 0), meta.raw).items()
+                    if k != "params"
+                }
             )
         buffers = reader.buffers()
         for name, buf in model.named_buffers():

@@ -76,6 +76,8 @@ class ParamEntry:
     frozen: bool
     step: int | None
     files: dict[str, FileEntry] = field(default_factory=dict)
+    #: the keys whose files hold a 0-dim scalar of the optimizer (NAdam's mu_product), not a tensor
+    scalars: list[str] = field(default_factory=list)
 
     def meta(self) -> ParamMeta:
         return ParamMeta(self.name, tuple(self.shape), self.dtype, self.group, self.frozen)
@@ -83,7 +85,15 @@ class ParamEntry:
     @property
     def state_keys(self) -> tuple[str, ...]:
         """The optimizer's per-parameter tensors, as their files name them (``exp_avg.pt`` -> ``exp_avg``)."""
-        return tuple(f[: -len(SUFFIX)] for f in self.files if f not in (FP32_FILE, STEP_FILE))
+        skip = {FP32_FILE, STEP_FILE} | {state_file(k) for k in self.scalars}
+        return tuple(f[: -len(SUFFIX)] for f in self.files if f not in skip)
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as ucp.json holds it; ``scalars`` only where there are some (Adam's entries stay as they were)."""
+        out = asdict(self)
+        if not self.scalars:
+            del out["scalars"]
+        return out
 
 
 def state_file(key: str) -> str:
@@ -104,7 +114,7 @@ def manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, FileE
             {"index": g.index, "hyperparameters": g.hyper.to_json(), "raw": g.raw, "step": g.step, "params": g.params}
             for g in facts.groups
         ],
-        "params": [asdict(p) for p in params],
+        "params": [p.to_json() for p in params],
         "tied": dict(facts.tied),
         "buffers": list(facts.buffer_names),
         "files": {name: asdict(entry) for name, entry in files.items()},

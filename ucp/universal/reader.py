@@ -163,7 +163,8 @@ class UniversalReader(Reader):
         keys = self._keys(entry, moments)
         if not keys:
             return ParamState(fp32=fp32, step=entry.step)
-        return ParamState(fp32=fp32, optim={k: self._tensor(name, state_file(k)) for k in keys}, step=self._step(name))
+        optim = {k: self._tensor(name, state_file(k)) for k in keys}
+        return ParamState(fp32=fp32, optim=optim, step=self._step(name), scalars=self._scalars(name))
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
@@ -175,7 +176,23 @@ class UniversalReader(Reader):
         with ExitStack() as stack:
             fp32 = self._file_pieces(name, FP32_FILE, stack)
             optim = {k: self._file_pieces(name, state_file(k), stack) for k in keys}
-            yield PieceState(fp32=fp32, optim=optim, step=self._step(name) if keys else entry.step)
+            if not keys:
+                yield PieceState(fp32=fp32, step=entry.step)
+                return
+            yield PieceState(fp32=fp32, optim=optim, step=self._step(name), scalars=self._scalars(name))
+
+    def _scalars(self, name: str) -> dict[str, torch.Tensor]:
+        """The optimizer's 0-dim scalars of a parameter, exact as the source kept them."""
+        entry = self._entries[name]
+        out = {}
+        for key in entry.scalars:
+            path = self.file_path(name, state_file(key))
+            obj = self._load(path, entry.files.get(state_file(key)))
+            value = obj.get("param") if isinstance(obj, Mapping) else obj
+            if not torch.is_tensor(value) or value.dim() != 0 or not value.is_floating_point():
+                raise CorruptFileError(f"{path} holds no 0-dim floating tensor under 'param'; {MANIFEST} says a scalar")
+            out[key] = value
+        return out
 
     def _entry(self, name: str) -> ParamEntry:
         entry = self._entries.get(name)

@@ -78,6 +78,12 @@ def _write_param(root: Path, meta: ParamMeta, state: ParamState | PieceState) ->
                     "of a universal directory"
                 )
             entry.files[state_file(key)] = _save({"param": tensor}, target / state_file(key))
+    if not meta.frozen:
+        for key, value in state.scalars.items():
+            if state_file(key) in entry.files or state_file(key) == STEP_FILE or not folder_for(key) == key:
+                raise InputError(f"{meta.name}: the optimizer keeps scalar {key!r}, which cannot be a file name here")
+            entry.files[state_file(key)] = _save({"param": value}, target / state_file(key))
+            entry.scalars.append(key)
     if not meta.frozen and state.step is not None:
         entry.files[STEP_FILE] = _save(torch.tensor(float(state.step), dtype=torch.float32), target / STEP_FILE)
     return entry

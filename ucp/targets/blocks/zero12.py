@@ -10,14 +10,17 @@ from ucp.io.pool import parallel_map
 from ucp.model.partition import Zero12Group
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.model.steps import settle_steps
-from ucp.targets.blocks.common import RankBuffers, check_state
+from ucp.targets.blocks.common import RankBuffers, check_state, merge_scalars
 
 __all__ = ["zero12_buffers", "fill_zero12_ranks", "group_steps"]
 
 
-def zero12_buffers(layouts: Sequence[Zero12Group], keys: Sequence[Sequence[str]]) -> RankBuffers:
-    """One rank's flat partitions: per param group, one tensor of the partition size per key."""
-    return RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys)
+def zero12_buffers(
+    layouts: Sequence[Zero12Group], keys: Sequence[Sequence[str]], scalars: list[dict[str, torch.Tensor]]
+) -> RankBuffers:
+    """One rank's flat partitions: per param group, one tensor of the partition size per key;
+    ``scalars`` (per group, filled as members are read) is shared by every rank's buffers."""
+    return RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys, scalars)
 
 
 def fill_zero12_ranks(
@@ -38,6 +41,7 @@ def fill_zero12_ranks(
     weights from it). Returns, per param group, the set of steps its members carried.
     """
     steps: list[set[int]] = [set() for _ in layouts]
+    shared_scalars = next(iter(ranks.values())).scalars if ranks else []  # one list, shared by the ranks
     where = {name: (g, i) for g, group in enumerate(names) for i, name in enumerate(group)}
 
     def one(name: str) -> None:
@@ -57,6 +61,8 @@ def fill_zero12_ranks(
                     values[span.param_start : span.param_start + span.length]
                 )
         steps[g].add(step_of(state))
+        if moments:
+            merge_scalars(name, state, shared_scalars[g], "ZeRO-1/2 param group")
         if on_state is not None:
             on_state(name, state)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
+
 from ucp.io.pool import parallel_map
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_rank_span
 from ucp.model.records import PieceState, Reader
 from ucp.model.steps import settle_steps
-from ucp.targets.blocks.common import RankBuffers, check_state
+from ucp.targets.blocks.common import RankBuffers, check_state, merge_scalars
 
 __all__ = ["zero3_buffers", "fill_ranks", "sub_group_steps", "sub_group_keys"]
 
@@ -27,8 +29,10 @@ def sub_group_keys(
     return out
 
 
-def zero3_buffers(layout: Zero3Layout, keys: list[tuple[str, ...]]) -> RankBuffers:
-    return RankBuffers.of_sizes(list(layout.sub_group_numel), keys)
+def zero3_buffers(
+    layout: Zero3Layout, keys: list[tuple[str, ...]], scalars: list[dict[str, torch.Tensor]]
+) -> RankBuffers:
+    return RankBuffers.of_sizes(list(layout.sub_group_numel), keys, scalars)
 
 
 def _scatter(state: PieceState, slot: Zero3Slot, dp: int, ranks: dict[int, RankBuffers]) -> None:
@@ -59,7 +63,8 @@ def fill_ranks(
     ``keys`` are each sub-group's state keys; ``step_of(state)`` gives the step to record for a
     parameter. Returns the buffers and, per sub-group, the set of steps its members carried.
     """
-    buffers = {rank: zero3_buffers(layout, keys) for rank in ranks}
+    scalars: list[dict[str, torch.Tensor]] = [{} for _ in layout.sub_group_numel]
+    buffers = {rank: zero3_buffers(layout, keys, scalars) for rank in ranks}
     steps: list[set[int]] = [set() for _ in layout.sub_group_numel]
     slots = {name: layout.slots[g][i] for g, group in enumerate(names) for i, name in enumerate(group)}
 
@@ -69,6 +74,8 @@ def fill_ranks(
             check_state(name, state, keys[slot.sub_group], slot.numel, moments=moments)
             _scatter(state, slot, layout.dp, buffers)
             steps[slot.sub_group].add(step_of(state))
+            if moments:
+                merge_scalars(name, state, scalars[slot.sub_group], "ZeRO-3 sub-group")
 
     for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore"):
         pass

@@ -104,7 +104,7 @@ def restore_zero12(
     # start from what the engine holds, so parameters the checkpoint lacks (strict=False) keep their values
     _, hp_groups, _ = _wrapper_groups(opt)
     keys = [facts.groups[m].state_keys if m is not None and load_optimizer_states else () for m in matched]
-    mine = zero12_buffers(layouts, keys)
+    mine = zero12_buffers(layouts, keys, [{} for _ in layouts])
     for g, partition in enumerate(hp_groups):
         mine.fp32[g].copy_(partition.detach().view(-1).float().cpu())
         live = base.state.get(partition, {})
@@ -140,7 +140,8 @@ def restore_zero12(
     for g, live in enumerate(base.param_groups):
         source = matched[g]
         hyper = facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
-        updated = flavour.update_group(live, hyper, steps[g])
+        raw = facts.groups[source].raw if source is not None else {}
+        updated = flavour.update_group(live, hyper, steps[g], raw)
         updated["params"] = [g]
         groups.append(updated)
     extras = reader.extras()
@@ -158,6 +159,7 @@ def restore_zero12(
         flavour=flavour,
         fp32=mine.fp32,
         optim=mine.optim,
+        scalars=mine.scalars,
         layouts=layouts,
         names=live_names,
         index=rank,

@@ -83,8 +83,9 @@ def restore_zero3(
     for g, live in enumerate(base.param_groups):
         source = matched[g]
         hyper = reader.facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
+        raw = reader.facts.groups[source].raw if source is not None else {}
         step = max((steps[s] for s in members[g]), default=0)
-        updated = flavour.update_group(live, hyper, step)
+        updated = flavour.update_group(live, hyper, step, raw)
         updated["params"] = members[g]
         groups.append(updated)
     device = opt.fp32_partitioned_groups_flat[0].device if opt.fp32_partitioned_groups_flat else torch.device("cpu")
@@ -102,6 +103,7 @@ def restore_zero3(
         flavour=flavour,
         fp32=buffers[rank].fp32,
         optim=buffers[rank].optim,
+        scalars=buffers[rank].scalars,
         steps=steps,
         groups=groups,
         dp=dp,

@@ -40,7 +40,7 @@ def optimizer_groups(reader: Reader, plan: NativePlan, members: list[list[int]],
     """The wrapped optimizer's param groups: target-flavour keys, each group's own hyperparameters."""
     groups = []
     for g, meta in enumerate(reader.facts.groups):
-        group = plan.flavour.make_group(meta.hyper, steps[g])
+        group = plan.flavour.make_group(meta.hyper, steps[g], meta.raw)
         group["params"] = members[g]
         groups.append(group)
     return groups

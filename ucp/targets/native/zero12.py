@@ -54,7 +54,8 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
     def keep_weight(name: str, state: ParamState) -> None:
         weights[name] = state.fp32.to(lp)
 
-    ranks = {r: zero12_buffers(layouts, keys) for r in range(dp)}
+    scalars: list[dict[str, torch.Tensor]] = [{} for _ in layouts]
+    ranks = {r: zero12_buffers(layouts, keys, scalars) for r in range(dp)}
     seen = fill_zero12_ranks(
         reader,
         layouts,
@@ -103,6 +104,7 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
             flavour=plan.flavour,
             fp32=buffers.fp32,
             optim=buffers.optim,
+            scalars=buffers.scalars,
             layouts=layouts,
             names=names,
             index=r,

@@ -83,6 +83,7 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
                 flavour=plan.flavour,
                 fp32=buffers.fp32,
                 optim=buffers.optim,
+                scalars=buffers.scalars,
                 steps=steps,
                 groups=groups,
                 dp=dp,
