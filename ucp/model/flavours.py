@@ -39,7 +39,18 @@ import torch
 
 from ucp.errors import InputError
 
-__all__ = ["Hyper", "Flavour", "FLAVOURS", "get", "detect", "detect_live", "Detection", "hyper_from_group", "raw_group"]
+__all__ = [
+    "Hyper",
+    "Flavour",
+    "FLAVOURS",
+    "check_family",
+    "get",
+    "detect",
+    "detect_live",
+    "Detection",
+    "hyper_from_group",
+    "raw_group",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +306,19 @@ FLAVOURS: dict[str, Flavour] = {
         ),
     )
 }
+
+
+def check_family(source: str | None, target: Flavour, groups_state: bool) -> None:
+    """A restore may move between flavours of one family; across families the state would be read
+    as something it is not, so it is refused (one line) unless no optimizer state is restored."""
+    if source is None or not groups_state or source not in FLAVOURS:
+        return
+    if FLAVOURS[source].family != target.family:
+        raise InputError(
+            f"the checkpoint holds {source} state ({FLAVOURS[source].family} family); {target.name} "
+            f"({target.family} family) would read it as something it is not: restore into a "
+            f"{FLAVOURS[source].family} optimizer, or reset the optimizer state"
+        )
 
 
 def get(name: str) -> Flavour:

@@ -13,12 +13,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ucp.model import flavours
 from ucp.model.records import Facts, Reader
 from ucp.sources import is_universal, open_reader
 
 __all__ = ["inspect_path", "inspect_reader", "format_report"]
 
 logger = logging.getLogger(__name__)
+
+#: torch's per-run switches: how the new run computes, not what the checkpoint means
+_SWITCHES = ("foreach", "maximize", "capturable", "differentiable", "fused")
 
 
 def inspect_path(path: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None) -> dict[str, Any]:
@@ -61,6 +65,8 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         {
             "index": g.index,
             "hyperparameters": g.hyper.to_json(),
+            "settings": dict(g.raw),
+            "state_keys": list(g.state_keys),
             "step": g.step,
             "num_params": len(g.params),
             "numel": sum(numel_of.get(n, 0) for n in g.params),
@@ -81,6 +87,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "mp_world_size": info.mp_world_size,
         "dtype": info.dtype,
         "optimizer": facts.flavour or "unknown",
+        "optimizer_family": flavours.FLAVOURS[facts.flavour].family if facts.flavour in flavours.FLAVOURS else None,
         "adam_w_mode": _adam_w_mode(facts),
         "step": facts.step,
         "global_steps": info.global_steps,
@@ -137,13 +144,20 @@ def format_report(report: dict[str, Any]) -> str:
         f"  {report['num_params']} parameters, {_fmt_int(report['numel'])} elements"
         f" ({report['num_frozen']} frozen, {_fmt_int(report['frozen_numel'])} elements)",
     ]
+    adam = report.get("optimizer_family") in (None, "adam")
     for group in report["param_groups"]:
         hyper = group["hyperparameters"]
-        lines.append(
-            f"  group {group['index']}: {group['num_params']} params, {_fmt_int(group['numel'])} elements, "
-            f"lr={hyper['lr']:g} weight_decay={hyper['weight_decay']:g} betas={tuple(hyper['betas'])} "
-            f"eps={hyper['eps']:g} step={group['step'] if group['step'] is not None else '-'}"
-        )
+        step = group["step"] if group["step"] is not None else "-"
+        head = f"  group {group['index']}: {group['num_params']} params, {_fmt_int(group['numel'])} elements, "
+        if adam:
+            settings = (
+                f"lr={hyper['lr']:g} weight_decay={hyper['weight_decay']:g} betas={tuple(hyper['betas'])} "
+                f"eps={hyper['eps']:g}"
+            )
+        else:  # the optimizer's own settings, not Adam's names
+            settings = " ".join(f"{k}={v}" for k, v in group["settings"].items() if k not in _SWITCHES)
+        lines.append(f"{head}{settings} step={step}")
+        lines.append(f"    state: {', '.join(group['state_keys']) or '(none yet)'}")
     if report["tied"]:
         lines.append("  tied: " + ", ".join(f"{alias} -> {owner}" for alias, owner in report["tied"].items()))
     if report["buffers"]:

@@ -87,6 +87,7 @@ def restore_zero12(
     opt = engine.optimizer
     base = opt.optimizer
     flavour = flavours.get(optimizer) if optimizer else flavours.detect_live(base)
+    flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
     layouts, live_names, rank = live_zero12_layout(engine)
     facts = reader.facts
     known = {m.name for m in facts.params}

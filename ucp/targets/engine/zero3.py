@@ -62,6 +62,7 @@ def restore_zero3(
     opt = engine.optimizer
     base = opt.optimizer
     flavour = flavours.get(optimizer) if optimizer else flavours.detect_live(base)
+    flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
     layout, names = _live_zero3_layout(engine)
     for g, group in enumerate(names):
         for name in group:

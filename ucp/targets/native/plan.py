@@ -66,6 +66,7 @@ def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
         group_names=group_names,
         tp=options.tp,
     )
+    flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
         plan.layout = zero3_layout(numels, options.dp, size)
