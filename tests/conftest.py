@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tests.support.fixtures import Built, build, resume  # noqa: E402
-
 from ucp.harness import LoadSpec, ModelSpec  # noqa: E402
 
 #: The source checkpoints of the suite: ZeRO-3 across DP 1-4, fp32/bf16, three optimizers,
@@ -23,12 +23,10 @@ SOURCES: dict[str, dict[str, Any]] = {
     "z3-fp32-dp1-adamw": dict(dp=1, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=1),
     "z3-bf16-dp2-adamw": dict(dp=2, stage=3, dtype="bf16", optimizer="torch-adamw", sub_group_size=60),
     "z3-fp32-dp2-adamw": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-adamw", sub_group_size=60),
-    "z3-fp32-dp3-adamw": dict(dp=3, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=3,
-                              sub_group_size=100),
+    "z3-fp32-dp3-adamw": dict(dp=3, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=3, sub_group_size=100),
     "z3-fp32-dp4-adam": dict(dp=4, stage=3, dtype="fp32", optimizer="torch-adam", sub_group_size=40),
     "z3-bf16-dp4-fused": dict(dp=4, stage=3, dtype="bf16", optimizer="ds-fused-adam", sub_group_size=60),
-    "z3-bf16-dp2-cpuadam": dict(dp=2, stage=3, dtype="bf16", optimizer="ds-cpu-adam", offload=True,
-                                param_groups=3),
+    "z3-bf16-dp2-cpuadam": dict(dp=2, stage=3, dtype="bf16", optimizer="ds-cpu-adam", offload=True, param_groups=3),
     # ZeRO-1/2: DeepSpeedZeroOptimizer at both stages, and BF16_Optimizer (bf16 + fp32 grad accumulation)
     "z1-fp32-dp2-adamw": dict(dp=2, stage=1, dtype="fp32", optimizer="torch-adamw"),
     "z2-bf16-dp3-adamw": dict(dp=3, stage=2, dtype="bf16", optimizer="torch-adamw", param_groups=3),

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ucp.errors import OutputExistsError
 from ucp.io import atomic
 from ucp.io.atomic import staged_output
-from ucp.errors import OutputExistsError
 
 
 def _dead_pid() -> int:
@@ -83,8 +83,9 @@ def test_existing_file_is_never_replaced_even_with_overwrite(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_overwrite_replaces_only_once_the_new_output_is_complete(tmp_path: Path, exchange: bool,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overwrite_replaces_only_once_the_new_output_is_complete(
+    tmp_path: Path, exchange: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not exchange:
         monkeypatch.setattr(atomic, "_renameat2", lambda *a: False)
     out = tmp_path / "out"

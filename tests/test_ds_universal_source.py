@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from tests.support.checks import assert_reader_matches_record, assert_state_equals_record
-from tests.support.fixtures import resume
 
 import ucp
+from tests.support.checks import assert_reader_matches_record, assert_state_equals_record
+from tests.support.fixtures import resume
 from ucp.cli import main as cli
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
@@ -38,10 +38,26 @@ def ds_universal(source, tmp_path_factory):
             # --inject_missing_state: ZeRO-1/2 conversion asserts a universal_checkpoint_info that plain
             # (non-Megatron) engines never save; stage 3 ignores the flag (DeepSpeed 0.19.8)
             done = subprocess.run(
-                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(built.tag_dir),
-                 "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1",
-                 "--inject_missing_state"],
-                capture_output=True, text=True, check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
+                [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder",
+                    str(built.tag_dir),
+                    "--output_folder",
+                    str(out),
+                    "--num_extract_workers",
+                    "1",
+                    "--num_merge_workers",
+                    "1",
+                    "--inject_missing_state",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                timeout=600,
+            )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
             assert (root / "latest_universal").read_text() == out.name
             made[name] = root
@@ -115,6 +131,7 @@ def test_cli_to_universal_then_native_at_new_dp_loads_into_a_real_engine(source,
 def _drop(path):
     def damage(root):
         (root / path).unlink()
+
     return damage
 
 
@@ -122,16 +139,31 @@ def _drop_rank1_model_states(root):
     next(root.glob("zero_pp_rank_1_*model_states.pt")).unlink()
 
 
-@pytest.mark.parametrize("name, damage, message", [
-    ("z3-bf16-dp2-adamw", _drop("zero/norm.bias/exp_avg.pt"),
-     (r"^zero/norm.bias/exp_avg.pt is missing from .*: every optimized parameter needs fp32.pt, exp_avg.pt and "
-      r"exp_avg_sq.pt; the folder is incomplete, so rerun ds_to_universal$")),
-    ("z2-bf16-dp3-adamw", _drop("zero/embed.weight/exp_avg_sq.pt"), r"zero/embed.weight/exp_avg_sq.pt is missing"),
-    ("z2-bf16-dp3-adamw", _drop("zero/norm.bias/step.pt"), r"zero/norm.bias/step.pt is missing"),
-    ("z3-bf16-dp2-adamw", _drop("zero/optimizer_state.pt"), r"zero/optimizer_state.pt is missing .* did not finish"),
-    ("z3-bf16-dp2-adamw", _drop_rank1_model_states,
-     r"zero_pp_rank_1_mp_rank_00_model_states.pt is missing .* frozen parameter 'proj.weight'"),
-])
+@pytest.mark.parametrize(
+    "name, damage, message",
+    [
+        (
+            "z3-bf16-dp2-adamw",
+            _drop("zero/norm.bias/exp_avg.pt"),
+            (
+                r"^zero/norm.bias/exp_avg.pt is missing from .*: every optimized parameter needs fp32.pt, exp_avg.pt and "
+                r"exp_avg_sq.pt; the folder is incomplete, so rerun ds_to_universal$"
+            ),
+        ),
+        ("z2-bf16-dp3-adamw", _drop("zero/embed.weight/exp_avg_sq.pt"), r"zero/embed.weight/exp_avg_sq.pt is missing"),
+        ("z2-bf16-dp3-adamw", _drop("zero/norm.bias/step.pt"), r"zero/norm.bias/step.pt is missing"),
+        (
+            "z3-bf16-dp2-adamw",
+            _drop("zero/optimizer_state.pt"),
+            r"zero/optimizer_state.pt is missing .* did not finish",
+        ),
+        (
+            "z3-bf16-dp2-adamw",
+            _drop_rank1_model_states,
+            r"zero_pp_rank_1_mp_rank_00_model_states.pt is missing .* frozen parameter 'proj.weight'",
+        ),
+    ],
+)
 def test_incomplete_folder_is_refused_in_one_line(ds_universal, name, damage, message, tmp_path, capsys):
     shutil.copytree(ds_universal(name), tmp_path / "d")
     damage(_only_tag(tmp_path / "d"))

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ucp.cli import main
-from ucp.ops.convert import to_universal
 from ucp.errors import ConfigError, OutputExistsError, UcpError
+from ucp.ops.convert import to_universal
 from ucp.targets import export as export_mod
 from ucp.targets.export import export, parse_size, plan_shards
 
@@ -38,8 +38,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     out: dict[str, torch.Tensor] = {}
     for name in files:
         out.update(load_file(folder / name))
@@ -96,8 +97,9 @@ def test_export_shards_by_max_shard_size_with_an_hf_index(z3_bf16_dp2, bf16_univ
     shards, index_path = written[:-1], written[-1]
     assert index_path == out / "model.safetensors.index.json" and len(shards) >= 3
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
-    assert all(re.fullmatch(rf"model-{i + 1:05d}-of-{len(shards):05d}\.safetensors", p.name)
-               for i, p in enumerate(shards))
+    assert all(
+        re.fullmatch(rf"model-{i + 1:05d}-of-{len(shards):05d}\.safetensors", p.name) for i, p in enumerate(shards)
+    )
     index = json.loads(index_path.read_text())
     weights = _load_folder(out)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
@@ -168,10 +170,19 @@ def test_export_without_safetensors_says_how_to_install_it(z3_bf16_dp2, tmp_path
         export(z3_bf16_dp2.path, tmp_path / "out")
 
 
-@pytest.mark.parametrize("text, size", [
-    ("500MB", 500 * 10**6), ("5GB", 5 * 10**9), ("1.5GiB", 3 * 2**29), ("100", 100), (" 2 kib ", 2048),
-    ("1KB", 1000), ("600B", 600), (1234, 1234),
-])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("500MB", 500 * 10**6),
+        ("5GB", 5 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("100", 100),
+        (" 2 kib ", 2048),
+        ("1KB", 1000),
+        ("600B", 600),
+        (1234, 1234),
+    ],
+)
 def test_parse_size_reads_decimal_and_binary_units(text, size):
     assert parse_size(text) == size
 
@@ -182,13 +193,16 @@ def test_parse_size_refuses_nonsense(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("sizes, limit, shards", [
-    ([("a", 4), ("b", 4), ("c", 4)], 8, [["a", "b"], ["c"]]),
-    ([("a", 10), ("b", 1), ("c", 1)], 8, [["a"], ["b", "c"]]),
-    ([("a", 1), ("b", 10), ("c", 1)], 8, [["a"], ["b"], ["c"]]),
-    ([("a", 8)], 8, [["a"]]),
-    ([], 8, [[]]),
-])
+@pytest.mark.parametrize(
+    "sizes, limit, shards",
+    [
+        ([("a", 4), ("b", 4), ("c", 4)], 8, [["a", "b"], ["c"]]),
+        ([("a", 10), ("b", 1), ("c", 1)], 8, [["a"], ["b", "c"]]),
+        ([("a", 1), ("b", 10), ("c", 1)], 8, [["a"], ["b"], ["c"]]),
+        ([("a", 8)], 8, [["a"]]),
+        ([], 8, [[]]),
+    ],
+)
 def test_plan_shards_fills_in_order_and_isolates_oversized_tensors(sizes, limit, shards):
     assert plan_shards(sizes, limit) == shards
 
@@ -208,10 +222,16 @@ def test_export_cli_exit_codes(z3_bf16_dp2, bf16_universal, tmp_path, capsys):
 
 
 def test_export_cli_in_a_subprocess(z3_bf16_dp2, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "ucp", "export", str(z3_bf16_dp2.path), str(tmp_path / "m.bin"),
-                          "--format", "torch"], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "ucp", "export", str(z3_bf16_dp2.path), str(tmp_path / "m.bin"), "--format", "torch"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert torch.load(tmp_path / "m.bin", weights_only=True)["head.weight"].dtype == torch.bfloat16
-    bad = subprocess.run([sys.executable, "-m", "ucp", "export", str(tmp_path / "nothing"), str(tmp_path / "o")],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ucp", "export", str(tmp_path / "nothing"), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

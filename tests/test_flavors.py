@@ -12,21 +12,26 @@ import pytest
 import torch
 
 import ucp
-from ucp.model import flavours
-from ucp.sources import open_reader
 from tests.support.files import resave
 from ucp.io.torchfile import load
+from ucp.model import flavours
+from ucp.sources import open_reader
 
 
 def _zero3_optim(path):
     return sorted(path.glob("*zero_pp_rank_*_optim_states.pt"))
 
 
-@pytest.mark.parametrize("flavour, step_in_state, step_type", [
-    ("torch-adam", True, torch.Tensor), ("ds-fused-adam", True, int), ("ds-cpu-adam", True, int),
-    ("apex-fused-adam", False, None)])
-def test_native_files_put_the_step_where_each_flavour_reads_it(universals, tmp_path, flavour, step_in_state,
-                                                               step_type):
+@pytest.mark.parametrize(
+    "flavour, step_in_state, step_type",
+    [
+        ("torch-adam", True, torch.Tensor),
+        ("ds-fused-adam", True, int),
+        ("ds-cpu-adam", True, int),
+        ("apex-fused-adam", False, None),
+    ],
+)
+def test_native_files_put_the_step_where_each_flavour_reads_it(universals, tmp_path, flavour, step_in_state, step_type):
     ucp.write_native(universals("z3-bf16-dp2-adamw"), tmp_path / "n", dp=3, optimizer=flavour)
     files = _zero3_optim(tmp_path / "n" / "global_step3")
     assert len(files) == 3
@@ -70,8 +75,10 @@ def test_detection_tells_every_flavour_apart_on_a_real_state_dict(source):
     cpu = copy.deepcopy(fused)
     for group in cpu["param_groups"]:
         del group["step"]
-    assert flavours.detect(cpu, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).flavour.name == \
-        "ds-cpu-adam"
+    assert (
+        flavours.detect(cpu, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).flavour.name
+        == "ds-cpu-adam"
+    )
     apex = copy.deepcopy(base)
     for state in apex["state"].values():
         del state["step"]

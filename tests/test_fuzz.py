@@ -8,12 +8,24 @@ Two fuzzers, both seeded from real DeepSpeed checkpoints (a ZeRO-3 and a ZeRO-1 
 * structure: one value deep in a rank file's object tree swapped for something of the wrong
   type, size or sign, re-saved with ucp's own writer (tests.support.files.resave) as a hand-made hostile file would be.
 
-Never another exception type, never a hang (a SIGALRM watchdog turns one into a failure). When the
-conversion succeeds, its output must read back with checksums.
+Never another exception type, never a multi-line message, never a hang (a SIGALRM watchdog turns
+one into a failure). When the conversion succeeds, its output must read back with checksums, equal
+bit for bit what the damaged source holds (read through ucp's own source reader), and:
+
+* bytes: equal the conversion of what torch.load reads from the same damaged bytes, saved back
+  cleanly by torch.save; where torch.load refuses the bytes, equal the pristine conversion (itself
+  checked against the live engine's record); a pickle whose zip CRC no longer matches is never accepted;
+* structure: keep every parameter's name, shape, step and tensor files bit-identical to the
+  pristine conversion when the changed slot held no tensor and received none.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import io
+import json
+import math
 import os
 import shutil
 import signal
@@ -21,30 +33,35 @@ import struct
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
-from tests.support.fixtures import Built
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.checks import assert_reader_matches_record
 from tests.support.files import resave
-from ucp.io import standins
-from ucp.io import torchfile
+from tests.support.fixtures import Built
+from ucp.errors import CorruptFileError, UcpError
+from ucp.io import standins, torchfile
 from ucp.ops.convert import to_universal
-from ucp.errors import UcpError
+from ucp.sources import open_reader
 from ucp.universal.reader import UniversalReader
 
 # CI runs 60 derandomized examples per fuzzer; by hand, UCP_FUZZ_EXAMPLES=5000 digs deeper and
 # UCP_FUZZ_RANDOM=1 draws fresh cases on every run.
-FUZZ = settings(max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")), deadline=None,
-                derandomize=not os.environ.get("UCP_FUZZ_RANDOM"), database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")),
+    deadline=None,
+    derandomize=not os.environ.get("UCP_FUZZ_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 WATCHDOG_S = 120  # far beyond a healthy conversion of this checkpoint, even on a loaded machine
 
 
@@ -116,31 +133,92 @@ class Pristine(dict):  # type: ignore[type-arg]
         return f"Pristine({self['built'].path})"
 
 
+def _torch_globals(paths: list[Path]) -> list[Any]:
+    """The DeepSpeed classes the files name, imported for torch.load(weights_only=True) (not ucp's stand-ins)."""
+    names = sorted({n for p in paths for n in torch.serialization.get_unsafe_globals_in_checkpoint(p)})
+    return [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
+
+
 @pytest.fixture(scope="module", params=["z3-bf16-dp2-adamw", "z1-fp32-dp2-adamw"])
-def pristine(request: pytest.FixtureRequest, source: Callable[[str], Built]) -> dict[str, Any]:
-    """One ZeRO-3 and one ZeRO-1 checkpoint (conftest SOURCES), read once per module."""
+def pristine(
+    request: pytest.FixtureRequest, source: Callable[[str], Built], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """One ZeRO-3 and one ZeRO-1 checkpoint (conftest SOURCES), read once per module, with their
+    conversion: the reference every fuzzed result is held to, itself equal to the live engine's record."""
     built = source(request.param)
     tag = built.tag_dir
     files = sorted(p.name for p in tag.iterdir() if p.suffix == ".pt")
     data = {name: (tag / name).read_bytes() for name in files}
-    return Pristine(built=built, files=files, data=data,
-                    layout={name: layout_of(data[name], tag / name) for name in files})
+    out = tmp_path_factory.mktemp("pristine") / "u"
+    to_universal(built.path, out, workers=1)
+    with UniversalReader(out) as reader:
+        assert_reader_matches_record(reader, built.record)
+    return Pristine(
+        built=built,
+        files=files,
+        data=data,
+        layout={name: layout_of(data[name], tag / name) for name in files},
+        manifest=json.loads((out / "ucp.json").read_text()),
+        globals=_torch_globals([tag / name for name in files]),
+    )
 
 
-def convert_or_clean_error(ckpt: Path, work: Path) -> str:
-    """Convert; pass on a result that reads back or a UcpError, fail on anything else."""
+def convert_or_clean_error(ckpt: Path, work: Path, damaged: str) -> dict[str, Any] | None:
+    """Convert; return the written manifest of a result that reads back with checksums, or None for a
+    one-line UcpError (a CorruptFileError naming the ``damaged`` file); fail on anything else."""
     out = work / "out"
     try:
         with watchdog(WATCHDOG_S):
             to_universal(ckpt, out, workers=1)
     except UcpError as err:
-        assert "\n" not in str(err), f"multi-line error: {err!r}"
+        message = str(err)
+        assert message and "\n" not in message, f"not a one-line error: {err!r}"
+        if isinstance(err, CorruptFileError):
+            assert damaged in message, f"the error does not name the damaged file {damaged}: {message}"
         assert not out.exists()
-        return "error"
-    reader = UniversalReader(out)
-    for entry in reader.entries():
-        reader.read(entry.name)
-    return "result"
+        return None
+    assert_reads_back_as_the_source(ckpt, out)
+    return json.loads((out / "ucp.json").read_text())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: Any, want: Any, where: str) -> None:
+    """Equal, tensors bit for bit (NaN and -0.0 included), floats with NaN equal to NaN."""
+    if torch.is_tensor(want):
+        assert torch.is_tensor(got), where
+        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), where
+        assert torch.equal(_bits(got), _bits(want)), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), (where, list(got), list(want))
+        for key, value in want.items():
+            assert_same(got[key], value, f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(want, standins.DSObject):
+        assert type(got) is type(want), where
+        assert_same(got.__dict__, want.__dict__, where)
+    elif isinstance(want, float) and math.isnan(want):
+        assert isinstance(got, float) and math.isnan(got), where
+    else:
+        assert type(got) is type(want) and got == want, (where, got, want)
+
+
+def assert_reads_back_as_the_source(ckpt: Path, out: Path) -> None:
+    """Every value written equals, bit for bit, what the (damaged) source holds."""
+    with open_reader(ckpt) as src, UniversalReader(out) as universal:
+        names = [meta.name for meta in src.facts.params]
+        assert sorted(e.name for e in universal.entries()) == sorted(names)
+        for name in names:
+            want, got = src.read(name), universal.read(name)
+            for field in dataclasses.fields(want):  # fp32, every optimizer tensor, the step, ...
+                assert_same(getattr(got, field.name), getattr(want, field.name), f"{name} {field.name}")
+        assert_same(universal.buffers(), src.buffers(), "buffers")
+        assert_same(universal.extras(), src.extras(), "extras")
 
 
 def _copy(pristine: dict[str, Any], work: Path) -> Path:
@@ -166,12 +244,18 @@ def _span(lay: Layout, region: str, pick: int) -> tuple[int, int]:
 
 
 @FUZZ
-@given(file_index=st.integers(0, 11), region=st.sampled_from(REGIONS), kind=st.sampled_from(KINDS),
-       pick=st.integers(0, 1000), where=st.floats(0, 1, allow_nan=False), length=st.integers(1, 64),
-       bit=st.integers(0, 7))
-def test_byte_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any], file_index: int, region: str,
-                                                       kind: str, pick: int, where: float, length: int,
-                                                       bit: int) -> None:
+@given(
+    file_index=st.integers(0, 11),
+    region=st.sampled_from(REGIONS),
+    kind=st.sampled_from(KINDS),
+    pick=st.integers(0, 1000),
+    where=st.floats(0, 1, allow_nan=False),
+    length=st.integers(1, 64),
+    bit=st.integers(0, 7),
+)
+def test_byte_damage_ends_in_a_result_or_a_clean_error(
+    pristine: dict[str, Any], file_index: int, region: str, kind: str, pick: int, where: float, length: int, bit: int
+) -> None:
     name = pristine["files"][file_index % len(pristine["files"])]
     lay: Layout = pristine["layout"][name]
     start, end = _span(lay, region, pick)
@@ -185,12 +269,42 @@ def test_byte_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any],
         buf[pos : pos + length] = bytes(len(buf[pos : pos + length]))
     if region == "pickle_patched_crc" and kind != "truncate":
         patch_pickle_crc(buf, lay)
+    original = pristine["data"][name]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt = _copy(pristine, work)
         target = ckpt / pristine["built"].tag_dir.name / name
         target.write_bytes(bytes(buf))
-        convert_or_clean_error(ckpt, work)
+        result = convert_or_clean_error(ckpt, work, name)
+        if result is None:
+            return
+        start, end = lay.pickle
+        if bytes(buf[start:end]) != original[start:end] and not (region == "pickle_patched_crc" and kind != "truncate"):
+            pytest.fail(f"{name}: the pickle changed under a stale zip CRC and ucp accepted it")
+        # what torch.load reads from the same bytes; where torch refuses them, only damage that carries
+        # no value (no-op damage included) may be accepted, so the output must be the pristine one
+        expected = as_torch_reads_it(pristine, name, bytes(buf), work) if bytes(buf) != original else None
+        if expected is None:
+            expected = pristine["manifest"]
+        assert result == expected, f"{name}: the output is not what the damaged source holds"
+
+
+def as_torch_reads_it(pristine: dict[str, Any], name: str, damaged: bytes, work: Path) -> dict[str, Any] | None:
+    """The manifest ucp writes for the checkpoint whose file ``name`` holds what torch.load reads from
+    ``damaged``, saved back cleanly by torch.save (a reader ucp shares no byte-level code with); None
+    when torch.load refuses ``damaged``."""
+    try:
+        with torch.serialization.safe_globals(pristine["globals"]):
+            obj = torch.load(io.BytesIO(damaged), weights_only=True)
+    except Exception:  # noqa: BLE001 - torch raises many types for a damaged file
+        return None
+    ref = work / "torch"
+    shutil.copytree(pristine["built"].path, ref)
+    target = ref / pristine["built"].tag_dir.name / name
+    target.unlink()
+    torch.save(obj, target)
+    to_universal(ref, work / "torch-out", workers=1)
+    return json.loads((work / "torch-out" / "ucp.json").read_text())
 
 
 # -- structure-aware fuzzing ------------------------------------------------------------------
@@ -270,14 +384,31 @@ def _replacement(old: Any, how: str) -> Any:
     return None
 
 
-HOWS = ("delete", "none", "string", "negative", "huge", "float", "empty_list", "empty_dict", "int_tensor",
-        "scalar_tensor", "shorter", "longer", "reshaped", "bigger_shape", "negative_shape", "name_with_slash")
+HOWS = (
+    "delete",
+    "none",
+    "string",
+    "negative",
+    "huge",
+    "float",
+    "empty_list",
+    "empty_dict",
+    "int_tensor",
+    "scalar_tensor",
+    "shorter",
+    "longer",
+    "reshaped",
+    "bigger_shape",
+    "negative_shape",
+    "name_with_slash",
+)
 
 
 @FUZZ
 @given(file_index=st.integers(0, 11), slot=st.integers(0, 10**6), how=st.sampled_from(HOWS))
-def test_structural_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str, Any], file_index: int, slot: int,
-                                                             how: str) -> None:
+def test_structural_damage_ends_in_a_result_or_a_clean_error(
+    pristine: dict[str, Any], file_index: int, slot: int, how: str
+) -> None:
     name = pristine["files"][file_index % len(pristine["files"])]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -286,9 +417,28 @@ def test_structural_damage_ends_in_a_result_or_a_clean_error(pristine: dict[str,
         obj = torchfile.load(target)
         slots = list(_slots(obj))
         container, key = _parent(obj, slots[slot % len(slots)])
+        old = _get(container, key)
         if how == "delete":
             _delete(container, key)
+            touched = _holds_tensor(old)
         else:
-            _set(container, key, _replacement(_get(container, key), how))
+            new = _replacement(old, how)
+            _set(container, key, new)
+            touched = _holds_tensor(old) or _holds_tensor(new)
         resave(obj, target)
-        convert_or_clean_error(ckpt, work)
+        result = convert_or_clean_error(ckpt, work, name)
+        if result is not None and not touched:
+            # no tensor was changed, so no parameter may change: same names, shapes, steps, file checksums
+            assert result["params"] == pristine["manifest"]["params"], f"{name}: a change to no tensor moved values"
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if torch.is_tensor(obj):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(k) or _holds_tensor(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    if isinstance(obj, standins.DSObject):
+        return _holds_tensor(obj.__dict__)
+    return False

@@ -21,8 +21,9 @@ import json
 import re
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def _cases() -> dict[str, Callable[[Path, Path], None]]:
             if not uni.exists():
                 ucp.to_universal(DATA / name, uni)
             ucp.write_native(uni, out, **options)
+
         return run
 
     def direct(name: str, **options: Any) -> Callable[[Path, Path], None]:
@@ -92,8 +94,10 @@ def _canonical(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, (int, float)):
-        return [type(obj).__name__ if type(obj) in (int, float) else f"{type(obj).__module__}.{type(obj).__qualname__}",
-                repr(obj) if type(obj) in (int, float) else int(obj)]
+        return [
+            type(obj).__name__ if type(obj) in (int, float) else f"{type(obj).__module__}.{type(obj).__qualname__}",
+            repr(obj) if type(obj) in (int, float) else int(obj),
+        ]
     return ["object", f"{type(obj).__module__}.{type(obj).__qualname__}", _canonical(dict(vars(obj)))]
 
 
@@ -105,8 +109,9 @@ def _load(path: Path) -> Any:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address,
-                                           _argparse.Namespace]):
+    with torch.serialization.safe_globals(
+        [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, _argparse.Namespace]
+    ):
         return torch.load(path, weights_only=True)
 
 
@@ -164,6 +169,7 @@ def _main() -> None:
 
     with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as two:
         first, second = _write(Path(one)), _write(Path(two))
+
     def stable(result: dict[str, Any]) -> dict[str, Any]:
         return {c: {r: e.get("content", e["sha256"]) for r, e in files.items()} for c, files in result.items()}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.files import resave
-from ucp.io import torchfile
 from ucp.cli import main
+from ucp.io import torchfile
 from ucp.ops.convert import to_universal
 from ucp.ops.inspect import format_report, inspect_path
 from ucp.sources.zero3 import Zero3Source
@@ -52,8 +52,9 @@ def test_inspect_reports_what_the_live_engine_held(z3_bf16_dp2):
     members = [n for g in report["param_groups"] for n in g["params"]]
     assert sorted(members) == sorted(record["params"])
     assert [g["hyperparameters"]["lr"] for g in report["param_groups"]] == record["lrs"]
-    assert [g["hyperparameters"]["weight_decay"] for g in report["param_groups"]] == \
-        [h["weight_decay"] for h in record["group_hparams"]]
+    assert [g["hyperparameters"]["weight_decay"] for g in report["param_groups"]] == [
+        h["weight_decay"] for h in record["group_hparams"]
+    ]
     assert report["warnings"] == []
 
 
@@ -97,8 +98,15 @@ def test_inspect_surfaces_fused_adam_stale_group_step(z3_bf16_dp2, tmp_path):
         for entry in base["state"].values():
             entry["step"] = int(entry["step"].item())
         for group in base["param_groups"]:
-            for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                        "decoupled_weight_decay"):
+            for key in (
+                "amsgrad",
+                "maximize",
+                "foreach",
+                "capturable",
+                "differentiable",
+                "fused",
+                "decoupled_weight_decay",
+            ):
                 group.pop(key)
             group.update(bias_correction=True, step=0)
         resave(obj, path)

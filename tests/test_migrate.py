@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.fixtures import resume
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+import ucp.targets.export  # noqa: F401  the exports these tests run: a broken import fails them, never skips
+from tests.support.fixtures import resume
 from ucp.cli import main
 from ucp.errors import ConfigError, OutputExistsError
 from ucp.harness import LoadSpec
@@ -28,7 +31,7 @@ def _example(name: str, folder: Path, **values: str) -> Path:
     text = (CONFIGS / f"{name}.yaml").read_text()
     for key, value in values.items():
         pattern = re.compile(rf"^(\s*(?:- )?{key}:[ \t]*)[^\s#]+", re.M)
-        text, count = pattern.subn(lambda m: m.group(1) + json.dumps(value), text)
+        text, count = pattern.subn(lambda m, value=value: m.group(1) + json.dumps(value), text)
         assert count == 1, f"configs/{name}.yaml should set {key}: exactly once"
     path = folder / f"{name}.yaml"
     path.write_text(text)
@@ -86,8 +89,7 @@ def test_tp2_to_tp1_example_merges_the_tensor_parallel_ranks(source, tmp_path):
 def test_dp8_to_dp4_example_resumes_at_dp4_like_a_native_resume(z3_bf16_dp2, native_resume, tmp_path):
     """The example's source DP is whatever the checkpoint says (here 2, not 8: an 8-rank fixture
     would cost another DeepSpeed run); its target, DP 4, is what is tested."""
-    path = _example("dp8_to_dp4", tmp_path, source=str(z3_bf16_dp2.path), universal="out/universal",
-                    output="out/dp4")
+    path = _example("dp8_to_dp4", tmp_path, source=str(z3_bf16_dp2.path), universal="out/universal", output="out/dp4")
     text = run_migration(path)
     assert "dp=4" in text
     manifest = json.loads((tmp_path / "out/universal/ucp.json").read_text())
@@ -97,8 +99,7 @@ def test_dp8_to_dp4_example_resumes_at_dp4_like_a_native_resume(z3_bf16_dp2, nat
     native = native_resume(z3_bf16_dp2)
     # the first loss comes from the loaded weights alone; later ones differ by dp=2 vs 4 reduction order
     assert _close(ours["losses"][0], native["losses"][0], 1e-5), (ours["losses"], native["losses"])
-    assert all(_close(a, b, 1e-3) for a, b in zip(ours["losses"], native["losses"])), (ours["losses"],
-                                                                                       native["losses"])
+    assert all(_close(a, b, 1e-3) for a, b in zip(ours["losses"], native["losses"])), (ours["losses"], native["losses"])
     for key in ("params", "exp_avg", "exp_avg_sq"):  # seen here: at most 5e-4 apart
         for name, value in native[key].items():
             assert torch.allclose(ours[key][name], value, rtol=0, atol=2e-3), (key, name)
@@ -111,14 +112,19 @@ def test_adamw_to_ds_fused_adam_example_trains_on_like_adamw(z3_bf16_dp2, native
     path = _example("adamw_to_ds_fused_adam", tmp_path, source=str(z3_bf16_dp2.path), output="out/fused")
     config = load_config(path)
     run_migration(path)
-    ours = resume(z3_bf16_dp2, LoadSpec(str(tmp_path / "out/fused")), dp=config.target.dp, name="fused",
-                  work=tmp_path, optimizer="ds-fused-adam")
+    ours = resume(
+        z3_bf16_dp2,
+        LoadSpec(str(tmp_path / "out/fused")),
+        dp=config.target.dp,
+        name="fused",
+        work=tmp_path,
+        optimizer="ds-fused-adam",
+    )
     native = native_resume(z3_bf16_dp2)
     # same weights, moments and step: FusedAdam's updates track torch AdamW's up to rounding
     # (seen here: equal losses, params at most 3e-7 apart)
     assert ours["losses"][0] == native["losses"][0]
-    assert all(_close(a, b, 1e-3) for a, b in zip(ours["losses"], native["losses"])), (ours["losses"],
-                                                                                       native["losses"])
+    assert all(_close(a, b, 1e-3) for a, b in zip(ours["losses"], native["losses"])), (ours["losses"], native["losses"])
     for key in ("params", "exp_avg", "exp_avg_sq"):
         for name, value in native[key].items():
             assert torch.allclose(ours[key][name], value, rtol=1e-3, atol=1e-5), (key, name)
@@ -127,10 +133,6 @@ def test_adamw_to_ds_fused_adam_example_trains_on_like_adamw(z3_bf16_dp2, native
 
 
 def test_hf_export_example_writes_the_trained_weights(z3_bf16_dp2, tmp_path):
-    pytest.importorskip("ucp.targets.export", reason="ucp.targets.export is not in this tree yet")
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = _example("hf_export", tmp_path, source=str(z3_bf16_dp2.path), path="hf-model")
     run_migration(path)
     record = z3_bf16_dp2.record
@@ -164,7 +166,9 @@ def test_drop_head_reset_example_drops_the_head_and_zeroes_the_norms_moments(z3_
         if meta.name.startswith("norm."):  # the example keeps the step (see its comments)
             assert not ours.optim["exp_avg"].any() and not ours.optim["exp_avg_sq"].any(), meta.name
         else:
-            assert torch.equal(ours.optim["exp_avg"], theirs.optim["exp_avg"]) and torch.equal(ours.optim["exp_avg_sq"], theirs.optim["exp_avg_sq"])
+            assert torch.equal(ours.optim["exp_avg"], theirs.optim["exp_avg"]) and torch.equal(
+                ours.optim["exp_avg_sq"], theirs.optim["exp_avg_sq"]
+            )
         assert ours.step == theirs.step == 3, meta.name
     assert set(out.buffers()) == {"calls"}
     source.close()
@@ -172,12 +176,15 @@ def test_drop_head_reset_example_drops_the_head_and_zeroes_the_norms_moments(z3_
 
 # -- transforms on a real checkpoint ----------------------------------------------------------
 def test_dropping_a_parameter_removes_its_state_its_group_slot_and_its_tied_aliases(z3_bf16_dp2, tmp_path):
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 universal: out
 transforms:
   - drop: ["^embed\\\\.", "^blocks\\\\.1\\\\."]
-""")
+""",
+    )
     text = run_migration(path)
     assert "drop head.weight (alias; tied to dropped 'embed.weight')" in text
     out = open_universal(tmp_path / "out")
@@ -190,15 +197,17 @@ transforms:
 
 
 def test_renames_reach_params_aliases_buffers_and_exports(z3_bf16_dp2, tmp_path):
-    pytest.importorskip("ucp.targets.export", reason="ucp.targets.export is not in this tree yet")
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 transforms:
   - rename: {{pattern: "^", replace: "model."}}
   - rename: {{pattern: "^model\\\\.blocks\\\\.(\\\\d+)\\\\.", replace: "model.layers.\\\\1."}}
 exports:
   - {{format: torch, path: out/pytorch_model.bin, dtype: fp32}}
-""")
+""",
+    )
     text = run_migration(path, dry_run=True)
     assert "model.blocks.1.2.bias -> model.layers.1.2.bias" in text and "head.weight -> model.head.weight" in text
     assert not (tmp_path / "out").exists()
@@ -223,8 +232,9 @@ target:
 def test_a_reset_that_splits_a_zero3_sub_group_asks_how_to_step(z3_bf16_dp2, tmp_path):
     body = RESET_NORM.format(src=json.dumps(str(z3_bf16_dp2.path)), reset='["^norm\\\\."]')
     message = _problems(_config(tmp_path, body))
-    assert message.startswith(f"{tmp_path / 'm.yaml'}:4: transforms[0].reset_optimizer: resets norm.weight, "
-                              "norm.bias to step 0")
+    assert message.startswith(
+        f"{tmp_path / 'm.yaml'}:4: transforms[0].reset_optimizer: resets norm.weight, norm.bias to step 0"
+    )
     for way_out in ("{params: [...], step: keep}", "target.step: 3", "target.step: reset"):
         assert way_out in message
     assert not (tmp_path / "out").exists()
@@ -236,9 +246,11 @@ def test_a_zero2_target_holds_one_step_per_param_group(z3_bf16_dp2, tmp_path):
     assert "in the target (ZeRO-2) they share a param group with blocks.0.0.bias (step 3)" in message
 
 
-@pytest.mark.parametrize("reset, extra", [('["^norm\\\\."]', "  step: 3\n"),
-                                          ('{params: ["^norm\\\\."], step: keep}', "")],
-                         ids=["target-step", "reset-keeps-step"])
+@pytest.mark.parametrize(
+    "reset, extra",
+    [('["^norm\\\\."]', "  step: 3\n"), ('{params: ["^norm\\\\."], step: keep}', "")],
+    ids=["target-step", "reset-keeps-step"],
+)
 def test_a_reset_that_keeps_the_step_zeroes_only_the_moments(reset, extra, z3_bf16_dp2, tmp_path):
     body = RESET_NORM.format(src=json.dumps(str(z3_bf16_dp2.path)), reset=reset) + extra
     text = run_migration(_config(tmp_path, body))
@@ -254,15 +266,17 @@ def test_a_reset_that_keeps_the_step_zeroes_only_the_moments(reset, extra, z3_bf
 
 
 @pytest.mark.slow
-def test_a_reset_filling_whole_sub_groups_restarts_at_step_0_in_a_real_engine(z3_bf16_dp2, native_resume,
-                                                                             tmp_path):
+def test_a_reset_filling_whole_sub_groups_restarts_at_step_0_in_a_real_engine(z3_bf16_dp2, native_resume, tmp_path):
     """embed.weight fills ZeRO-3 sub-groups of its own at sub_group_size 60, so a true reset fits."""
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 transforms:
   - reset_optimizer: ["^embed\\\\."]
 target: {{dp: 2, output: out}}
-""")
+""",
+    )
     run_migration(path)
     ours = resume(z3_bf16_dp2, LoadSpec(str(tmp_path / "out")), name="reset", work=tmp_path)
     native = native_resume(z3_bf16_dp2)
@@ -274,20 +288,24 @@ target: {{dp: 2, output: out}}
 
 
 def test_a_reset_matching_nothing_is_a_warning(z3_bf16_dp2, tmp_path):
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 universal: out
 transforms:
   - reset_optimizer: ["^lm_head\\\\."]
-""")
+""",
+    )
     text = run_migration(path, dry_run=True)
     assert f"warning    {path}:5: transforms[0].reset_optimizer[0]: '^lm_head\\\\.' matches no parameter" in text
 
 
 # -- planning, dry runs, re-runs --------------------------------------------------------------
 def test_dry_run_lists_the_plan_and_writes_nothing(z3_bf16_dp2, tmp_path):
-    pytest.importorskip("ucp.targets.export", reason="ucp.targets.export is not in this tree yet")
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 universal: out/universal
 transforms:
@@ -297,25 +315,35 @@ transforms:
 target: {{dp: 3, optimizer: ds-fused-adam, step: reset, output: out/native}}
 exports:
   - {{path: out/weights, dtype: fp32}}
-""")
+""",
+    )
     text = run_migration(path, dry_run=True)
-    for line in ("dry run: nothing is written", "tag global_step3, dp=2, bf16, torch-adam",
-                 "norm.weight -> final_norm.weight", "norm.bias -> final_norm.bias",
-                 "drop proj.weight (param; matches '^proj\\\\.')", "reset embed.weight: moments zeroed, step 0",
-                 f"write      {tmp_path / 'out/universal'}: universal directory",
-                 f"write      {tmp_path / 'out/native'}: native ZeRO-3 checkpoint for dp=3, ds-fused-adam, bf16",
-                 "step reset to 0", "optimizer state converted from torch-adam to ds-fused-adam",
-                 f"export     {tmp_path / 'out/weights'}: safetensors, fp32, from the universal directory"):
+    for line in (
+        "dry run: nothing is written",
+        "tag global_step3, dp=2, bf16, torch-adam",
+        "norm.weight -> final_norm.weight",
+        "norm.bias -> final_norm.bias",
+        "drop proj.weight (param; matches '^proj\\\\.')",
+        "reset embed.weight: moments zeroed, step 0",
+        f"write      {tmp_path / 'out/universal'}: universal directory",
+        f"write      {tmp_path / 'out/native'}: native ZeRO-3 checkpoint for dp=3, ds-fused-adam, bf16",
+        "step reset to 0",
+        "optimizer state converted from torch-adam to ds-fused-adam",
+        f"export     {tmp_path / 'out/weights'}: safetensors, fp32, from the universal directory",
+    ):
         assert line in text, line
     assert not (tmp_path / "out").exists()
 
 
 def test_rerun_without_overwrite_refuses_before_writing_anything(z3_bf16_dp2, tmp_path):
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 universal: out/universal
 target: {{dp: 1, output: out/native}}
-""")
+""",
+    )
     (tmp_path / "out/native").mkdir(parents=True)
     with pytest.raises(OutputExistsError, match=r"m\.yaml:4: target\.output: .*already exists; pass --overwrite"):
         run_migration(path)
@@ -326,13 +354,16 @@ target: {{dp: 1, output: out/native}}
 
 
 def test_cli_exits_non_zero_with_every_problem(z3_bf16_dp2, tmp_path, capsys):
-    path = _config(tmp_path, f"""
+    path = _config(
+        tmp_path,
+        f"""
 source: {json.dumps(str(z3_bf16_dp2.path))}
 target:
   dp: 0
   stage: 4
   output: out
-""")
+""",
+    )
     assert main(["migrate", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err
@@ -342,70 +373,142 @@ target:
 
 # -- bad configs, case by case ----------------------------------------------------------------
 BAD = [
-    ("unknown top-level key", "{src}\nuniversal: out\ntarj: {{dp: 2}}\n",
-     ["m.yaml:3: tarj: unknown key; did you mean 'target'?"]),
-    ("unknown nested key", "{src}\ntarget:\n  dp: 2\n  output: out\n  ouptut: x\n",
-     ["m.yaml:5: target.ouptut: unknown key; did you mean 'output'?"]),
-    ("wrong type", "{src}\ntarget:\n  dp: four\n  output: out\n",
-     ["m.yaml:3: target.dp: must be an integer, got 'four' (str)"]),
-    ("bool is not an int", "{src}\ntarget: {{dp: true, output: out}}\n",
-     ["m.yaml:2: target.dp: must be an integer, got True (a boolean)"]),
+    (
+        "unknown top-level key",
+        "{src}\nuniversal: out\ntarj: {{dp: 2}}\n",
+        ["m.yaml:3: tarj: unknown key; did you mean 'target'?"],
+    ),
+    (
+        "unknown nested key",
+        "{src}\ntarget:\n  dp: 2\n  output: out\n  ouptut: x\n",
+        ["m.yaml:5: target.ouptut: unknown key; did you mean 'output'?"],
+    ),
+    (
+        "wrong type",
+        "{src}\ntarget:\n  dp: four\n  output: out\n",
+        ["m.yaml:3: target.dp: must be an integer, got 'four' (str)"],
+    ),
+    (
+        "bool is not an int",
+        "{src}\ntarget: {{dp: true, output: out}}\n",
+        ["m.yaml:2: target.dp: must be an integer, got True (a boolean)"],
+    ),
     ("dp 0", "{src}\ntarget: {{dp: 0, output: out}}\n", ["m.yaml:2: target.dp: must be a positive integer, got 0"]),
-    ("stage 4", "{src}\ntarget:\n  dp: 2\n  stage: 4\n  output: out\n",
-     ["m.yaml:4: target.stage: must be one of 1, 2, 3, got 4"]),
-    ("unknown optimizer", "{src}\ntarget:\n  dp: 2\n  optimizer: torch-adamw\n  output: out\n",
-     ["m.yaml:4: target.optimizer: must be one of torch-adam, ds-fused-adam, ds-cpu-adam, apex-fused-adam, got "
-      "'torch-adamw' (did you mean 'torch-adam'?)"]),
-    ("unknown dtype", "{src}\ntarget:\n  dp: 2\n  dtype: fp8\n  output: out\n",
-     ["m.yaml:4: target.dtype: must be one of fp32, bf16, fp16, got 'fp8'"]),
-    ("bad step", "{src}\ntarget:\n  dp: 2\n  step: -1\n  output: out\n",
-     ["m.yaml:4: target.step: must be keep, reset or a non-negative integer, got -1"]),
+    (
+        "stage 4",
+        "{src}\ntarget:\n  dp: 2\n  stage: 4\n  output: out\n",
+        ["m.yaml:4: target.stage: must be one of 1, 2, 3, got 4"],
+    ),
+    (
+        "unknown optimizer",
+        "{src}\ntarget:\n  dp: 2\n  optimizer: torch-adamw\n  output: out\n",
+        [
+            "m.yaml:4: target.optimizer: must be one of torch-adam, ds-fused-adam, ds-cpu-adam, apex-fused-adam, "
+            "torch-sgd, torch-rmsprop, torch-nadam, torch-radam, torch-adamax, torch-adagrad, ds-cpu-adagrad, ds-lion, got "
+            "'torch-adamw' (did you mean 'torch-adam'?)"
+        ],
+    ),
+    (
+        "unknown dtype",
+        "{src}\ntarget:\n  dp: 2\n  dtype: fp8\n  output: out\n",
+        ["m.yaml:4: target.dtype: must be one of fp32, bf16, fp16, got 'fp8'"],
+    ),
+    (
+        "bad step",
+        "{src}\ntarget:\n  dp: 2\n  step: -1\n  output: out\n",
+        ["m.yaml:4: target.step: must be keep, reset or a non-negative integer, got -1"],
+    ),
     ("missing output", "{src}\ntarget:\n  dp: 2\n", ["m.yaml:2: target.output: is required"]),
-    ("unknown export format", "{src}\nexports:\n  - {{format: onnx, path: w}}\n",
-     ["m.yaml:3: exports[0].format: must be one of safetensors, torch, got 'onnx'"]),
-    ("export file of the other format", "{src}\nexports:\n  - format: torch\n    path: w.safetensors\n",
-     ["m.yaml:4: exports[0].path: w.safetensors does not fit format torch"]),
-    ("bad shard size", "{src}\nexports:\n  - {{path: w, max_shard_size: huge}}\n",
-     ["m.yaml:3: exports[0].max_shard_size: must be a size such as 500MB or 5GB, got 'huge'"]),
-    ("regex that does not compile", "{src}\nuniversal: out\ntransforms:\n  - drop: [\"ok\", \"(open\"]\n",
-     ["m.yaml:4: transforms[0].drop[1]: '(open' is not a valid regular expression: missing )"]),
-    ("rename regex that does not compile", "{src}\nuniversal: out\ntransforms:\n  - rename:\n"
-     "      pattern: \"[\"\n      replace: x\n",
-     ["m.yaml:5: transforms[0].rename.pattern: '[' is not a valid regular expression"]),
-    ("rename back-reference to no group", "{src}\nuniversal: out\ntransforms:\n"
-     "  - rename: {{pattern: \"^embed\", replace: \"\\\\2\"}}\n",
-     ["m.yaml:4: transforms[0].rename.replace: cannot be applied to 'embed.weight': invalid group reference 2"]),
-    ("rename collision", "{src}\nuniversal: out\ntransforms:\n  - rename: {{pattern: \"\\\\.(weight|bias)$\", "
-     "replace: \"\"}}\n",
-     ["m.yaml:4: transforms[0].rename: 'blocks.0.0.weight' and 'blocks.0.0.bias' would both be named 'blocks.0.0'"]),
-    ("rename onto an existing name", "{src}\nuniversal: out\ntransforms:\n"
-     "  - rename: {{pattern: \"^norm\\\\.bias$\", replace: norm.weight}}\n",
-     ["m.yaml:4: transforms[0].rename: 'norm.weight' and 'norm.bias' would both be named 'norm.weight'"]),
-    ("drop every parameter", "{src}\nuniversal: out\ntransforms:\n  - drop: [\"^(embed|blocks)\\\\.\"]\n"
-     "  - drop: [\"\"]\n",
-     ["m.yaml:5: transforms[1].drop: drops every parameter; nothing would be left to write"]),
-    ("two kinds in one item", "{src}\nuniversal: out\ntransforms:\n  - drop: [a]\n    reset_optimizer: [b]\n",
-     ["m.yaml:4: transforms[0]: holds drop and reset_optimizer; give each transform its own list item"]),
-    ("empty pattern list", "{src}\nuniversal: out\ntransforms:\n  - drop: []\n",
-     ["m.yaml:4: transforms[0].drop: must list at least one regular expression"]),
-    ("a pattern that is not a list", "{src}\nuniversal: out\ntransforms:\n  - reset_optimizer: \"^embed\"\n",
-     ["m.yaml:4: transforms[0].reset_optimizer: must be a list of strings or a mapping with keys params, step, "
-      "got '^embed' (str)"]),
-    ("reset in full, badly", "{src}\nuniversal: out\ntransforms:\n  - reset_optimizer:\n      params: [\"(x\"]\n"
-     "      step: later\n",
-     ["m.yaml:5: transforms[0].reset_optimizer.params[0]: '(x' is not a valid regular expression",
-      "m.yaml:6: transforms[0].reset_optimizer.step: must be one of zero, keep, got 'later'"]),
+    (
+        "unknown export format",
+        "{src}\nexports:\n  - {{format: onnx, path: w}}\n",
+        ["m.yaml:3: exports[0].format: must be one of safetensors, torch, got 'onnx'"],
+    ),
+    (
+        "export file of the other format",
+        "{src}\nexports:\n  - format: torch\n    path: w.safetensors\n",
+        ["m.yaml:4: exports[0].path: w.safetensors does not fit format torch"],
+    ),
+    (
+        "bad shard size",
+        "{src}\nexports:\n  - {{path: w, max_shard_size: huge}}\n",
+        ["m.yaml:3: exports[0].max_shard_size: must be a size such as 500MB or 5GB, got 'huge'"],
+    ),
+    (
+        "regex that does not compile",
+        '{src}\nuniversal: out\ntransforms:\n  - drop: ["ok", "(open"]\n',
+        ["m.yaml:4: transforms[0].drop[1]: '(open' is not a valid regular expression: missing )"],
+    ),
+    (
+        "rename regex that does not compile",
+        '{src}\nuniversal: out\ntransforms:\n  - rename:\n      pattern: "["\n      replace: x\n',
+        ["m.yaml:5: transforms[0].rename.pattern: '[' is not a valid regular expression"],
+    ),
+    (
+        "rename back-reference to no group",
+        '{src}\nuniversal: out\ntransforms:\n  - rename: {{pattern: "^embed", replace: "\\\\2"}}\n',
+        ["m.yaml:4: transforms[0].rename.replace: cannot be applied to 'embed.weight': invalid group reference 2"],
+    ),
+    (
+        "rename collision",
+        '{src}\nuniversal: out\ntransforms:\n  - rename: {{pattern: "\\\\.(weight|bias)$", replace: ""}}\n',
+        ["m.yaml:4: transforms[0].rename: 'blocks.0.0.weight' and 'blocks.0.0.bias' would both be named 'blocks.0.0'"],
+    ),
+    (
+        "rename onto an existing name",
+        '{src}\nuniversal: out\ntransforms:\n  - rename: {{pattern: "^norm\\\\.bias$", replace: norm.weight}}\n',
+        ["m.yaml:4: transforms[0].rename: 'norm.weight' and 'norm.bias' would both be named 'norm.weight'"],
+    ),
+    (
+        "drop every parameter",
+        '{src}\nuniversal: out\ntransforms:\n  - drop: ["^(embed|blocks)\\\\."]\n  - drop: [""]\n',
+        ["m.yaml:5: transforms[1].drop: drops every parameter; nothing would be left to write"],
+    ),
+    (
+        "two kinds in one item",
+        "{src}\nuniversal: out\ntransforms:\n  - drop: [a]\n    reset_optimizer: [b]\n",
+        ["m.yaml:4: transforms[0]: holds drop and reset_optimizer; give each transform its own list item"],
+    ),
+    (
+        "empty pattern list",
+        "{src}\nuniversal: out\ntransforms:\n  - drop: []\n",
+        ["m.yaml:4: transforms[0].drop: must list at least one regular expression"],
+    ),
+    (
+        "a pattern that is not a list",
+        '{src}\nuniversal: out\ntransforms:\n  - reset_optimizer: "^embed"\n',
+        [
+            "m.yaml:4: transforms[0].reset_optimizer: must be a list of strings or a mapping with keys params, step, "
+            "got '^embed' (str)"
+        ],
+    ),
+    (
+        "reset in full, badly",
+        '{src}\nuniversal: out\ntransforms:\n  - reset_optimizer:\n      params: ["(x"]\n      step: later\n',
+        [
+            "m.yaml:5: transforms[0].reset_optimizer.params[0]: '(x' is not a valid regular expression",
+            "m.yaml:6: transforms[0].reset_optimizer.step: must be one of zero, keep, got 'later'",
+        ],
+    ),
     ("missing source", "universal: out\n", ["m.yaml: source: is required"]),
-    ("source that is no checkpoint", "source: nowhere\nuniversal: out\n",
-     ["m.yaml:1: source: cannot be read:", "nowhere does not exist"]),
-    ("unknown tag", "{src}\ntag: global_step9\nuniversal: out\n",
-     ["m.yaml:2: tag: cannot be read: tag 'global_step9' not found"]),
+    (
+        "source that is no checkpoint",
+        "source: nowhere\nuniversal: out\n",
+        ["m.yaml:1: source: cannot be read:", "nowhere does not exist"],
+    ),
+    (
+        "unknown tag",
+        "{src}\ntag: global_step9\nuniversal: out\n",
+        ["m.yaml:2: tag: cannot be read: tag 'global_step9' not found"],
+    ),
     ("nothing to write", "{src}\n", ["m.yaml: nothing to write: give universal, target or exports"]),
     ("output inside the source", "{src}\nuniversal: {inside}\n", ["m.yaml:2: universal:", "overlaps the source"]),
-    ("two outputs on one path", "{src}\nuniversal: out\ntarget: {{dp: 2, output: out}}\n",
-     ["m.yaml:3: target.output:", "is also universal; every output needs its own path"]),
-    ("duplicate key", "{src}\nuniversal: out\nuniversal: other\n",
-     ["m.yaml:3: universal: is given twice"]),
+    (
+        "two outputs on one path",
+        "{src}\nuniversal: out\ntarget: {{dp: 2, output: out}}\n",
+        ["m.yaml:3: target.output:", "is also universal; every output needs its own path"],
+    ),
+    ("duplicate key", "{src}\nuniversal: out\nuniversal: other\n", ["m.yaml:3: universal: is given twice"]),
     ("not YAML", "{src}\ntarget: [dp: 2\n", ["m.yaml:3: not valid YAML"]),
     ("not a mapping", "- source\n", ["m.yaml: the config is a list, not a mapping"]),
 ]
@@ -424,7 +527,9 @@ def test_bad_config_is_refused_with_key_path_and_line(case, body, expected, z3_b
 
 def test_every_problem_is_reported_at_once(z3_bf16_dp2, tmp_path):
     """Config problems and what the checkpoint shows (a collision) come in one error, by line."""
-    path = _config(tmp_path, f"""source: {json.dumps(str(z3_bf16_dp2.path))}
+    path = _config(
+        tmp_path,
+        f"""source: {json.dumps(str(z3_bf16_dp2.path))}
 universal: out
 transforms:
   - rename: {{pattern: "^blocks\\\\.\\\\d+\\\\.", replace: "b."}}
@@ -433,15 +538,20 @@ target:
   dp: 0
   optimizer: adamw
   outptu: x
-""")
+""",
+    )
     with pytest.raises(MigrationConfigError) as caught:
         run_migration(path, dry_run=True)
     problems = caught.value.problems
     assert [int(p.split(":")[1]) for p in problems] == sorted(int(p.split(":")[1]) for p in problems)
     text = "\n".join(problems)
-    for fragment in ("m.yaml:5: transforms[1].reset_optimizer[0]: '(bad' is not a valid regular expression",
-                     "m.yaml:6: target.output: is required", "m.yaml:7: target.dp: must be a positive integer",
-                     "m.yaml:8: target.optimizer: must be one of", "m.yaml:9: target.outptu: unknown key"):
+    for fragment in (
+        "m.yaml:5: transforms[1].reset_optimizer[0]: '(bad' is not a valid regular expression",
+        "m.yaml:6: target.output: is required",
+        "m.yaml:7: target.dp: must be a positive integer",
+        "m.yaml:8: target.optimizer: must be one of",
+        "m.yaml:9: target.outptu: unknown key",
+    ):
         assert fragment in text, (fragment, text)
     # a transform list with a bad step is not applied, so no collision is reported for it; fix the
     # regex and the collision shows up together with the target's problems

@@ -6,17 +6,39 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ucp.model.partition import zero12_group, zero12_group_padding, zero12_padded_numel, zero12_param_spans, zero12_partition_size, zero12_rank_slice, zero3_layout, zero3_partition_size, zero3_rank_span, zero3_sub_groups
+from ucp.model.partition import (
+    zero3_layout,
+    zero3_partition_size,
+    zero3_rank_span,
+    zero3_sub_groups,
+    zero12_group,
+    zero12_group_padding,
+    zero12_padded_numel,
+    zero12_param_spans,
+    zero12_partition_size,
+    zero12_rank_slice,
+)
 
 
-@pytest.mark.parametrize("numel, dp, expected", [(66, 2, 33), (42, 2, 21), (7, 2, 4), (49, 2, 25), (7, 4, 2),
-                                                 (1, 4, 1), (12, 3, 4), (13, 3, 5)])
+@pytest.mark.parametrize(
+    "numel, dp, expected",
+    [(66, 2, 33), (42, 2, 21), (7, 2, 4), (49, 2, 25), (7, 4, 2), (1, 4, 1), (12, 3, 4), (13, 3, 5)],
+)
 def test_zero3_partition_size_is_ceil_split(numel, dp, expected):
     assert zero3_partition_size(numel, dp) == expected
 
 
-@pytest.mark.parametrize("numel, dp, rank, span", [(7, 2, 0, (0, 4)), (7, 2, 1, (4, 7)), (1, 4, 0, (0, 1)),
-                                                   (1, 4, 3, (1, 1)), (10, 4, 3, (9, 10)), (9, 4, 3, (9, 9))])
+@pytest.mark.parametrize(
+    "numel, dp, rank, span",
+    [
+        (7, 2, 0, (0, 4)),
+        (7, 2, 1, (4, 7)),
+        (1, 4, 0, (0, 1)),
+        (1, 4, 3, (1, 1)),
+        (10, 4, 3, (9, 10)),
+        (9, 4, 3, (9, 9)),
+    ],
+)
 def test_zero3_rank_span_table(numel, dp, rank, span):
     assert zero3_rank_span(numel, dp, rank) == span
 
@@ -66,17 +88,20 @@ def test_zero12_spans_cover_parameter_in_order(numel, dp, alignment):
 
 
 # group numel, dp -> (partition size, group_paddings per rank), read off real DeepSpeed 0.19.8 files
-@pytest.mark.parametrize("numel, dp, size, paddings", [
-    (86, 3, 30, [0, 0, 4]),  # 23,10,23,10,10,10: the worked example
-    (920, 3, 308, [0, 0, 4]),
-    (370, 3, 124, [0, 0, 2]),
-    (1376, 3, 460, [0, 0, 4]),
-    (1290, 2, 646, [0, 2]),
-    (370, 2, 186, [0, 2]),
-    (86, 4, 22, [0, 0, 0, 2]),
-    (370, 4, 94, [0, 0, 0, 6]),
-    (1290, 1, 1290, [0]),
-])
+@pytest.mark.parametrize(
+    "numel, dp, size, paddings",
+    [
+        (86, 3, 30, [0, 0, 4]),  # 23,10,23,10,10,10: the worked example
+        (920, 3, 308, [0, 0, 4]),
+        (370, 3, 124, [0, 0, 2]),
+        (1376, 3, 460, [0, 0, 4]),
+        (1290, 2, 646, [0, 2]),
+        (370, 2, 186, [0, 2]),
+        (86, 4, 22, [0, 0, 0, 2]),
+        (370, 4, 94, [0, 0, 0, 6]),
+        (1290, 1, 1290, [0]),
+    ],
+)
 def test_zero12_partitions_align_to_twice_dp_and_pad_at_the_end(numel, dp, size, paddings):
     assert zero12_partition_size(numel, dp) == size
     assert zero12_padded_numel(numel, dp) % (2 * dp) == 0
@@ -95,8 +120,10 @@ def test_zero12_group_worked_example_slices_match_param_slice_mappings():
     assert [layout.rank_slice(i, 1) for i in range(6)] == [None, (0, 3), (3, 23), (26, 4), None, None]
     assert [layout.rank_slice(i, 2) for i in range(6)] == [None, None, None, (0, 6), (6, 10), (16, 10)]
     assert [layout.padding(r) for r in range(3)] == [0, 0, 4]
-    assert [(s.rank, s.param_start, s.partition_start, s.length) for s in layout.spans(3)] == [(1, 0, 26, 4),
-                                                                                               (2, 4, 0, 6)]
+    assert [(s.rank, s.param_start, s.partition_start, s.length) for s in layout.spans(3)] == [
+        (1, 0, 26, 4),
+        (2, 4, 0, 6),
+    ]
 
 
 def test_zero12_group_keeps_parameter_alignment_gaps():

@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.checks import assert_same_training
-from tests.support.fixtures import resume
 
 import ucp
+from tests.support.checks import assert_same_training
+from tests.support.fixtures import resume
 from ucp.harness import LoadSpec
 from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
 from ucp.harness.worker import lr_decay
 
 
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z3-fp32-dp3-adamw"])
-def test_restore_into_live_engine_at_same_dp_is_bit_identical_to_native_resume(source, native_resume, universals,
-                                                                                 name, tmp_path):
+def test_restore_into_live_engine_at_same_dp_is_bit_identical_to_native_resume(
+    source, native_resume, universals, name, tmp_path
+):
     built = source(name)
     ours = resume(built, LoadSpec(str(universals(name)), kind="ucp"), name="live", work=tmp_path)
     assert_same_training(native_resume(built), ours)
 
 
 @pytest.mark.parametrize("name, dp", [("z3-fp32-dp2-adamw", 3), ("z3-fp32-dp4-adam", 2), ("z3-fp32-dp1-adamw", 2)])
-def test_restore_into_live_engine_at_new_dp_matches_native_resume(source, native_resume, universals, name, dp,
-                                                                  tmp_path):
+def test_restore_into_live_engine_at_new_dp_matches_native_resume(
+    source, native_resume, universals, name, dp, tmp_path
+):
     built = source(name)
     ours = resume(built, LoadSpec(str(universals(name)), kind="ucp"), dp=dp, name="live", work=tmp_path)
     assert_same_training(native_resume(built), ours, atol=1e-5)
@@ -32,31 +34,46 @@ def test_restore_into_live_engine_at_new_dp_matches_native_resume(source, native
 
 def test_state_right_after_restore_equals_source_and_groups_keep_own_lr(source, universals, tmp_path):
     built = source("z3-fp32-dp3-adamw")  # three groups with their own lr and weight_decay
-    after = resume(built, LoadSpec(str(universals("z3-fp32-dp3-adamw")), kind="ucp"), dp=2, steps=0, name="after",
-                   work=tmp_path)
+    after = resume(
+        built, LoadSpec(str(universals("z3-fp32-dp3-adamw")), kind="ucp"), dp=2, steps=0, name="after", work=tmp_path
+    )
     record = built.record
     for key in ("params", "exp_avg", "exp_avg_sq"):
         for name, value in record[key].items():
             assert torch.equal(after[key][name], value), (key, name)
     for name, value in record["module"].items():
         assert torch.equal(after["module"][name], value), name
-    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
-        [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
+    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == [
+        (g["lr"], g["weight_decay"]) for g in record["group_hparams"]
+    ]
     assert len({g["lr"] for g in after["group_hparams"]}) == 3
     assert after["counters"] == record["counters"] and set(after["state_steps"]) == {3.0}
 
 
 def test_torch_adamw_checkpoint_into_deepspeed_fused_adam_engine_and_back(source, universals, tmp_path):
     built = source("z3-fp32-dp2-adamw")
-    fused = resume(built, LoadSpec(str(universals("z3-fp32-dp2-adamw")), kind="ucp"), steps=0, name="fused",
-                   work=tmp_path, optimizer="ds-fused-adam")
+    fused = resume(
+        built,
+        LoadSpec(str(universals("z3-fp32-dp2-adamw")), kind="ucp"),
+        steps=0,
+        name="fused",
+        work=tmp_path,
+        optimizer="ds-fused-adam",
+    )
     assert set(fused["state_step_types"]) == {"int"} and set(fused["state_steps"]) == {3}
     for name, value in built.record["exp_avg"].items():
         assert torch.equal(fused["exp_avg"][name], value), name
     # and back: a DeepSpeed FusedAdam checkpoint into a torch AdamW engine
     fused_src = source("z3-bf16-dp4-fused")
-    back = resume(fused_src, LoadSpec(str(universals("z3-bf16-dp4-fused")), kind="ucp"), dp=2, steps=0, name="back",
-                  work=tmp_path, optimizer="torch-adamw")
+    back = resume(
+        fused_src,
+        LoadSpec(str(universals("z3-bf16-dp4-fused")), kind="ucp"),
+        dp=2,
+        steps=0,
+        name="back",
+        work=tmp_path,
+        optimizer="torch-adamw",
+    )
     assert set(back["state_step_types"]) == {"Tensor"} and set(back["state_steps"]) == {3.0}
     for name, value in fused_src.record["params"].items():
         assert torch.equal(back["params"][name], value), name
@@ -79,8 +96,15 @@ def test_restore_torch_into_plain_model_matches_universal(source, universals):
     assert scheduler.last_epoch == record["lr_scheduler"]["last_epoch"]
     assert torch.equal(model.calls, record["buffers"]["calls"])
     # and it trains on: one plain step from the restored state
-    tokens = batch_for_step(spec.steps, seed=spec.data_seed, global_batch=spec.global_batch, seq=spec.seq,
-                            vocab=spec.model.vocab, rank=0, dp=1)
+    tokens = batch_for_step(
+        spec.steps,
+        seed=spec.data_seed,
+        global_batch=spec.global_batch,
+        seq=spec.seq,
+        vocab=spec.model.vocab,
+        rank=0,
+        dp=1,
+    )
     model(tokens).backward()
     optimizer.step()
     assert float(optimizer.state[params["embed.weight"]]["step"]) == spec.steps + 1

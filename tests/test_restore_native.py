@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.checks import assert_same_training
-from tests.support.fixtures import resume
 
 import ucp
+from tests.support.checks import assert_same_training
+from tests.support.fixtures import resume
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
 
@@ -32,13 +32,15 @@ def test_same_dp_resume_is_bit_identical_to_native_resume(source, native_resume,
     assert_same_training(native_resume(built), ours)
 
 
-@pytest.mark.parametrize("name, dp", [("z3-fp32-dp1-adamw", 4), ("z3-fp32-dp4-adam", 1), ("z3-fp32-dp2-adamw", 3),
-                                      ("z3-fp32-dp3-adamw", 2)])
+@pytest.mark.parametrize(
+    "name, dp", [("z3-fp32-dp1-adamw", 4), ("z3-fp32-dp4-adam", 1), ("z3-fp32-dp2-adamw", 3), ("z3-fp32-dp3-adamw", 2)]
+)
 def test_new_dp_resume_matches_native_resume_within_1e_5(source, native_resume, name, dp, tmp_path):
     built = source(name)
     out = _restore(built, tmp_path, dp)
     assert sorted(p.name for p in (out / (out / "latest").read_text()).iterdir() if "optim" in p.name) == sorted(
-        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp))
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)
+    )
     ours = resume(built, LoadSpec(str(out)), dp=dp, name="ucp", work=tmp_path)
     assert_same_training(native_resume(built), ours, atol=1e-5)
 

@@ -11,24 +11,26 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from conftest import TP_SOURCES
-from tests.support.fixtures import Built, resume
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ucp
 from tests.support.files import resave
-from ucp.io import torchfile
-from ucp.model import tp as tpl
+from tests.support.fixtures import Built, resume
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
 from ucp.harness.worker import record_path
+from ucp.io import torchfile
+from ucp.model import tp as tpl
 from ucp.sources import open_reader
+
 
 @pytest.fixture(scope="module")
 def tp_native_resume(tmp_path_factory):
@@ -106,8 +108,11 @@ def assert_same_state(ours_path: Path, theirs_path: Path, **ours_options: Any) -
         for meta in theirs.facts.params:
             a, b = ours.read(meta.name), theirs.read(meta.name)
             assert torch.equal(a.fp32, b.fp32), meta.name
-            assert meta.frozen or (torch.equal(a.optim["exp_avg"], b.optim["exp_avg"]) and torch.equal(a.optim["exp_avg_sq"], b.optim["exp_avg_sq"])
-                                   and a.step == b.step), meta.name
+            assert meta.frozen or (
+                torch.equal(a.optim["exp_avg"], b.optim["exp_avg"])
+                and torch.equal(a.optim["exp_avg_sq"], b.optim["exp_avg_sq"])
+                and a.step == b.step
+            ), meta.name
     finally:
         ours.close()
         theirs.close()
@@ -124,8 +129,14 @@ def test_shard_widths_follow_deepspeed_autotp():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 9), cols=st.integers(1, 6), tp=st.integers(1, 4), dim=st.integers(0, 1),
-       n_parts=st.integers(1, 3), seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 6),
+    tp=st.integers(1, 4),
+    dim=st.integers(0, 1),
+    n_parts=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
 def test_scatter_then_gather_is_the_identity(rows, cols, tp, dim, n_parts, seed):
     shape = [rows * n_parts, cols] if dim == 0 else [rows, cols * n_parts]
     parts = tuple([shape[dim] // n_parts] * n_parts) if n_parts > 1 else ()
@@ -211,8 +222,9 @@ def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, source, unive
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,atol", [("tp2-z2-fp32-dp1", 1e-5), ("tp2-z1-bf16-dp2-glu", 2e-3)])
-def test_tp2_checkpoint_resumes_without_tp_like_the_native_tp2_resume(name, atol, source, universals,
-                                                                      tp_native_resume, tmp_path):
+def test_tp2_checkpoint_resumes_without_tp_like_the_native_tp2_resume(
+    name, atol, source, universals, tp_native_resume, tmp_path
+):
     built = source(name)
     ucp.write_native(universals(name), tmp_path / "n", dp=2, stage=built.spec.stage)
     ours = resume(built, LoadSpec(str(tmp_path / "n")), dp=2, tp=1, name="tp1", work=tmp_path)
@@ -220,8 +232,7 @@ def test_tp2_checkpoint_resumes_without_tp_like_the_native_tp2_resume(name, atol
 
 
 @pytest.mark.slow
-def test_restore_into_live_tp2_engine_is_bit_identical_to_native_resume(source, universals, tp_native_resume,
-                                                                        tmp_path):
+def test_restore_into_live_tp2_engine_is_bit_identical_to_native_resume(source, universals, tp_native_resume, tmp_path):
     built = source("tp2-z2-fp32-dp1")
     resume(built, LoadSpec(str(universals("tp2-z2-fp32-dp1")), kind="ucp"), name="live", work=tmp_path)
     ours = records(tmp_path / "live.pt", 2)
@@ -237,8 +248,7 @@ def test_restore_into_live_tp2_engine_is_bit_identical_to_native_resume(source, 
 def test_checkpoint_without_tp_restores_into_a_live_tp2_engine(source, universals, native_resume, tmp_path):
     """TP=1 -> TP=2: the live AutoTP model's own layout cuts the full parameters."""
     built = source("z1-fp32-dp2-adamw")
-    resume(built, LoadSpec(str(universals("z1-fp32-dp2-adamw")), kind="ucp"), dp=1, tp=2, name="live",
-           work=tmp_path)
+    resume(built, LoadSpec(str(universals("z1-fp32-dp2-adamw")), kind="ucp"), dp=1, tp=2, name="live", work=tmp_path)
     ours = full_record(records(tmp_path / "live.pt", 2))
     assert_training_close(native_resume(built), ours, atol=1e-5)
 
@@ -248,21 +258,27 @@ def test_tp_checkpoint_without_info_needs_rules(source, tmp_path):
     copy = with_info(built, tmp_path, lambda info: None)
     with pytest.raises(InputError, match="no rule for .*tensor_parallel.rules"):
         open_reader(copy)
-    rules = [(r"^blocks\.\d+\.0\.", tpl.TpRule("split", dim=0)), (r"^blocks\.\d+\.2\.weight$", tpl.TpRule("split", dim=1)),
-             (r".*", tpl.REPLICATED)]
+    rules = [
+        (r"^blocks\.\d+\.0\.", tpl.TpRule("split", dim=0)),
+        (r"^blocks\.\d+\.2\.weight$", tpl.TpRule("split", dim=1)),
+        (r".*", tpl.REPLICATED),
+    ]
     assert_same_state(copy, built.path, tp_rules=rules)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dp", [("tp2-z2-fp32-dp1", 1), ("tp2-z1-bf16-dp2-glu", 1)])
-def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(name, dp, source, universals,
-                                                                        tp_native_resume, tmp_path):
+def test_native_tp2_checkpoint_from_universal_loads_in_deepspeed_autotp(
+    name, dp, source, universals, tp_native_resume, tmp_path
+):
     """Re-split: universal -> mp_rank_00/01 files at TP=2 that stock DeepSpeed AutoTP loads natively."""
     built = source(name)
     plan = ucp.write_native(universals(name), tmp_path / "n", dp=dp, stage=built.spec.stage, tp=2)
     tag_dir = tmp_path / "n" / plan.tag
-    assert sorted(p.name for p in tag_dir.glob("mp_rank_*")) == ["mp_rank_00_model_states.pt",
-                                                                "mp_rank_01_model_states.pt"]
+    assert sorted(p.name for p in tag_dir.glob("mp_rank_*")) == [
+        "mp_rank_00_model_states.pt",
+        "mp_rank_01_model_states.pt",
+    ]
     resume(built, LoadSpec(str(tmp_path / "n")), dp=dp, name="native-tp2", work=tmp_path)
     ours = records(tmp_path / "native-tp2.pt", 2)
     reference = tp_native_resume(built)
@@ -317,14 +333,17 @@ def test_pipeline_parallel_checkpoint_is_refused_in_one_line(source, tmp_path):
         open_reader(copy)
 
 
-@pytest.mark.parametrize("damage", [
-    {"tp_replicated_parameter_patterns": ["("]},  # not a regex
-    {"parameter_with_sub_params": 5},
-    {"parameter_with_sub_params": [{"patterns": [r"^blocks\.0\.0\.weight$"], "shape": [7], "partition_dim": 3}]},
-    {"affine_map": {"version": 1, "params": {r"^embed\.weight$": {"logical_shape": [37, 10]}}}},
-    {"affine_map": {"version": 9, "params": {}}},
-    {"vocabulary_parameter_patterns": [r"^blocks\.0\.0\.weight$"]},  # no original_vocab_size
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"tp_replicated_parameter_patterns": ["("]},  # not a regex
+        {"parameter_with_sub_params": 5},
+        {"parameter_with_sub_params": [{"patterns": [r"^blocks\.0\.0\.weight$"], "shape": [7], "partition_dim": 3}]},
+        {"affine_map": {"version": 1, "params": {r"^embed\.weight$": {"logical_shape": [37, 10]}}}},
+        {"affine_map": {"version": 9, "params": {}}},
+        {"vocabulary_parameter_patterns": [r"^blocks\.0\.0\.weight$"]},  # no original_vocab_size
+    ],
+)
 def test_damaged_universal_checkpoint_info_is_refused_in_one_line(source, tmp_path, damage):
     def edit(info: dict[str, Any]) -> dict[str, Any]:
         if "affine_map" not in damage:

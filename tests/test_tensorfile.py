@@ -1,4 +1,4 @@
-"""ucp.io.torchzip, ucp.io.pieces and the copy-free paths built on it.
+"""ucp.io.torchzip, ucp.model.pieces and the copy-free paths built on it.
 
 The promises kept here: a tensor given as pieces (in-memory slices or spans of a file on disk) is
 written byte for byte as the joined tensor would be, with the crc32 of the bytes on disk; slicing
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from ucp.errors import ChecksumError, CorruptFileError
-from ucp.sources import open_reader
-from ucp.io.pieces import FileSpan, Pieces
-from ucp.model.records import Reader, ReaderView
 from ucp.io.torchzip import write_torch_file
+from ucp.model.pieces import FileSpan, Pieces
+from ucp.model.records import Reader, ReaderView
+from ucp.sources import open_reader
 from ucp.universal.reader import open_universal
 from ucp.universal.writer import write_universal
 
@@ -37,9 +37,15 @@ def _mixed_pieces(handle, tensor: torch.Tensor, lead: int = 3) -> Pieces:
     """``tensor`` as a span, an in-memory slice and another span."""
     flat = tensor.reshape(-1)
     item = flat.element_size()
-    return Pieces((FileSpan(handle, lead, 10 * item), flat[10:30], FileSpan(handle, lead + 30 * item,
-                                                                           (flat.numel() - 30) * item)),
-                  tuple(tensor.shape), tensor.dtype)
+    return Pieces(
+        (
+            FileSpan(handle, lead, 10 * item),
+            flat[10:30],
+            FileSpan(handle, lead + 30 * item, (flat.numel() - 30) * item),
+        ),
+        tuple(tensor.shape),
+        tensor.dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,8 +70,9 @@ def test_pieces_are_written_byte_for_byte_as_the_joined_tensor(tmp_path: Path, d
     assert loaded["param"].dtype == dtype and torch.equal(loaded["param"], tensor)
 
 
-@pytest.mark.parametrize("start,end", [(0, 1000), (0, 0), (5, 9), (9, 10), (10, 30), (9, 31), (29, 31),
-                                       (250, 900), (999, 1000)])
+@pytest.mark.parametrize(
+    "start,end", [(0, 1000), (0, 0), (5, 9), (9, 10), (10, 30), (9, 31), (29, 31), (250, 900), (999, 1000)]
+)
 def test_pieces_slice_and_join_are_exact(tmp_path: Path, start: int, end: int) -> None:
     tensor = torch.randn(10, 100)
     with open(_raw_file(tmp_path, tensor), "rb", buffering=0) as handle:
@@ -105,8 +112,9 @@ class _WholeTensors(ReaderView):
 
 
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"])
-def test_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(source, name: str,
-                                                                                tmp_path: Path) -> None:
+def test_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(
+    source, name: str, tmp_path: Path
+) -> None:
     fast, whole = tmp_path / "fast" / "u", tmp_path / "whole" / "u"
     reader = open_reader(source(name).path)
     try:

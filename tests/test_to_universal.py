@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from tests.support.checks import assert_reader_matches_record
 from conftest import SOURCES
-from tests.support.fixtures import resume
 
 import ucp
+from tests.support.checks import assert_reader_matches_record
+from tests.support.fixtures import resume
 from ucp.harness import LoadSpec
 from ucp.sources import open_reader
 
@@ -28,8 +28,14 @@ def test_to_universal_equals_live_engine_bit_for_bit(source, name, tmp_path):
     assert_reader_matches_record(open_reader(built.path), record)
 
 
-@pytest.mark.parametrize("name, flavour", [("z3-bf16-dp2-adamw", "torch-adam"), ("z3-bf16-dp4-fused", "ds-fused-adam"),
-                                           ("z3-bf16-dp2-cpuadam", "ds-cpu-adam")])
+@pytest.mark.parametrize(
+    "name, flavour",
+    [
+        ("z3-bf16-dp2-adamw", "torch-adam"),
+        ("z3-bf16-dp4-fused", "ds-fused-adam"),
+        ("z3-bf16-dp2-cpuadam", "ds-cpu-adam"),
+    ],
+)
 def test_manifest_records_source_facts_and_flavour(source, name, flavour, tmp_path):
     built = source(name)
     manifest = ucp.to_universal(built.path, tmp_path / "u")
@@ -42,8 +48,9 @@ def test_manifest_records_source_facts_and_flavour(source, name, flavour, tmp_pa
     groups = manifest["param_groups"]
     assert len(groups) == spec.param_groups
     names = [p["name"] for p in manifest["params"]]
-    assert sorted(n for g in groups for n in g["params"]) == sorted(p["name"] for p in manifest["params"]
-                                                                  if not p["frozen"])
+    assert sorted(n for g in groups for n in g["params"]) == sorted(
+        p["name"] for p in manifest["params"] if not p["frozen"]
+    )
     frozen = [p for p in manifest["params"] if p["frozen"]]
     assert [p["name"] for p in frozen] == ["proj.weight", "proj.bias"] and all(p["group"] is None for p in frozen)
     assert "head.weight" not in names and manifest["tied"] == {"head.weight": "embed.weight"}
@@ -97,6 +104,8 @@ def test_reading_does_not_import_deepspeed(z3_bf16_dp2, tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, ucp; ucp.to_universal(sys.argv[1], sys.argv[2]); "
-            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
+    code = (
+        "import sys, ucp; ucp.to_universal(sys.argv[1], sys.argv[2]); "
+        "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'"
+    )
     subprocess.run([sys.executable, "-c", code, str(z3_bf16_dp2.path), str(tmp_path / "u")], check=True)

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from tests.support.files import resave
-from ucp.io import standins
-from ucp.io import torchfile
 from ucp.errors import CorruptFileError, UnsafeFileError
+from ucp.io import standins, torchfile
 
 CALLS: list[str] = []
 
@@ -92,7 +91,10 @@ def test_refuses_os_system_reduce_without_running_it(tmp_path: Path) -> None:
     torch.save({"optimizer_state_dict": SystemCall(marker)}, tmp_path / "evil.pt")
     with pytest.raises(UnsafeFileError) as info:
         torchfile.TorchFile(tmp_path / "evil.pt")
-    assert "posix.system" in _one_line(info.value) or "os.system" in str(info.value)
+    message = _one_line(info.value)
+    # os.system pickles as posix.system (its __module__ on Linux); the refusal names it and the file
+    expected = f"{tmp_path / 'evil.pt'} refers to posix.system, which is not on ucp's allow-list"
+    assert message.startswith(expected), message
     assert not marker.exists()
 
 
@@ -123,9 +125,11 @@ def test_reads_a_legacy_format_file(tmp_path: Path) -> None:
 
 def test_refuses_stack_global_opcodes(tmp_path: Path) -> None:
     torch.save({"a": torch.ones(1)}, tmp_path / "p4.pt", pickle_protocol=4)
-    with pytest.raises((UnsafeFileError, CorruptFileError)) as info:
+    with pytest.raises(UnsafeFileError) as info:
         torchfile.load(tmp_path / "p4.pt")
-    _one_line(info.value)
+    message = _one_line(info.value)
+    assert message.startswith(f"{tmp_path / 'p4.pt'} builds objects with the STACK_GLOBAL opcode"), message
+    assert "refused without running it" in message
 
 
 @pytest.mark.parametrize("damage", ["empty", "garbage", "half", "no_tail", "head_only", "pickle_bytes"])
@@ -209,7 +213,8 @@ def test_bad_persistent_ids_are_clean_errors(tmp_path: Path) -> None:
     _raw_torch_zip(tmp_path / "pid.pt", buf.getvalue())
     with pytest.raises(CorruptFileError) as info:
         torchfile.load(tmp_path / "pid.pt")
-    _one_line(info.value)
+    message = _one_line(info.value)
+    assert message.startswith(f"{tmp_path / 'pid.pt'}: malformed storage reference ('storage', 'not-a-type'"), message
 
 
 def test_source_file_is_never_written_through_its_mapping(tmp_path: Path) -> None:
@@ -219,15 +224,15 @@ def test_source_file_is_never_written_through_its_mapping(tmp_path: Path) -> Non
     before, mtime = _digest(path), path.stat().st_mtime_ns
     with torchfile.TorchFile(path) as tf:
         tf.obj["w"].add_(1)  # a private copy-on-write page; the file must not see it
-        tf.release(tf.obj["w"])
-        assert torch.equal(tf.obj["w"], torch.arange(100.0) + 1) or torch.equal(tf.obj["w"], torch.arange(100.0))
+        assert torch.equal(tf.obj["w"], torch.arange(100.0) + 1)  # the write landed in the private copy
+        tf.release(tf.obj["w"])  # drops the private pages: the next read comes from the file again
+        assert torch.equal(tf.obj["w"], torch.arange(100.0))
     assert _digest(path) == before and path.stat().st_mtime_ns == mtime
 
 
 def test_tensors_stay_valid_after_the_file_is_closed(tmp_path: Path) -> None:
     """close() must not unmap memory that live tensors still view (it used to: a segfault)."""
-    resave({"w": torch.arange(4096.0), "scaler": standins.LossScaler(cur_scale=torch.tensor(8.0))},
-                   tmp_path / "f.pt")
+    resave({"w": torch.arange(4096.0), "scaler": standins.LossScaler(cur_scale=torch.tensor(8.0))}, tmp_path / "f.pt")
     with torchfile.TorchFile(tmp_path / "f.pt") as tf:
         kept = tf.obj["w"][10:20]
         scale = tf.obj["scaler"].cur_scale

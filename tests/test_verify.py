@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.support.files import resave
+from ucp.cli import main
+from ucp.errors import InputError
 from ucp.io import torchfile
 from ucp.io.atomic import checksum
-from ucp.cli import main
 from ucp.ops.convert import to_universal
-from ucp.errors import InputError
 from ucp.ops.verify import first_difference, verify_model, verify_universal
 
 PARAM = "blocks.0.0.weight"
@@ -72,8 +72,9 @@ def test_verify_catches_one_changed_exp_avg_value_with_its_checksum_fixed(z3_bf1
     _fix_checksum(copy, PARAM, "exp_avg.pt")
     result = verify_universal(z3_bf16_dp2.path, copy)
     assert not result.ok
-    assert result.message.startswith(f"MISMATCH: {PARAM} exp_avg: first of 1 differing elements at index [3, 7] "
-                                     "(flat 37)")
+    assert result.message.startswith(
+        f"MISMATCH: {PARAM} exp_avg: first of 1 differing elements at index [3, 7] (flat 37)"
+    )
     assert f"source {old!r} (0x" in result.message and f"universal {new!r} (0x" in result.message
 
 
@@ -128,7 +129,9 @@ def test_verify_fails_on_a_damaged_manifest(z3_bf16_dp2, copy):
 
 
 def test_verify_compares_bits_not_values():
-    assert first_difference(torch.tensor([0.0]), torch.tensor([-0.0])) is not None
+    assert first_difference(torch.tensor([0.0]), torch.tensor([-0.0])) == (
+        "first of 1 differing elements at index [0] (flat 0): source 0.0 (0x00000000), universal -0.0 (0x80000000)"
+    )
     nan = torch.tensor([float("nan")])
     assert first_difference(nan, nan.clone()) is None
     assert first_difference(torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)).startswith("dtype")
@@ -148,17 +151,21 @@ def test_verify_cli_exit_codes(z3_bf16_dp2, bf16_universal, copy, tmp_path, caps
 
 
 def test_verify_cli_in_a_subprocess(z3_bf16_dp2, bf16_universal, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "ucp", "verify", str(z3_bf16_dp2.path), str(bf16_universal)],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "ucp", "verify", str(z3_bf16_dp2.path), str(bf16_universal)],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("OK:"), ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "ucp", "verify", str(tmp_path), str(bf16_universal)],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ucp", "verify", str(tmp_path), str(bf16_universal)], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().startswith("ucp: error:") and len(bad.stderr.strip().splitlines()) == 1
 
 
 # -- verify --model ---------------------------------------------------------------------------
-MODELS = textwrap.dedent('''
+MODELS = textwrap.dedent("""
     from ucp.harness.model import TinyLM
     from ucp.harness.spec import ModelSpec
 
@@ -186,7 +193,7 @@ MODELS = textwrap.dedent('''
 
     def not_a_model():
         return 42
-''')
+""")
 
 
 @pytest.fixture()
@@ -204,22 +211,34 @@ def test_verify_model_accepts_the_model_that_wrote_the_checkpoint(z3_bf16_dp2, m
     assert verify_model(z3_bf16_dp2.path, f"{models}:build", tag="global_step3").ok
 
 
-@pytest.mark.parametrize("builder, expected", [
-    ("untied", "MISMATCH: model parameter 'head.weight' holds its own data, but the checkpoint ties it to "
-               "'embed.weight'"),
-    ("wider", "MISMATCH: blocks.0.0.weight: model shape [24, 10], checkpoint shape [23, 10]"),
-    ("unfrozen", "MISMATCH: proj.weight: trainable in the model, frozen in the checkpoint"),
-    ("norm_first", "MISMATCH: param group 1: order differs at position 0: the checkpoint stores 'blocks.0.0.bias', "
-                   "the model has 'norm.weight' there"),
-])
+@pytest.mark.parametrize(
+    "builder, expected",
+    [
+        (
+            "untied",
+            "MISMATCH: model parameter 'head.weight' holds its own data, but the checkpoint ties it to 'embed.weight'",
+        ),
+        ("wider", "MISMATCH: blocks.0.0.weight: model shape [24, 10], checkpoint shape [23, 10]"),
+        ("unfrozen", "MISMATCH: proj.weight: trainable in the model, frozen in the checkpoint"),
+        (
+            "norm_first",
+            "MISMATCH: param group 1: order differs at position 0: the checkpoint stores 'blocks.0.0.bias', "
+            "the model has 'norm.weight' there",
+        ),
+    ],
+)
 def test_verify_model_names_the_first_mismatch(z3_bf16_dp2, models, builder, expected):
     result = verify_model(z3_bf16_dp2.path, f"{models}:{builder}")
     assert not result.ok and result.message.startswith(expected), result.message
 
 
 def test_verify_model_bad_spec_is_an_input_error(z3_bf16_dp2, models, capsys):
-    for spec, words in [("nocolon", "MODULE:CALLABLE"), (f"{models}:missing", "has no attribute"),
-                        ("no_such_module_xyz:build", "cannot import"), (f"{models}:not_a_model", "not a torch.nn")]:
+    for spec, words in [
+        ("nocolon", "MODULE:CALLABLE"),
+        (f"{models}:missing", "has no attribute"),
+        ("no_such_module_xyz:build", "cannot import"),
+        (f"{models}:not_a_model", "not a torch.nn"),
+    ]:
         with pytest.raises(InputError, match=words):
             verify_model(z3_bf16_dp2.path, spec)
     assert main(["verify", str(z3_bf16_dp2.path), "--model", f"{models}:wider"]) == 1

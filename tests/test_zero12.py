@@ -11,15 +11,15 @@ import shutil
 
 import pytest
 import torch
-from tests.support.checks import assert_reader_matches_record, assert_same_training, assert_state_equals_record
-from tests.support.fixtures import resume
 
 import ucp
+from tests.support.checks import assert_reader_matches_record, assert_same_training, assert_state_equals_record
+from tests.support.files import resave
+from tests.support.fixtures import resume
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
-from ucp.sources import open_reader
-from tests.support.files import resave
 from ucp.io.torchfile import load
+from ucp.sources import open_reader
 
 Z12 = ["z1-fp32-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"]
 
@@ -48,8 +48,16 @@ def test_same_dp_rewrite_reproduces_every_field_deepspeed_wrote(source, universa
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     model = load(ours / "mp_rank_00_model_states.pt")
     expected = load(theirs / "mp_rank_00_model_states.pt")
-    for key in ("param_shapes", "frozen_param_shapes", "shared_params", "buffer_names", "dp_world_size",
-                "global_steps", "global_samples", "lr_scheduler"):
+    for key in (
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "buffer_names",
+        "dp_world_size",
+        "global_steps",
+        "global_samples",
+        "lr_scheduler",
+    ):
         assert model[key] == expected[key], key
     assert set(model["module"]) == set(expected["module"])
     for key, value in expected["module"].items():
@@ -107,12 +115,15 @@ def _drop_last_rank(tag):
     next(tag.glob("*zero_pp_rank_1_*")).unlink()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (_break_shapes, "group sizes do not add up"),
-    (_mix_versions, "different DeepSpeed versions"),
-    (_say_stage3, "mixes stages"),
-    (_drop_last_rank, "rank file zero_pp_rank_1_mp_rank_00_optim_states.pt is missing .* partition_count=2"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_break_shapes, "group sizes do not add up"),
+        (_mix_versions, "different DeepSpeed versions"),
+        (_say_stage3, "mixes stages"),
+        (_drop_last_rank, "rank file zero_pp_rank_1_mp_rank_00_optim_states.pt is missing .* partition_count=2"),
+    ],
+)
 def test_reader_refuses_inconsistent_checkpoints_in_one_line(source, damage, message, tmp_path):
     shutil.copytree(source("z1-fp32-dp2-adamw").path, tmp_path / "ck")
     tag = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()
@@ -134,28 +145,27 @@ def test_same_dp_resume_is_bit_identical_to_native_resume(source, native_resume,
 def test_new_dp_resume_matches_native_resume_within_1e_5(source, native_resume, universals, tmp_path):
     built = source("z1-fp32-dp2-adamw")
     plan = ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=3, stage=1)
-    assert sorted(p.name for p in (tmp_path / "n" / plan.tag).glob("*optim_states.pt")) == \
-        [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
+    assert sorted(p.name for p in (tmp_path / "n" / plan.tag).glob("*optim_states.pt")) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)
+    ]
     ours = resume(built, LoadSpec(str(tmp_path / "n")), dp=3, name="ucp", work=tmp_path)
     assert_same_training(native_resume(built), ours, atol=1e-5)
 
 
 @pytest.mark.slow
-def test_restore_into_live_stage1_engine_at_new_dp_matches_native_resume(source, native_resume, universals,
-                                                                         tmp_path):
+def test_restore_into_live_stage1_engine_at_new_dp_matches_native_resume(source, native_resume, universals, tmp_path):
     built = source("z1-fp32-dp2-adamw")
-    ours = resume(built, LoadSpec(str(universals("z1-fp32-dp2-adamw")), kind="ucp"), dp=1, name="live",
-                  work=tmp_path)
+    ours = resume(built, LoadSpec(str(universals("z1-fp32-dp2-adamw")), kind="ucp"), dp=1, name="live", work=tmp_path)
     assert_same_training(native_resume(built), ours, atol=1e-5)
     assert set(ours["state_steps"]) == {float(built.spec.steps + 3)}
 
 
 @pytest.mark.slow
-def test_state_right_after_live_restore_at_new_dp_equals_source_and_groups_keep_own_lr(source, universals,
-                                                                                       tmp_path):
+def test_state_right_after_live_restore_at_new_dp_equals_source_and_groups_keep_own_lr(source, universals, tmp_path):
     built = source("z2-bf16-dp3-adamw")  # three groups with their own lr and weight_decay
-    after = resume(built, LoadSpec(str(universals("z2-bf16-dp3-adamw")), kind="ucp"), dp=2, steps=0,
-                   name="after", work=tmp_path)
+    after = resume(
+        built, LoadSpec(str(universals("z2-bf16-dp3-adamw")), kind="ucp"), dp=2, steps=0, name="after", work=tmp_path
+    )
     assert_state_equals_record(after, built.record, steps=built.spec.steps)
     assert len({g["lr"] for g in after["group_hparams"]}) == 3
 
@@ -188,8 +198,14 @@ def test_zero2_checkpoint_becomes_zero3_and_loads_in_a_stage3_engine(source, uni
 @pytest.mark.slow
 def test_deepspeed_load_universal_reads_a_ucp_dir_made_from_a_stage2_checkpoint(source, universals, tmp_path):
     built = source("z2-bf16-dp3-adamw")
-    after = resume(built, LoadSpec(str(universals("z2-bf16-dp3-adamw")), kind="ds-universal"), dp=2, steps=0,
-                   name="after", work=tmp_path)
+    after = resume(
+        built,
+        LoadSpec(str(universals("z2-bf16-dp3-adamw")), kind="ds-universal"),
+        dp=2,
+        steps=0,
+        name="after",
+        work=tmp_path,
+    )
     # DeepSpeed's ZeRO-1/2 universal loader (0.19.8) never loads `module`, so buffers stay as the new
     # engine built them; everything it does load must be exact
     assert_state_equals_record(after, built.record, steps=built.spec.steps, buffers=False)

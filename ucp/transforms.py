@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ucp.errors import InputError
+from ucp.model import flavours
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader
 
 __all__ = [
@@ -327,7 +328,15 @@ class TransformedReader(Reader):
             fp32=state.fp32,
             optim={k: torch.zeros_like(v) for k, v in state.optim.items()},
             step=0 if name in self.plan.restarted and state.step is not None else state.step,
+            scalars={k: torch.full_like(v, self._scalar_reset(name, k)) for k, v in state.scalars.items()},
         )
+
+    def _scalar_reset(self, name: str, key: str) -> float:
+        """A scalar's value in a fresh optimizer (NAdam's mu_product starts at 1), from the flavour."""
+        flavour = flavours.FLAVOURS.get(self.inner.facts.flavour or "")
+        if flavour is None or key not in flavour.scalars:
+            raise InputError(f"{name}: cannot reset optimizer scalar {key!r}: ucp does not know its starting value")
+        return flavour.scalars[key]
 
     def buffers(self) -> dict[str, torch.Tensor]:
         source = self.inner.buffers()

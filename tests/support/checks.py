@@ -41,6 +41,7 @@ def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, step
 
 def assert_same_training(reference: dict[str, Any], other: dict[str, Any], *, atol: float = 0.0) -> None:
     """Losses, fp32 masters, moments, steps, lrs and counters agree (exactly when atol == 0)."""
+
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b) if atol == 0 else torch.allclose(a, b, rtol=0, atol=atol)
 
@@ -49,7 +50,20 @@ def assert_same_training(reference: dict[str, Any], other: dict[str, Any], *, at
         assert (a == b) if atol == 0 else abs(a - b) <= atol * 10, (reference["losses"], other["losses"])
     for key in ("params", "exp_avg", "exp_avg_sq"):
         for name, value in reference[key].items():
+            if value is None:  # an optimizer without this key (SGD has no exp_avg)
+                assert other[key][name] is None, (key, name)
+                continue
             assert close(value, other[key][name]), (key, name, (value - other[key][name]).abs().max().item())
+    for key, per_param in reference.get("state", {}).items():  # every key the optimizer keeps
+        assert set(other["state"][key]) == set(per_param), key
+        for name, value in per_param.items():
+            assert close(value, other["state"][key][name]), (key, name)
+    if "state_scalars" in reference:  # the step and 0-dim state (mu_product) of every flat tensor
+        ours = {k: sorted({s[k] for s in other["state_scalars"]}) for s in other["state_scalars"] for k in s}
+        theirs = {k: sorted({s[k] for s in reference["state_scalars"]}) for s in reference["state_scalars"] for k in s}
+        assert ours.keys() == theirs.keys(), (ours, theirs)
+        for k, values in theirs.items():
+            assert len(values) == len(ours[k]) and all(abs(a - b) <= max(atol, 0) for a, b in zip(values, ours[k])), k
     for name, value in reference["module"].items():
         assert value.shape == other["module"][name].shape, name
     assert set(other["state_steps"]) == set(reference["state_steps"]), (other["state_steps"], reference["state_steps"])
@@ -70,7 +84,8 @@ def assert_state_equals_record(after, record, *, steps, buffers=True):
         assert after["module"][name].dtype == value.dtype and torch.equal(after["module"][name], value), name
     assert set(after["state_steps"]) == {float(steps)}
     assert after["lrs"] == record["lrs"] and after["counters"] == record["counters"]
-    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == \
-        [(g["lr"], g["weight_decay"]) for g in record["group_hparams"]]
+    assert [(g["lr"], g["weight_decay"]) for g in after["group_hparams"]] == [
+        (g["lr"], g["weight_decay"]) for g in record["group_hparams"]
+    ]
     if buffers:
         assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())

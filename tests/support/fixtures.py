@@ -77,10 +77,20 @@ def build(**fields: Any) -> Built:
     return Built(folder / "ckpt", folder / "record.pt", spec)
 
 
-def resume(base: Built, load: LoadSpec, *, dp: int | None = None, steps: int = 3, name: str,
-           work: Path, **overrides: Any) -> dict[str, Any]:
+def resume(
+    base: Built, load: LoadSpec, *, dp: int | None = None, steps: int = 3, name: str, work: Path, **overrides: Any
+) -> dict[str, Any]:
     """Continue ``base``'s run from ``load`` for ``steps`` more steps; return the live record."""
-    spec = replace(base.spec, dp=dp or base.spec.dp, steps=steps, first_step=base.spec.steps, load=load,
-                   save_dir=None, record=str(work / f"{name}.pt"), port=0, **overrides)
+    spec = replace(
+        base.spec,
+        dp=dp or base.spec.dp,
+        steps=steps,
+        first_step=base.spec.steps,
+        load=load,
+        save_dir=None,
+        record=str(work / f"{name}.pt"),
+        port=0,
+        **overrides,
+    )
     run_ranks(spec, log_dir=work / f"{name}-logs")
     return torch.load(spec.record, weights_only=True)

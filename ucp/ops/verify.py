@@ -162,6 +162,11 @@ def _compare_param(src: Reader, uni: UniversalReader, entry: ParamEntry, meta: P
             return f"{meta.name} {key}: {diff}"
     if a.step != b.step:
         return f"{meta.name} step: source {a.step!r} != universal {b.step!r}"
+    if a.scalars.keys() != b.scalars.keys():
+        return f"{meta.name}: the source keeps scalars {sorted(a.scalars)}, the universal directory {sorted(b.scalars)}"
+    for key, x in a.scalars.items():
+        if x.dtype != b.scalars[key].dtype or not torch.equal(x, b.scalars[key]):
+            return f"{meta.name} {key}: source {x.item()!r} != universal {b.scalars[key].item()!r}"
     return step_diff
 
 

@@ -188,6 +188,7 @@ class TensorParallelSource(Reader):
                 fp32=merge([s.fp32 for s in states]),
                 optim={k: merge([s.optim[k] for s in states]) for k in keys},
                 step=states[0].step,
+                scalars=states[0].scalars,  # TP ranks step together: one value (the ZeRO source checked its ranks)
             )
         except tpl.TpInfoError as err:
             raise InputError(f"{self.files.tag_dir}: {name}: {err}") from None

@@ -99,6 +99,7 @@ class TpShardReader(ReaderView):
             fp32=tpl.scatter(state.fp32, layout),
             optim={k: tpl.scatter(v, layout) for k, v in state.optim.items()},
             step=state.step,
+            scalars=state.scalars,
         )
 
     @contextmanager
