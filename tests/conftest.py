@@ -40,11 +40,24 @@ TP_SOURCES: dict[str, dict[str, Any]] = {
     "tp2-z2-fp32-dp1": dict(dp=1, tp=2, stage=2, dtype="fp32", optimizer="torch-adamw"),
 }
 
+#: Optimizers beyond Adam (tests/test_optimizers.py), each with the options that give it the most state.
+OPTIMIZER_SOURCES: dict[str, dict[str, Any]] = {
+    "z3-fp32-amsgrad": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-adamw-amsgrad", sub_group_size=60),
+    "z3-bf16-sgd": dict(dp=2, stage=3, dtype="bf16", optimizer="torch-sgd"),
+    "z2-fp32-rmsprop": dict(dp=2, stage=2, dtype="fp32", optimizer="torch-rmsprop"),
+    "z3-fp32-nadam": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-nadam"),
+    "z1-bf16-nadam": dict(dp=2, stage=1, dtype="bf16", optimizer="torch-nadam"),
+    "z1-fp32-adamax": dict(dp=2, stage=1, dtype="fp32", optimizer="torch-adamax"),
+    "z2-bf16-radam": dict(dp=2, stage=2, dtype="bf16", optimizer="torch-radam"),
+    "z3-fp32-lion": dict(dp=2, stage=3, dtype="fp32", optimizer="ds-cpu-lion", offload=True),
+    "z2-fp32-adagrad": dict(dp=2, stage=2, dtype="fp32", optimizer="ds-cpu-adagrad", offload=True),
+}
+
 
 @pytest.fixture(scope="session")
 def source() -> Callable[[str], Built]:
-    """source(name) -> a cached real checkpoint from SOURCES or TP_SOURCES."""
-    return lambda name: build(**{**SOURCES, **TP_SOURCES}[name])
+    """source(name) -> a cached real checkpoint from SOURCES, TP_SOURCES or OPTIMIZER_SOURCES."""
+    return lambda name: build(**{**SOURCES, **TP_SOURCES, **OPTIMIZER_SOURCES}[name])
 
 
 @pytest.fixture(scope="session")

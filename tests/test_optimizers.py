@@ -9,56 +9,24 @@ DeepSpeed's CPU Lion and Adagrad (with offload, which they need). torch Adagrad 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
 import ucp
+from tests.conftest import OPTIMIZER_SOURCES
 from tests.support.checks import assert_same_training
-from tests.support.fixtures import Built, build, resume
+from tests.support.fixtures import resume
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
 from ucp.universal import open_universal
 
-OPTIMIZER_SOURCES: dict[str, dict[str, Any]] = {
-    "z3-fp32-amsgrad": dict(stage=3, dtype="fp32", optimizer="torch-adamw-amsgrad", sub_group_size=60),
-    "z3-bf16-sgd": dict(stage=3, dtype="bf16", optimizer="torch-sgd"),
-    "z2-fp32-rmsprop": dict(stage=2, dtype="fp32", optimizer="torch-rmsprop"),
-    "z3-fp32-nadam": dict(stage=3, dtype="fp32", optimizer="torch-nadam"),
-    "z1-bf16-nadam": dict(stage=1, dtype="bf16", optimizer="torch-nadam"),
-    "z1-fp32-adamax": dict(stage=1, dtype="fp32", optimizer="torch-adamax"),
-    "z2-bf16-radam": dict(stage=2, dtype="bf16", optimizer="torch-radam"),
-    "z3-fp32-lion": dict(stage=3, dtype="fp32", optimizer="ds-cpu-lion", offload=True),
-    "z2-fp32-adagrad": dict(stage=2, dtype="fp32", optimizer="ds-cpu-adagrad", offload=True),
-}
-FP32 = [n for n, spec in OPTIMIZER_SOURCES.items() if spec["dtype"] == "fp32"]
-
-
-def _source(name: str) -> Built:
-    return build(dp=2, **OPTIMIZER_SOURCES[name])
-
-
-@pytest.fixture(scope="module")
-def universal(tmp_path_factory: pytest.TempPathFactory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(_source(name).path, made[name])
-        return made[name]
-
-    return get
-
 
 @pytest.mark.parametrize("name", list(OPTIMIZER_SOURCES))
-def test_every_state_key_and_scalar_reaches_the_universal_directory_bit_exact(universal, name):
-    record = _source(name).record
+def test_every_state_key_and_scalar_reaches_the_universal_directory_bit_exact(source, universals, name):
+    record = source(name).record
     assert record["state"], "the run kept no optimizer state: the test would prove nothing"
     scalars = {k for s in record["state_scalars"] for k in s} - {"step"}
-    with open_universal(universal(name)) as reader:
+    with open_universal(universals(name)) as reader:
         for key, per_param in record["state"].items():
             for param, value in per_param.items():
                 state = reader.read(param)
@@ -74,10 +42,10 @@ def test_every_state_key_and_scalar_reaches_the_universal_directory_bit_exact(un
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZER_SOURCES))
-def test_state_right_after_restore_at_a_new_dp_equals_the_source(universal, name, tmp_path):
-    built = _source(name)
+def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, universals, name, tmp_path):
+    built = source(name)
     out = tmp_path / "n"
-    ucp.write_native(universal(name), out, dp=3, stage=built.spec.stage)
+    ucp.write_native(universals(name), out, dp=3, stage=built.spec.stage)
     after = resume(built, LoadSpec(str(out)), dp=3, steps=0, name="loaded", work=tmp_path)
     record = built.record
     for key, per_param in record["state"].items():
@@ -98,37 +66,37 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(universal, name
 
 
 @pytest.mark.parametrize("name", ["z3-fp32-amsgrad", "z2-fp32-rmsprop", "z3-fp32-nadam", "z3-fp32-lion"])
-def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(universal, name, tmp_path):
-    built = _source(name)
+def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, universals, name, tmp_path):
+    built = source(name)
     out = tmp_path / "n"
-    ucp.write_native(universal(name), out, dp=3, stage=built.spec.stage)
+    ucp.write_native(universals(name), out, dp=3, stage=built.spec.stage)
     reference = resume(built, LoadSpec(str(built.path)), name="native", work=tmp_path)
     ours = resume(built, LoadSpec(str(out)), dp=3, name="ucp", work=tmp_path)
     assert_same_training(reference, ours, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["z2-fp32-adagrad", "z1-bf16-nadam"])
-def test_same_dp_resume_is_bit_identical_to_native_resume(universal, name, tmp_path):
-    built = _source(name)
+def test_same_dp_resume_is_bit_identical_to_native_resume(source, universals, name, tmp_path):
+    built = source(name)
     out = tmp_path / "n"
-    ucp.write_native(universal(name), out, dp=2, stage=built.spec.stage)
+    ucp.write_native(universals(name), out, dp=2, stage=built.spec.stage)
     reference = resume(built, LoadSpec(str(built.path)), name="native", work=tmp_path)
     ours = resume(built, LoadSpec(str(out)), name="ucp", work=tmp_path)
     assert_same_training(reference, ours)
 
 
-def test_a_live_engine_at_a_new_dp_takes_sgd_momentum_from_ucp_restore(universal, tmp_path):
-    built = _source("z3-bf16-sgd")
+def test_a_live_engine_at_a_new_dp_takes_sgd_momentum_from_ucp_restore(source, universals, tmp_path):
+    built = source("z3-bf16-sgd")
     after = resume(
-        built, LoadSpec(str(universal("z3-bf16-sgd")), kind="ucp"), dp=3, steps=0, name="live", work=tmp_path
+        built, LoadSpec(str(universals("z3-bf16-sgd")), kind="ucp"), dp=3, steps=0, name="live", work=tmp_path
     )
     for param, value in built.record["state"]["momentum_buffer"].items():
         assert torch.equal(after["state"]["momentum_buffer"][param], value), param
 
 
-def test_restoring_one_familys_state_into_another_is_refused_in_one_line(universal, tmp_path, capsys):
+def test_restoring_one_familys_state_into_another_is_refused_in_one_line(universals, tmp_path, capsys):
     code = cli(
-        ["restore", str(universal("z3-bf16-sgd")), str(tmp_path / "n"), "--dp", "2", "--optimizer", "torch-adam"]
+        ["restore", str(universals("z3-bf16-sgd")), str(tmp_path / "n"), "--dp", "2", "--optimizer", "torch-adam"]
     )
     err = capsys.readouterr().err.strip()
     assert code != 0 and len(err.splitlines()) == 1, err
@@ -136,8 +104,8 @@ def test_restoring_one_familys_state_into_another_is_refused_in_one_line(univers
     assert not (tmp_path / "n").exists()
 
 
-def test_inspect_lists_each_groups_state_keys(universal, capsys):
-    assert cli(["inspect", str(universal("z2-fp32-rmsprop"))]) == 0
+def test_inspect_lists_each_groups_state_keys(universals, capsys):
+    assert cli(["inspect", str(universals("z2-fp32-rmsprop"))]) == 0
     out = capsys.readouterr().out
     assert "optimizer torch-rmsprop" in out
     assert out.count("state: square_avg, momentum_buffer, grad_avg") == 2
