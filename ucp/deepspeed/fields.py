@@ -25,6 +25,7 @@ __all__ = [
     "need_list",
     "need_tensor",
     "optimizer_block",
+    "check_rank_count",
     "flat_state_scalars",
     "same_scalars",
     "show_scalars",
@@ -292,6 +293,30 @@ def model_extras(model_states: Mapping[str, Any], zero: Mapping[str, Any] | None
                 raise InputError(f"the optimizer state's {key} is a {type(value).__name__}, not a flag: file damaged")
             out[key] = value
     return out
+
+
+def check_rank_count(
+    block: Mapping[str, Any], file: str, found: list[str], rank_file: Callable[[int], str], where: object
+) -> None:
+    """A rank file's partition_count must match the rank files found in ``where``: missing ones are
+    named (a bounded list), extra ones too."""
+    try:
+        count = partition_count(block)
+    except InputError as err:
+        raise InputError(f"{file}: {err}") from None
+    dp = len(found)
+    have = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
+    if count > dp:
+        raise InputError(
+            f"{missing_ranks(rank_file, dp, count)} missing from {where}: {file} says partition_count={count}, but {have}"
+        )
+    if count < dp:
+        extra = found[count:]
+        what = f"{', '.join(extra)} are extra rank files" if len(extra) > 1 else f"{extra[0]} is an extra rank file"
+        raise InputError(
+            f"{what} in {where}: {file} says partition_count={count}, but {have}; remove the extra files or check "
+            "they belong to this run"
+        )
 
 
 def missing_ranks(rank_file: Callable[[int], str], found: int, count: int) -> str:

@@ -22,11 +22,11 @@ from ucp.deepspeed.fields import (
     as_int,
     build_facts,
     check_name,
+    check_rank_count,
     engine_counters,
     flat_state_keys,
     flat_state_scalars,
     jsonable,
-    missing_ranks,
     model_dtype,
     model_extras,
     module_buffers,
@@ -34,7 +34,6 @@ from ucp.deepspeed.fields import (
     need_mapping,
     need_tensor,
     optimizer_block,
-    partition_count,
     same_scalars,
     show_scalars,
     tensor_shape,
@@ -138,28 +137,9 @@ class Zero12Source(Reader):
     def _check_rank_count(self, blocks: list[Mapping[str, Any]], head: Mapping[str, Any]) -> None:
         dp = len(self._optim)
         for tf, block in zip(self._optim, blocks):
-            try:
-                count = partition_count(block)
-            except InputError as err:
-                raise InputError(f"{tf.path.name}: {err}") from None
-            found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
-            if count > dp:
-                what = missing_ranks(self._rank_file, dp, count)
-                raise InputError(
-                    f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
-                    f"partition_count={count}, but {found}"
-                )
-            if count < dp:
-                extra = [t.path.name for t in self._optim[count:]]
-                what = (
-                    f"{', '.join(extra)} are extra rank files"
-                    if len(extra) > 1
-                    else f"{extra[0]} is an extra rank file"
-                )
-                raise InputError(
-                    f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
-                    f"{found}; remove the extra files or check they belong to this run"
-                )
+            check_rank_count(
+                block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir
+            )
         world = head.get("dp_world_size")
         if world is not None and as_int(world, "dp_world_size") != dp:
             raise InputError(

@@ -20,11 +20,11 @@ from ucp.deepspeed.fields import (
     as_int,
     build_facts,
     check_name,
+    check_rank_count,
     engine_counters,
     flat_state_keys,
     flat_state_scalars,
     jsonable,
-    missing_ranks,
     model_dtype,
     model_extras,
     module_buffers,
@@ -32,7 +32,6 @@ from ucp.deepspeed.fields import (
     need_mapping,
     need_tensor,
     optimizer_block,
-    partition_count,
     same_scalars,
     show_scalars,
     stage_of,
@@ -96,7 +95,6 @@ class Zero3Source(Reader):
         return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
 
     def _check_rank_count(self, blocks: list[Mapping[str, Any]]) -> None:
-        dp = len(self._optim)
         for tf, block in zip(self._optim, blocks):
             try:
                 stage = stage_of(block)
@@ -107,28 +105,9 @@ class Zero3Source(Reader):
                     f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files "
                     "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages"
                 )
-            try:
-                count = partition_count(block)
-            except InputError as err:
-                raise InputError(f"{tf.path.name}: {err}") from None
-            found = f"{dp} rank file{'s were' if dp > 1 else ' was'} found"
-            if count > dp:
-                what = missing_ranks(self._rank_file, dp, count)
-                raise InputError(
-                    f"{what} missing from {self.files.tag_dir}: {tf.path.name} says "
-                    f"partition_count={count}, but {found}"
-                )
-            if count < dp:
-                extra = [t.path.name for t in self._optim[count:]]
-                what = (
-                    f"{', '.join(extra)} are extra rank files"
-                    if len(extra) > 1
-                    else f"{extra[0]} is an extra rank file"
-                )
-                raise InputError(
-                    f"{what} in {self.files.tag_dir}: {tf.path.name} says partition_count={count}, but "
-                    f"{found}; remove the extra files or check they belong to this run"
-                )
+            check_rank_count(
+                block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir
+            )
 
     def _check_models(self) -> list[Mapping[str, Any]]:
         models = []
