@@ -7,6 +7,7 @@ file gets an :class:`~ucp.errors.InputError` naming the file and the field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -44,6 +45,8 @@ __all__ = [
     "model_extras",
     "missing_ranks",
     "zero12_frozen_names",
+    "zero12_frozen_values",
+    "module_ties",
     "STEP_KEY",
     "flat_state_keys",
 ]
@@ -331,12 +334,67 @@ def zero12_frozen_names(
     model_states: Mapping[str, Any], optimized: Iterable[str], tied: Iterable[str], buffer_names: Iterable[str]
 ) -> list[str]:
     """Parameters outside ZeRO-1/2's flat groups: stage 2 lists them (frozen_param_shapes); stage 1 leaves
-    them in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
-    listed = model_states.get("frozen_param_shapes")
-    if listed is not None:
-        return list(listed)
-    skip = set(optimized) | set(tied) | set(buffer_names)
-    return [k for k in (model_states.get("module") or {}) if k not in skip]
+    them in ``module`` only, among the optimized weights, the tied aliases and the buffers. A ``module``
+    entry that is none of these is a parameter too, even when a list is present: nothing is dropped
+    because one field was trimmed."""
+    listed = list(model_states.get("frozen_param_shapes") or {})
+    skip = set(optimized) | set(tied) | set(buffer_names) | set(listed)
+    return listed + [k for k in (model_states.get("module") or {}) if k not in skip]
+
+
+def _view(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """What makes two saved tensors one tensor: the same first byte, shape and strides."""
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def module_ties(model_states: Mapping[str, Any], optimized: Iterable[str]) -> dict[str, str]:
+    """Tied aliases as the file shows them: ``shared_params``, and every other ``module`` entry that is the
+    very bytes of an optimized parameter (DeepSpeed 0.19.8 records shared_params on TP rank 0 only)."""
+    module = model_states.get("module") or {}
+    optimized = set(optimized)
+    owners = {_view(v): k for k, v in module.items() if k in optimized and torch.is_tensor(v) and v.numel()}
+    found = {
+        k: owners[_view(v)]
+        for k, v in module.items()
+        if k not in optimized and torch.is_tensor(v) and v.numel() and _view(v) in owners
+    }
+    return {**found, **(model_states.get("shared_params") or {})}
+
+
+def zero12_frozen_values(
+    model_states: Mapping[str, Any],
+    optimized: Iterable[str],
+    tied: Iterable[str],
+    buffer_names: Iterable[str],
+    file_name: str,
+) -> dict[str, torch.Tensor]:
+    """Every frozen parameter of a ZeRO-1/2 checkpoint in its shape and saved dtype: from
+    ``frozen_param_fragments`` (stage 2) or ``module`` (stage 1, or a stage-2 entry not listed)."""
+    if not isinstance(model_states.get("module"), Mapping):
+        raise InputError(f"{file_name} has no module state dict: not a DeepSpeed model-states file")
+    if not isinstance(model_states.get("buffer_names"), list):
+        raise InputError(f"{file_name} has no buffer_names list: its buffers cannot be told from frozen parameters")
+    module = model_states["module"]
+    fragments = model_states.get("frozen_param_fragments") or {}
+    listed = model_states.get("frozen_param_shapes") or {}
+    out: dict[str, torch.Tensor] = {}
+    for pname in zero12_frozen_names(model_states, optimized, tied, buffer_names):
+        check_name(pname, f"{file_name}: frozen parameters")
+        value = fragments.get(pname, module.get(pname))
+        if value is None:
+            raise InputError(
+                f"{file_name} holds no values for frozen parameter {pname!r} (neither in "
+                "frozen_param_fragments nor in module)"
+            )
+        value = need_tensor(value, f"{file_name}: frozen parameter {pname!r}")
+        shape = tensor_shape(listed[pname]) if pname in listed else tuple(value.shape)
+        if value.numel() != math.prod(shape):
+            raise InputError(
+                f"{file_name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
+                f"{shape} needs {math.prod(shape)}"
+            )
+        out[pname] = value.reshape(shape)
+    return out
 
 
 def _is_scalar(value: Any) -> bool:

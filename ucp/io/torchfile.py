@@ -122,6 +122,14 @@ def _refusal(err: Exception, path: Path) -> Exception:
     return CorruptFileError(f"{path} could not be unpickled: {_one_line(text) or type(err).__name__}")
 
 
+def _extent(tensor: torch.Tensor) -> int:
+    """The bytes of its storage a strided tensor reaches, from the storage's start."""
+    if tensor.numel() == 0:
+        return 0
+    last = tensor.storage_offset() + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+    return int(last + 1) * tensor.element_size()
+
+
 def _check_tensors(obj: Any, path: Path) -> None:
     """Refuse tensors that claim far more bytes than their storage holds (see _MAX_OVERLAP_BYTES)."""
     stack = [obj]
@@ -136,6 +144,11 @@ def _check_tensors(obj: Any, path: Path) -> None:
                 continue
             claimed = item.numel() * item.element_size()
             held = item.untyped_storage().nbytes()
+            if _extent(item) > held:
+                raise CorruptFileError(
+                    f"{path} holds a tensor of shape {tuple(item.shape)} that reaches past the end of its "
+                    f"storage of {held} bytes; the file is corrupt"
+                )
             if claimed > held and claimed > _MAX_OVERLAP_BYTES:
                 raise CorruptFileError(
                     f"{path} holds a tensor of shape {tuple(item.shape)} that claims {claimed} "
@@ -293,6 +306,7 @@ class TorchFile:
         prefix = pickle_name[: -len("data.pkl")]
         start, length = records[pickle_name]
         storages: dict[str, torch.storage.TypedStorage] = {}
+        sizes: list[tuple[str, torch.UntypedStorage, int]] = []  # torch grows an empty storage a tensor overruns
 
         def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
             if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
@@ -318,6 +332,7 @@ class TorchFile:
             )
             typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
             storages[key] = typed
+            sizes.append((key, raw, nbytes))
             return typed
 
         data = io.BytesIO(self._mm[start : start + length])
@@ -336,6 +351,16 @@ class TorchFile:
             raise CorruptFileError(
                 f"{self.path} could not be unpickled: {type(err).__name__}: {_one_line(err, 160)}"
             ) from None
+        for key, raw, nbytes in sizes:
+            if raw.nbytes() != nbytes:
+                raise CorruptFileError(
+                    f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
+                )
+        for key, raw, nbytes in sizes:
+            if raw.nbytes() != nbytes:
+                raise CorruptFileError(
+                    f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
+                )
         _check_tensors(obj, self.path)
         return obj
 

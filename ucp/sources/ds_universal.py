@@ -37,13 +37,14 @@ from ucp.deepspeed.fields import (
     model_dtype,
     model_extras,
     module_buffers,
+    module_ties,
     need_list,
     need_mapping,
     need_tensor,
     partition_count,
     sub_group_size,
     tensor_shape,
-    zero12_frozen_names,
+    zero12_frozen_values,
 )
 from ucp.deepspeed.layout import read_latest
 from ucp.errors import InputError, StepConflictError
@@ -347,7 +348,7 @@ class DsUniversalSource(Reader):
             for key in every:
                 self._require(pname, key + ".pt", every)
 
-        tied = dict(head.get("shared_params") or {})
+        tied = module_ties(head, self._shape)
         buffer_names = list(head.get("buffer_names") or [])
         warnings = list(detection.warnings)
         self._frozen: dict[str, tuple[int, ...]] = {}
@@ -515,30 +516,9 @@ class DsUniversalSource(Reader):
         self, head: Mapping[str, Any], tied: Mapping[str, str], buffer_names: list[str]
     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
         """Stage 2 lists frozen parameters (frozen_param_*); stage 1 leaves them in ``module`` only."""
-        name = self._models[0].path.name
-        module = head.get("module") or {}
-        fragments = head.get("frozen_param_fragments") or {}
-        names = zero12_frozen_names(head, self._shape, tied, buffer_names)
-        listed = head.get("frozen_param_shapes")
-        out: dict[str, tuple[tuple[int, ...], str | None]] = {}
-        for pname in names:
-            check_name(pname, f"{name}: frozen parameters")
-            value = fragments.get(pname, module.get(pname))
-            if value is None:
-                raise InputError(
-                    f"{name} holds no values for frozen parameter {pname!r} (neither in "
-                    "frozen_param_fragments nor in module)"
-                )
-            value = need_tensor(value, f"{name}: frozen parameter {pname!r}")
-            shape = tensor_shape(listed[pname]) if listed is not None else tuple(value.shape)
-            if value.numel() != _numel(shape):
-                raise InputError(
-                    f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
-                    f"{shape} needs {_numel(shape)}"
-                )
-            self._frozen_values[pname] = value
-            out[pname] = (shape, dtype_name(value.dtype))
-        return out
+        values = zero12_frozen_values(head, self._shape, tied, buffer_names, self._models[0].path.name)
+        self._frozen_values.update(values)
+        return {k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in values.items()}
 
     # -- tensors -----------------------------------------------------------------------------
     def _tensor(self, pname: str, leaf: str) -> torch.Tensor:

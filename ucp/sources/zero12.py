@@ -30,6 +30,7 @@ from ucp.deepspeed.fields import (
     model_dtype,
     model_extras,
     module_buffers,
+    module_ties,
     need_list,
     need_mapping,
     need_tensor,
@@ -37,7 +38,7 @@ from ucp.deepspeed.fields import (
     same_scalars,
     show_scalars,
     tensor_shape,
-    zero12_frozen_names,
+    zero12_frozen_values,
 )
 from ucp.deepspeed.layout import CheckpointFiles
 from ucp.errors import InputError
@@ -391,10 +392,10 @@ class Zero12Source(Reader):
         group_steps = self._group_steps(groups_raw, bases, detection)
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
         params, groups = self._groups(groups_raw, shapes, group_steps, detection, dtype)
-        tied = dict(head.get("shared_params") or {})
+        tied = module_ties(head, self._where)
         buffer_names = list(head.get("buffer_names") or [])
         self._frozen: dict[str, torch.Tensor] = {}
-        for pname, value in self._frozen_tensors(head, tied, buffer_names).items():
+        for pname, value in zero12_frozen_values(head, self._where, tied, buffer_names, self._model_name()).items():
             if pname in self._where:
                 raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
             self._frozen[pname] = value
@@ -428,39 +429,6 @@ class Zero12Source(Reader):
             buffer_names=buffer_names,
             warnings=warnings,
         )
-
-    def _frozen_tensors(
-        self, head: Mapping[str, Any], tied: Mapping[str, str], buffer_names: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """Parameters outside the flat groups: stage 2 lists them (frozen_param_*); stage 1 leaves them
-        in ``module`` only, among the optimized weights, the tied aliases and the buffers."""
-        name = self._model_name()
-        module = head.get("module") or {}
-        fragments = head.get("frozen_param_fragments") or {}
-        names = zero12_frozen_names(head, self._where, tied, buffer_names)
-        listed = head.get("frozen_param_shapes")
-        out = {}
-        for pname in names:
-            value = fragments.get(pname, module.get(pname))
-            if value is None:
-                raise InputError(
-                    f"{name} holds no values for frozen parameter {pname!r} (neither in "
-                    "frozen_param_fragments nor in module)"
-                )
-            value = need_tensor(value, f"{name}: frozen parameter {pname!r}")
-            if listed is not None:
-                shape = tensor_shape(listed[pname])
-                numel = 1
-                for d in shape:
-                    numel *= d
-                if value.numel() != numel:
-                    raise InputError(
-                        f"{name}: frozen parameter {pname!r} holds {value.numel()} elements, its shape "
-                        f"{shape} needs {numel}"
-                    )
-                value = value.reshape(shape)
-            out[pname] = value
-        return out
 
     # -- tensors -----------------------------------------------------------------------------
     def _pieces(self, pname: str, pick: Any) -> Pieces:
