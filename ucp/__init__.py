@@ -36,6 +36,13 @@ def write_native(source, out, **kwargs):  # type: ignore[no-untyped-def]
     return _write_native(source, out, **kwargs)
 
 
+def write_dcp(source, out, **kwargs):  # type: ignore[no-untyped-def]
+    """Write a torch.distributed.checkpoint folder for FSDP2 / plain torch (see ucp.targets.dcp.write_dcp)."""
+    from ucp.targets.dcp import write_dcp as _write_dcp
+
+    return _write_dcp(source, out, **kwargs)
+
+
 __all__ = [
     "__version__",
     "UcpError",
@@ -46,4 +53,5 @@ __all__ = [
     "restore",
     "restore_torch",
     "write_native",
+    "write_dcp",
 ]

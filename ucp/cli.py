@@ -18,6 +18,11 @@ __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("ucp")
 FLAVOUR_NAMES = ("torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam")
+#: optimizers a DCP output can be written for (ucp.targets.dcp.DCP_OPTIMIZERS)
+DCP_OPTIMIZER_NAMES = (
+    "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
+    "torch-adagrad",
+)  # fmt: skip
 
 
 def _positive(text: str) -> int:
@@ -53,8 +58,31 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_restore_dcp(args: argparse.Namespace) -> int:
+    from ucp.targets.dcp import write_dcp
+
+    write_dcp(
+        args.universal,
+        args.out,
+        optimizer=args.optimizer or "torch-adamw",
+        tag=args.tag,
+        overwrite=args.overwrite,
+        fsync=args.fsync,
+    )
+    print(
+        f"wrote a torch.distributed.checkpoint folder ({args.optimizer or 'torch-adamw'}) to {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _cmd_restore(args: argparse.Namespace) -> int:
     from ucp.targets.native import write_native
+
+    if args.format == "dcp":
+        return _cmd_restore_dcp(args)
+    if args.dp is None:
+        raise UcpError("restore needs --dp N (the data-parallel size of the new run), or --format dcp")
 
     step: int | str = args.step
     if isinstance(step, str) and step.isdigit():
@@ -143,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO checkpoint -> universal directory")
-    p.add_argument("src", help="checkpoint folder (holding 'latest') or a tag folder")
+    p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO or DCP checkpoint -> universal directory")
+    p.add_argument("src", help="checkpoint folder (holding 'latest'), a tag folder, or a DCP folder (.metadata)")
     p.add_argument("out", help="universal directory to create")
     p.add_argument("--tag", help="tag folder to read (default: the one 'latest' names)")
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the source's optimizer, when detection cannot tell")
@@ -158,10 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_to_universal)
 
-    p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size")
-    p.add_argument("universal", help="universal directory (or a DeepSpeed checkpoint)")
+    p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size, or DCP")
+    p.add_argument("universal", help="universal directory (or a DeepSpeed or DCP checkpoint)")
     p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
-    p.add_argument("--dp", type=_positive, required=True, help="data-parallel size of the new run")
+    p.add_argument(
+        "--format",
+        choices=("deepspeed", "dcp"),
+        default="deepspeed",
+        help="deepspeed (default): a native ZeRO checkpoint; dcp: a torch.distributed.checkpoint folder for FSDP2",
+    )
+    p.add_argument("--dp", type=_positive, help="data-parallel size of the new run (needed for --format deepspeed)")
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage of the new run (default 3)")
     p.add_argument(
         "--tp",
@@ -169,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
     )
-    p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="optimizer of the new run (default: the source's)")
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(set(FLAVOUR_NAMES) | set(DCP_OPTIMIZER_NAMES)),
+        help="optimizer of the new run (default: the source's; torch-adamw for --format dcp)",
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
     p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
     p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")

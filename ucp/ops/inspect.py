@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 #: torch's per-run switches: how the new run computes, not what the checkpoint means
 _SWITCHES = ("foreach", "maximize", "capturable", "differentiable", "fused")
+#: sources that are neither DeepSpeed nor universal, by the format their facts give
+_FORMATS = {"dcp": "dcp"}
 
 
 def inspect_path(path: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None) -> dict[str, Any]:
@@ -78,7 +80,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     report: dict[str, Any] = {
         "path": str(path) if path is not None else None,
         # a ds_to_universal folder is a universal checkpoint too (DeepSpeed's flavour of one)
-        "format": "universal" if universal or info.format == "ds-universal" else "deepspeed",
+        "format": "universal" if universal or info.format == "ds-universal" else _FORMATS.get(info.format, "deepspeed"),
         "source_format": info.format,
         "tag": info.tag,
         "ds_version": info.ds_version,

@@ -30,8 +30,9 @@ def open_reader(
     verify: bool = True,
     tp_rules: Sequence[tuple[str, TpRule]] = (),
 ) -> Reader:
-    """A reader for a universal directory, a ds_to_universal folder (or the folder holding its
-    ``latest_universal``) or a DeepSpeed ZeRO checkpoint (folder or tag folder).
+    """A reader for a universal directory, a torch.distributed.checkpoint folder (``.metadata``), a
+    ds_to_universal folder (or the folder holding its ``latest_universal``) or a DeepSpeed ZeRO
+    checkpoint (folder or tag folder).
 
     A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint;
     name the universal folder with ``tag`` to read that one instead. A checkpoint saved with
@@ -41,6 +42,10 @@ def open_reader(
     path = Path(path)
     if is_universal(path):
         return open_universal(path, verify=verify)
+    from ucp.sources.dcp import DcpSource, is_dcp
+
+    if is_dcp(path):
+        return DcpSource(path, optimizer=optimizer)
     from ucp.sources.ds_universal import find_ds_universal
 
     found = find_ds_universal(path, tag)

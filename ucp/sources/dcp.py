@@ -1,0 +1,390 @@
+"""A torch.distributed.checkpoint (DCP) folder -> :class:`~ucp.model.records.Reader`.
+
+The folder is what an FSDP2 run (or ``ucp restore --format dcp``) saves with
+``dcp.save({"model": model_sd, "optim": optim_sd, ...})`` where both state dicts come from
+``torch.distributed.checkpoint.state_dict.get_state_dict``: model keys are FQNs, the optimizer
+state is keyed by FQN, ``param_groups`` list their members' FQNs (docs/format.md, section 6).
+
+Call order: :class:`DcpSource` reads ``.metadata`` with an unpickler that builds only DCP's own
+metadata classes (no general unpickling), checks that every shard file it names is there and long
+enough, and loads the small items (param groups, steps, scheduler, counters) once. Each
+:meth:`DcpSource.read` then asks DCP's own loader for one parameter's tensors, so memory stays near
+the largest parameter; byte items are unpickled with ``weights_only=True`` only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp.errors import CorruptFileError, InputError
+from ucp.model import flavours
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
+
+__all__ = [
+    "DcpSource",
+    "is_dcp",
+    "read_metadata",
+    "METADATA",
+    "MODEL",
+    "OPTIM",
+    "SCHEDULER",
+    "TRAIN_STATE",
+    "UCP_KEY",
+]
+
+logger = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY = "model", "optim", "lr_scheduler", "train_state", "ucp"
+
+_DCP = "torch.distributed.checkpoint"
+#: the only globals a DCP .metadata pickle may name (torch 2.4 - 2.13 write these)
+_ALLOWED = {
+    (f"{_DCP}.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def is_dcp(path: str | os.PathLike) -> bool:
+    """A folder holding DCP's ``.metadata`` file."""
+    return (Path(path) / METADATA).is_file()
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata dataclasses, torch sizes, dtypes and layouts; refuses anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's ``Metadata`` of a folder, read safely, with every shard file checked for presence and size."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = path / METADATA
+    try:
+        with open(file, "rb") as handle:
+            meta = _MetadataUnpickler(handle).load()
+    except OSError as err:
+        raise InputError(f"cannot read {file}: {err.strerror}") from None
+    except Exception as err:  # any unpickling failure means: not DCP's metadata
+        raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file: {err}") from None
+    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
+        raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file (no Metadata with storage)")
+    if not isinstance(meta.planner_data, dict):
+        raise InputError(f"{file} has no key paths (planner_data): save with DCP's default planner")
+    sizes: dict[str, int] = {}
+    for index, info in meta.storage_data.items():
+        rel = str(info.relative_path)
+        if rel not in sizes:
+            shard = path / rel
+            if os.path.basename(rel) != rel or not shard.is_file():
+                raise InputError(f"shard file {rel} is missing from {path}: {METADATA} lists it")
+            sizes[rel] = shard.stat().st_size
+        if info.transform_descriptors:
+            raise InputError(
+                f"{path}/{rel} is stored with transforms {info.transform_descriptors}; ucp reads plain DCP"
+            )
+        if info.offset + info.length > sizes[rel]:
+            raise CorruptFileError(
+                f"shard file {rel} in {path} is truncated: {index.fqn} needs bytes up to "
+                f"{info.offset + info.length}, the file has {sizes[rel]}"
+            )
+    return meta
+
+
+def _load(path: Path, meta: Any, template: dict[str, Any]) -> None:
+    """Fill ``template`` (nested, any subset of the checkpoint's keys) with DCP's own loader, in this
+    process only; byte items are unpickled with ``weights_only=True``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Reader_(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return meta
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+
+    try:
+        dcp.load(template, storage_reader=Reader_(path), planner=Planner(), no_dist=True)
+    except Exception as err:
+        raise CorruptFileError(f"reading {path} with torch.distributed.checkpoint failed: {_cause(err)}") from None
+
+
+def _cause(err: BaseException) -> str:
+    """DCP wraps each rank's failure; the first one is what went wrong."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def _nest(items: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
+    """A nested dict from key paths (DCP's planner_data) and leaf values; list indices become
+    strings, as DCP's own flattening names them."""
+    root: dict[Any, Any] = {}
+    for path, value in items.items():
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(str(part), {})
+        node[str(path[-1])] = value
+    return root
+
+
+def _as_list(node: Any, what: str) -> list[Any]:
+    """A list that DCP flattened into {0: ..., 1: ...}."""
+    if not isinstance(node, Mapping) or set(node) != {str(i) for i in range(len(node))}:
+        raise InputError(f"{what} is not a list")
+    return [node[str(i)] for i in range(len(node))]
+
+
+class DcpSource(Reader):
+    """A DCP folder of ``get_state_dict`` shape as a reader; see the module docstring for the call order.
+
+    ``names`` tells parameters from buffers and tied aliases when the folder does not record it
+    (ucp's own DCP output records it under ``ucp``): ``{"tied": {alias: owner}, "buffers": [...]}``.
+    Without either, an entry the optimizer does not hold is a tied alias when it equals a trained
+    parameter, a frozen parameter when FSDP sharded it (several chunks), else a buffer.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, optimizer: str | None = None, names: Mapping[str, Any] | None = None
+    ):
+        self.path = Path(path)
+        self.meta = read_metadata(self.path)
+        self._paths: dict[tuple[Any, ...], Any] = {}  # key path -> its storage metadata
+        for key, storage in self.meta.state_dict_metadata.items():
+            where = self.meta.planner_data.get(key)
+            if not isinstance(where, tuple) or not where:
+                raise InputError(f"{self.path}/{METADATA} gives no key path for {key!r}")
+            self._paths[where] = storage
+        self._model = {p[1]: s for p, s in self._paths.items() if len(p) == 2 and p[0] == MODEL}
+        if not self._model:
+            raise InputError(
+                f"{self.path} holds no 'model' state: ucp reads DCP folders saved as "
+                '{"model": ..., "optim": ...} from get_state_dict'
+            )
+        small = self._load_small()
+        self._extras = {k: small.get(k) for k in (SCHEDULER, TRAIN_STATE)}
+        self._scalars: dict[str, dict[str, torch.Tensor]] = small.get(OPTIM, {}).get("state", {})
+        recorded = json.loads(small[UCP_KEY]) if isinstance(small.get(UCP_KEY), str) else {}
+        self.facts = self._facts(small, {**recorded, **dict(names or {})}, optimizer)
+
+    # -- opening ------------------------------------------------------------------------------
+    def _tensor_meta(self, where: tuple[Any, ...]) -> Any:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        storage = self._paths.get(where)
+        return storage if isinstance(storage, TensorStorageMetadata) else None
+
+    def _load_small(self) -> dict[str, Any]:
+        """Everything but the model's and the optimizer's per-element tensors: groups, 0-dim state
+        (steps, NAdam's mu_product), scheduler, counters, ucp's own record."""
+        template: dict[tuple[Any, ...], Any] = {}
+        for where in self._paths:
+            tensor = self._tensor_meta(where)
+            big = tensor is not None and len(tensor.size) > 0
+            if where[0] == MODEL or (big and where[:2] == (OPTIM, "state")):
+                continue
+            template[where] = (
+                torch.empty(tuple(tensor.size), dtype=tensor.properties.dtype) if tensor is not None else None
+            )
+        nested = _nest(template)
+        _load(self.path, self.meta, nested)
+        return nested
+
+    def _groups(self, small: Mapping[str, Any]) -> list[dict[str, Any]]:
+        raw = small.get(OPTIM, {}).get("param_groups")
+        groups = _as_list(raw, "optim.param_groups") if raw is not None else []
+        for i, group in enumerate(groups):
+            members = group.get("params") if isinstance(group, Mapping) else None
+            if not isinstance(members, list) or not all(isinstance(n, str) for n in members):
+                raise InputError(f"{self.path}: optim.param_groups[{i}] lists no parameter names (FQNs)")
+            missing = [n for n in members if n not in self._model]
+            if missing:
+                raise InputError(
+                    f"{self.path}: optim.param_groups[{i}] names {missing[:3]}, which the model state does not hold"
+                )
+        return [dict(g) for g in groups]
+
+    def _state_keys(self, name: str) -> tuple[str, ...]:
+        """The optimizer's per-element state keys of one parameter, checked against its shape."""
+        keys = []
+        shape = tuple(self._model[name].size)
+        for where in self._paths:
+            if len(where) == 4 and where[:3] == (OPTIM, "state", name):
+                tensor = self._tensor_meta(where)
+                if tensor is not None and len(tensor.size) > 0:
+                    if tuple(tensor.size) != shape:
+                        raise InputError(
+                            f"{self.path}: optimizer state {where[3]!r} of {name} has shape {tuple(tensor.size)}, "
+                            f"the parameter {shape}: not elementwise state, which ucp cannot carry"
+                        )
+                    keys.append(where[3])
+        return tuple(keys)
+
+    def _facts(self, small: Mapping[str, Any], names: Mapping[str, Any], optimizer: str | None) -> Facts:
+        groups = self._groups(small)
+        state_names = {p[2] for p in self._paths if len(p) == 4 and p[:2] == (OPTIM, "state")}
+        stray = sorted(state_names - self._model.keys())
+        if stray:
+            raise InputError(f"{self.path}: the optimizer holds state for {stray[:3]}, which the model state does not")
+        trained = [n for g in groups for n in g["params"]]
+        tied, buffers, warnings = self._classify(set(trained), names)
+        detection = flavours.detect(
+            {"param_groups": groups, "state": dict(enumerate(self._scalars.values()))}, None, optimizer
+        )
+        first = next(iter(self._model.values()))
+        dtype = str(names.get("dtype") or dtype_name(first.properties.dtype))
+        steps = {
+            n: detection.flavour.read_step({}, self._scalars.get(n, {})) if detection.flavour else None for n in trained
+        }
+        group_metas = self._group_metas(groups, steps, detection.adam_w_mode)
+        metas = [ParamMeta(n, tuple(self._model[n].size), dtype, g.index, False) for g in group_metas for n in g.params]
+        frozen = [n for n in self._model if n not in set(trained) | set(tied) | set(buffers)]
+        metas += [ParamMeta(n, tuple(self._model[n].size), dtype, None, True) for n in frozen]
+        return Facts(
+            info=self._info(small, dtype, steps),
+            flavour=detection.flavour.name if detection.flavour else None,
+            adam_w_mode=detection.adam_w_mode,
+            step=max((s for s in steps.values() if s is not None), default=None),
+            groups=group_metas,
+            params=metas,
+            tied=tied,
+            buffer_names=buffers,
+            warnings=warnings + detection.warnings,
+        )
+
+    def _group_metas(
+        self, groups: list[dict[str, Any]], steps: Mapping[str, int | None], adam_w_mode: bool | None
+    ) -> list[GroupMeta]:
+        """Each param group as the pipeline's record; its members must agree on their step."""
+        out = []
+        for i, group in enumerate(groups):
+            members = list(group["params"])
+            known = sorted({s for n in members if (s := steps[n]) is not None})
+            if len(known) > 1:
+                raise InputError(f"{self.path}: param group {i} holds parameters at different steps {known}")
+            keys = self._state_keys(members[0]) if members else ()
+            hyper = flavours.hyper_from_group(group, adam_w_mode)
+            raw = flavours.raw_group(group)
+            out.append(GroupMeta(i, hyper, raw, members, step=known[0] if known else None, state_keys=keys))
+        return out
+
+    def _classify(self, trained: set[str], names: Mapping[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
+        """(tied aliases, buffer names, warnings) of the model entries the optimizer does not hold."""
+        if "buffers" in names or "tied" in names:
+            tied = {str(a): str(o) for a, o in dict(names.get("tied") or {}).items()}
+            buffers = [str(b) for b in names.get("buffers") or []]
+            unknown = sorted((set(tied) | set(buffers) | set(tied.values())) - self._model.keys())
+            if unknown:
+                raise InputError(
+                    f"{self.path}: the names given list {unknown[:3]}, which the model state does not hold"
+                )
+            return tied, buffers, []
+        tied = {}
+        rest = [n for n in self._model if n not in trained]
+        for alias in rest:
+            for owner in trained:
+                if self._same(alias, owner):
+                    tied[alias] = owner
+                    break
+        buffers = [n for n in rest if n not in tied and len(self._model[n].chunks) == 1]
+        warnings = []
+        if buffers and all(len(s.chunks) == 1 for s in self._model.values()):
+            warnings.append(
+                f"one rank wrote {self.path}, so frozen parameters and buffers look alike; "
+                f"read {buffers[:3]} as buffers"
+            )
+        return tied, buffers, warnings
+
+    def _same(self, alias: str, owner: str) -> bool:
+        a, b = self._model[alias], self._model[owner]
+        if tuple(a.size) != tuple(b.size) or a.properties.dtype != b.properties.dtype:
+            return False
+        return torch.equal(self._model_tensor(alias), self._model_tensor(owner))
+
+    def _info(self, small: Mapping[str, Any], dtype: str, steps: Mapping[str, int | None]) -> SourceInfo:
+        found = small.get(TRAIN_STATE)
+        train: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+        ranks = {str(i.relative_path) for i in self.meta.storage_data.values()}
+        step = max((s for s in steps.values() if s is not None), default=0)
+        return SourceInfo(
+            format="dcp",
+            zero_stage=3,
+            dp_world_size=max(1, len(ranks)),
+            dtype=dtype,
+            global_steps=int(train.get("step", step)),
+            skipped_steps=int(train.get("skipped_steps", 0)),
+            global_samples=int(train["global_samples"]) if "global_samples" in train else None,
+        )
+
+    # -- reading ------------------------------------------------------------------------------
+    def _model_tensor(self, name: str) -> torch.Tensor:
+        storage = self._model[name]
+        tensor = torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
+        _load(self.path, self.meta, {MODEL: {name: tensor}})
+        return tensor
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        meta = self.facts.param(name)
+        keys = self.facts.groups[meta.group].state_keys if moments and meta.group is not None else ()
+        fp32 = torch.empty(meta.shape, dtype=self._model[name].properties.dtype)
+        optim = {
+            k: torch.empty(meta.shape, dtype=self._tensor_meta((OPTIM, "state", name, k)).properties.dtype)
+            for k in keys
+        }
+        template: dict[str, Any] = {MODEL: {name: fp32}}
+        if optim:
+            template[OPTIM] = {"state": {name: optim}}
+        _load(self.path, self.meta, template)
+        step = self.facts.groups[meta.group].step if meta.group is not None else None
+        if not keys:
+            return ParamState(fp32=fp32.float(), step=step)
+        own = self._scalars.get(name, {})
+        scalars = {k: v for k, v in own.items() if k != "step" and torch.is_tensor(v) and v.dim() == 0}
+        return ParamState(fp32=fp32.float(), optim={k: v.float() for k, v in optim.items()}, step=step, scalars=scalars)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: self._model_tensor(name) for name in self.facts.buffer_names}
+
+    def extras(self) -> dict[str, Any]:
+        return {"lr_scheduler": self._extras.get(SCHEDULER), "client_state": {}}

@@ -1,0 +1,196 @@
+"""Universal -> a torch.distributed.checkpoint (DCP) folder that FSDP2 and plain torch runs load.
+
+The folder holds what ``get_state_dict(model, optimizer)`` gives for the same model, written by
+DCP's own ``FileSystemWriter``, so a run resumes with the standard lines at any world size (DCP
+reshards on load)::
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=OUT)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+Besides ``model`` and ``optim`` it holds ``lr_scheduler`` (the scheduler's state_dict),
+``train_state`` (``step``, ``global_samples``, ``skipped_steps``) and ``ucp`` (a JSON string:
+tied aliases, buffers, model dtype) so that :class:`ucp.sources.dcp.DcpSource` reads it back
+exactly (docs/format.md, section 6).
+
+Call order: :func:`write_dcp` opens a reader, :func:`plan_dcp` lays out every entry from the facts
+alone (tensors as meta tensors, small values real), then DCP's writer asks for each tensor as it
+writes it and the reader reads that parameter then: memory stays near one parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp.errors import ConfigError, InputError
+from ucp.io.atomic import staged_output
+from ucp.model import flavours
+from ucp.model.records import Facts, ParamState, Reader
+from ucp.sources import open_reader
+from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
+
+__all__ = ["write_dcp", "plan_dcp", "DcpPlan", "DCP_OPTIMIZERS"]
+
+logger = logging.getLogger(__name__)
+
+#: what --optimizer may name for a DCP output: torch optimizers (AdamW is Adam with decoupled decay)
+DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith("torch-")))
+
+
+@dataclass
+class DcpPlan:
+    """The state dict to save: tensors are meta tensors, ``lazy`` says where each one's data comes from."""
+
+    state: dict[str, Any]
+    #: flattened DCP key -> (parameter name, "fp32" or an optimizer state key); buffers are real tensors
+    lazy: dict[str, tuple[str, str]] = field(default_factory=dict)
+    flavour: str = "torch-adam"
+    notes: list[str] = field(default_factory=list)
+
+
+def _flavour(optimizer: str) -> tuple[flavours.Flavour, bool | None]:
+    """The flavour whose state torch keeps, and AdamW's decoupled weight decay where it applies."""
+    if optimizer not in DCP_OPTIMIZERS:
+        raise ConfigError(f"--optimizer for a DCP output must be one of {', '.join(DCP_OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer == "torch-adamw":
+        return flavours.FLAVOURS["torch-adam"], True
+    return flavours.get(optimizer), (False if optimizer == "torch-adam" else None)
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _groups(facts: Facts, kind: flavours.Flavour, adam_w: bool | None, plan: DcpPlan) -> list[dict[str, Any]]:
+    """param_groups as the torch optimizer's state_dict has them, members named by FQN."""
+    groups = []
+    for meta in facts.groups:
+        hyper = meta.hyper
+        if adam_w is not None and kind.family == "adam":
+            if hyper.adam_w_mode is not None and hyper.adam_w_mode != adam_w and hyper.weight_decay:
+                plan.notes.append(
+                    f"group {meta.index}: the source used {'decoupled' if hyper.adam_w_mode else 'L2'} weight "
+                    f"decay; the output follows --optimizer ({'AdamW' if adam_w else 'Adam'})"
+                )
+            hyper = replace(hyper, adam_w_mode=adam_w)
+        group = kind.make_group(hyper, int(meta.step or 0), meta.raw)
+        group["params"] = list(meta.params)
+        groups.append(group)
+    return groups
+
+
+def plan_dcp(facts: Facts, buffers: dict[str, torch.Tensor], extras: dict[str, Any], optimizer: str) -> DcpPlan:
+    """Lay out the DCP state dict from the facts alone (no parameter is read)."""
+    kind, adam_w = _flavour(optimizer)
+    has_state = any(g.state_keys for g in facts.groups)
+    flavours.check_family(facts.flavour, kind, has_state)
+    params = {p.name: p for p in facts.params}
+    for alias, owner in facts.tied.items():
+        if owner not in params:
+            raise InputError(f"tied alias {alias!r} points at {owner!r}, which is not a parameter of the checkpoint")
+    plan = DcpPlan(state={}, flavour=optimizer)
+    model: dict[str, Any] = {}
+    for meta in facts.params:
+        model[meta.name] = _meta(meta.shape)
+        plan.lazy[f"{MODEL}.{meta.name}"] = (meta.name, "fp32")
+    for alias, owner in facts.tied.items():
+        model[alias] = model[owner]  # torch reports the alias with the owner's tensor
+        plan.lazy[f"{MODEL}.{alias}"] = (owner, "fp32")
+    model.update(buffers)
+    state: dict[str, Any] = {}
+    for group in facts.groups:
+        if group.step is None and kind.has_step:
+            continue  # never stepped: torch keeps no state yet
+        if not group.state_keys:
+            continue
+        for name in group.params:
+            tensors = {k: _meta(params[name].shape) for k in group.state_keys}
+            scalars = {k: _meta(()) for k in kind.scalars}
+            for key in (*scalars, *tensors):
+                plan.lazy[f"{OPTIM}.state.{name}.{key}"] = (name, key)
+            state[name] = kind.make_state(tensors, int(group.step or 0), scalars)
+    plan.state = {MODEL: model, OPTIM: {"state": state, "param_groups": _groups(facts, kind, adam_w, plan)}}
+    if extras.get("lr_scheduler") is not None:
+        plan.state[SCHEDULER] = extras["lr_scheduler"]
+    info = facts.info
+    plan.state[TRAIN_STATE] = {
+        "step": info.global_steps,
+        "global_samples": info.global_samples or 0,
+        "skipped_steps": info.skipped_steps,
+    }
+    record = {"format_version": 1, "dtype": info.dtype, "tied": facts.tied, "buffers": list(facts.buffer_names)}
+    plan.state[UCP_KEY] = json.dumps(record, sort_keys=True)
+    return plan
+
+
+class _Fetch:
+    """Reads a parameter when DCP's writer first asks for one of its tensors; keeps the last one."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.name: str | None = None
+        self.state: ParamState | None = None
+
+    def __call__(self, name: str, key: str) -> torch.Tensor:
+        if self.name != name or self.state is None:
+            self.name, self.state = name, self.reader.read(name)
+        state = self.state
+        if key == "fp32":
+            return state.fp32
+        tensor = state.optim.get(key) if key in state.optim else state.scalars.get(key)
+        if tensor is None:
+            raise InputError(f"{name}: the checkpoint holds no optimizer state {key!r} for it")
+        return tensor
+
+
+def _save(plan: DcpPlan, root: Path, fetch: Callable[[str, str], torch.Tensor], fsync: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    lazy = plan.lazy
+
+    class Planner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            where = lazy.get(write_item.index.fqn)
+            if where is None:
+                return super().resolve_data(write_item)
+            return fetch(*where).detach().contiguous()
+
+    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
+    dcp.save(plan.state, storage_writer=writer, planner=Planner(), no_dist=True)
+
+
+def write_dcp(
+    source: str | os.PathLike | Reader,
+    out: str | os.PathLike,
+    *,
+    optimizer: str = "torch-adamw",
+    tag: str | None = None,
+    overwrite: bool = False,
+    fsync: bool = False,
+) -> DcpPlan:
+    """Write ``source`` (universal directory, DeepSpeed or DCP checkpoint, or a reader) as a DCP folder
+    at ``out`` for ``optimizer``; OUT appears whole or not at all. Returns the plan (with its notes)."""
+    _flavour(optimizer)  # refuse a bad name before anything is opened
+    reader = open_reader(source, tag=tag) if isinstance(source, (str, os.PathLike)) else source
+    try:
+        plan = plan_dcp(reader.facts, reader.buffers(), reader.extras(), optimizer)
+        with staged_output(out, overwrite=overwrite, durable=fsync, check=read_metadata) as root:
+            _save(plan, root, _Fetch(reader), fsync)
+    finally:
+        if reader is not source:
+            reader.close()
+    for note in plan.notes:
+        logger.warning("%s", note)
+    logger.info("wrote a DCP checkpoint (%s) to %s", optimizer, out)
+    return plan
