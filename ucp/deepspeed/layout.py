@@ -21,6 +21,9 @@ __all__ = [
     "LATEST_UNIVERSAL",
     "UNIVERSAL_OPTIM",
     "UNIVERSAL_MODEL_FILES",
+    "is_ds_universal",
+    "find_ds_universal",
+    "ds_universal_model_files",
 ]
 
 #: The file naming the tag folder a plain ``engine.load_checkpoint(dir)`` loads.
@@ -216,3 +219,63 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     else:
         raise InputError(f"{tag_dir} has optim files but no *_model_states.pt")
     return CheckpointFiles(tag_dir, tag, stage3, bf16, optim_grid, model_grid)
+
+
+def is_ds_universal(path: Path) -> bool:
+    """A folder ds_to_universal wrote (whole or not): ``zero/`` beside model states or optimizer_state.pt.
+
+    A native tag folder never has a ``zero/`` folder, and ucp's own universal format has ucp.json.
+    """
+    zero = path / "zero"
+    if (path / "ucp.json").exists() or not zero.is_dir():
+        return False
+    return (path / UNIVERSAL_OPTIM).is_file() or any(path.glob("*model_states.pt"))
+
+
+def find_ds_universal(path: Path, tag: str | None = None) -> Path | None:
+    """The ds_to_universal folder PATH means (itself, its TAG, or what ``latest_universal`` names), else None.
+
+    A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint
+    (both hold the same state); pass the universal folder's name as TAG to read that one.
+    """
+    if "\x00" in str(path) or (tag is not None and "\x00" in tag):
+        return None
+    try:
+        if tag is not None:
+            if is_ds_universal(path / tag):
+                return path / tag
+            return path if path.name == tag and is_ds_universal(path) else None
+        if is_ds_universal(path):
+            return path
+        latest = path / LATEST_UNIVERSAL
+        if latest.is_file() and not (path / "latest").is_file():
+            name = read_latest(latest)
+            if not (path / name).is_dir():
+                raise InputError(
+                    f"{latest} names {name!r} but {path / name} does not exist: ds_to_universal did not "
+                    "finish, or its output folder was moved; pass the folder itself"
+                )
+            return path / name
+    except OSError:
+        return None
+    return None
+
+
+def ds_universal_model_files(root: Path) -> tuple[dict[int, Path], list[Path]]:
+    """The model-states files ds_to_universal copied into ROOT: ZeRO-3's per DP rank, ZeRO-1/2's one.
+    Tensor-parallel output (an mp rank other than 0) is refused."""
+    ranks: dict[int, Path] = {}
+    plain: list[Path] = []
+    for path in sorted(root.glob("*model_states.pt")):
+        z3, one = _Z3_MODEL.match(path.name), _MODEL.match(path.name)
+        mp = z3.group(2) if z3 else one.group(1) if one else None
+        if mp is not None and int(mp) != 0:
+            raise InputError(
+                f"{path.name} in {root} belongs to model-parallel rank {mp}: "
+                "tensor-parallel ds_to_universal output is not supported yet"
+            )
+        if z3:
+            ranks[int(z3.group(1))] = path
+        elif one:
+            plain.append(path)
+    return ranks, plain

@@ -46,7 +46,7 @@ def open_reader(
 
     if is_dcp(path):
         return DcpSource(path, optimizer=optimizer)
-    from ucp.sources.ds_universal import find_ds_universal
+    from ucp.deepspeed.layout import find_ds_universal
 
     found = find_ds_universal(path, tag)
     if found is not None:

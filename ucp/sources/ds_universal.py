@@ -32,81 +32,39 @@ from ucp.deepspeed.fields import (
     as_int,
     build_facts,
     check_name,
-    engine_counters,
     jsonable,
+    need_list,
+    need_mapping,
+    need_tensor,
+    sub_group_size,
+    tensor_shape,
+)
+from ucp.deepspeed.layout import UNIVERSAL_OPTIM, ds_universal_model_files
+from ucp.deepspeed.model_states import (
+    check_model_states,
+    engine_counters,
     model_dtype,
     model_extras,
     module_buffers,
     module_ties,
-    need_list,
-    need_mapping,
-    need_tensor,
-    partition_count,
-    sub_group_size,
-    tensor_shape,
     zero12_frozen_values,
 )
-from ucp.deepspeed.layout import read_latest
+from ucp.deepspeed.optim_states import check_zero3_membership, read_universal_optimizer_state
 from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
-from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
 from ucp.model import flavours
-from ucp.model.partition import zero3_partition_size, zero3_rank_span
+from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta, zero3_gather
 
-__all__ = ["LATEST", "DsUniversalSource", "find_ds_universal", "is_ds_universal"]
+__all__ = ["DsUniversalSource"]
 
 logger = logging.getLogger(__name__)
 
-#: The file ds_to_universal writes next to its output folder, naming it.
-LATEST = "latest_universal"
-_OPTIM = "optimizer_state.pt"
-_Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = Path(UNIVERSAL_OPTIM).name
 _FP32 = "fp32.pt"
 _STEP = "step.pt"
-
-
-def is_ds_universal(path: Path) -> bool:
-    """A folder ds_to_universal wrote (whole or not): ``zero/`` beside model states or optimizer_state.pt.
-
-    A native tag folder never has a ``zero/`` folder, and ucp's own universal format has ucp.json.
-    """
-    zero = path / "zero"
-    if (path / "ucp.json").exists() or not zero.is_dir():
-        return False
-    return (zero / _OPTIM).is_file() or any(path.glob("*model_states.pt"))
-
-
-def find_ds_universal(path: Path, tag: str | None = None) -> Path | None:
-    """The ds_to_universal folder PATH means (itself, its TAG, or what ``latest_universal`` names), else None.
-
-    A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint
-    (both hold the same state); pass the universal folder's name as TAG to read that one.
-    """
-    if "\x00" in str(path) or (tag is not None and "\x00" in tag):
-        return None
-    try:
-        if tag is not None:
-            if is_ds_universal(path / tag):
-                return path / tag
-            return path if path.name == tag and is_ds_universal(path) else None
-        if is_ds_universal(path):
-            return path
-        latest = path / LATEST
-        if latest.is_file() and not (path / "latest").is_file():
-            name = read_latest(latest)
-            if not (path / name).is_dir():
-                raise InputError(
-                    f"{latest} names {name!r} but {path / name} does not exist: ds_to_universal did not "
-                    "finish, or its output folder was moved; pass the folder itself"
-                )
-            return path / name
-    except OSError:
-        return None
-    return None
 
 
 class DsUniversalSource(Reader):
@@ -129,75 +87,9 @@ class DsUniversalSource(Reader):
         )
 
     # -- facts -------------------------------------------------------------------------------
-    def _optimizer_state(self) -> dict[str, Any]:
-        """The small fields of zero/optimizer_state.pt (ZeRO-3's copy also holds rank 0's shards: mmapped, not read)."""
-        path = self._zero / _OPTIM
-        if not path.is_file():
-            raise InputError(
-                f"zero/{_OPTIM} is missing from {self.root}: ds_to_universal writes it after merging the "
-                "parameters, so the run did not finish; rerun ds_to_universal"
-            )
-        with TorchFile(path) as tf:
-            obj = need_mapping(tf.obj, f"zero/{_OPTIM}")
-            stage = obj.get("zero_stage")
-            # BF16_Optimizer writes no zero_stage; ds_to_universal then takes stage 1, as here
-            stage = 1 if stage is None else as_int(stage, f"zero/{_OPTIM}: zero_stage")
-            if stage not in (1, 2, 3):
-                raise InputError(f"zero/{_OPTIM} says zero_stage={stage}; ucp reads ZeRO stage 1, 2 and 3 checkpoints")
-            out: dict[str, Any] = {"zero_stage": stage, "partition_count": partition_count(obj)}
-            out["param_groups"] = [
-                dict(need_mapping(g, f"zero/{_OPTIM}: a param group"))
-                for g in need_list(obj.get("param_groups"), f"zero/{_OPTIM}: param_groups")
-            ]
-            for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version"):
-                out[key] = obj.get(key)
-            if out["loss_scaler"] is not None and not isinstance(out["loss_scaler"], (LossScaler, DynamicLossScaler)):
-                raise InputError(
-                    f"zero/{_OPTIM}: loss_scaler is a {type(out['loss_scaler']).__name__}, not a "
-                    "DeepSpeed loss scaler: the file is damaged or not from DeepSpeed"
-                )
-            if stage == 3:
-                inner = need_mapping(obj.get("optimizer_state_dict"), f"zero/{_OPTIM}: optimizer_state_dict")
-                state = need_mapping(inner.get("state") or {}, f"zero/{_OPTIM}: optimizer state")
-                # only the steps: rank 0's moment shards stay unread on the mmap
-                out["state"] = {
-                    sub: {
-                        k: (v.clone() if torch.is_tensor(v) else v)
-                        for k, v in need_mapping(entry, f"zero/{_OPTIM}: state of sub-group {sub}").items()
-                        if k == "step"
-                    }
-                    for sub, entry in state.items()
-                }
-                flat = obj.get("fp32_flat_groups")
-                out["flat_numels"] = (
-                    None
-                    if flat is None
-                    else [
-                        need_tensor(t, f"zero/{_OPTIM}: fp32_flat_groups[{i}]").numel()
-                        for i, t in enumerate(need_list(flat, f"zero/{_OPTIM}: fp32_flat_groups"))
-                    ]
-                )
-            return out
-
     def _open_models(self, stage: int, dp: int) -> Mapping[str, Any]:
         """Open the copied model-states files (rank -> file) and return rank 0's object."""
-        ranks: dict[int, Path] = {}
-        plain: list[Path] = []
-        for path in sorted(self.root.glob("*model_states.pt")):
-            if m := _Z3_MODEL.match(path.name):
-                if int(m.group(2)) != 0:
-                    raise InputError(
-                        f"{path.name} in {self.root} belongs to model-parallel rank {m.group(2)}: "
-                        "tensor-parallel ds_to_universal output is not supported yet"
-                    )
-                ranks[int(m.group(1))] = path
-            elif m := _MODEL.match(path.name):
-                if int(m.group(1)) != 0:
-                    raise InputError(
-                        f"{path.name} in {self.root} belongs to model-parallel rank {m.group(1)}: "
-                        "tensor-parallel ds_to_universal output is not supported yet"
-                    )
-                plain.append(path)
+        ranks, plain = ds_universal_model_files(self.root)
         if stage == 3:
             if plain and not ranks:
                 raise InputError(
@@ -229,23 +121,11 @@ class DsUniversalSource(Reader):
             self._models[0] = TorchFile(plain[0])
         head = self._models[0].obj
         name = self._models[0].path.name
-        if not isinstance(head, Mapping) or head.get("param_shapes") is None:
-            raise InputError(
-                f"{name} has no param_shapes: not a ZeRO model-states file (a pipeline-parallel "
-                "checkpoint keeps its weights elsewhere and is not supported)"
-            )
-        for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
-            if head.get(key) is not None:
-                need_mapping(head[key], f"{name}: {key}")
-        if head.get("buffer_names") is not None and not all(
-            isinstance(n, str) for n in need_list(head["buffer_names"], f"{name}: buffer_names")
-        ):
-            raise InputError(f"{name}: buffer_names holds a name that is not a string")
-        tied = head.get("shared_params") or {}
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-            raise InputError(f"{name}: shared_params maps names that are not strings")
-        if not isinstance(head.get("ds_config") or {}, Mapping):
-            raise InputError(f"{name}: ds_config is a {type(head['ds_config']).__name__}, not a dict")
+        check_model_states(
+            head,
+            name,
+            "not a ZeRO model-states file (a pipeline-parallel checkpoint keeps its weights elsewhere and is not supported)",
+        )
         if head.get("mp_world_size") is not None and as_int(head["mp_world_size"], f"{name}: mp_world_size") > 1:
             raise InputError(
                 f"{name} says mp_world_size={head['mp_world_size']}: tensor-parallel ds_to_universal "
@@ -257,10 +137,6 @@ class DsUniversalSource(Reader):
                 f"{name} says dp_world_size={world}, but zero/{_OPTIM} says partition_count={dp}: files "
                 "of different checkpoints are mixed"
             )
-        shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
-        for sub in shapes:
-            for pname in need_mapping(sub, f"{name}: a param_shapes entry"):
-                check_name(pname, f"{name}: param_shapes")
         for rank, tf in self._models.items():
             if rank and (not isinstance(tf.obj, Mapping) or tf.obj.get("param_shapes") != head["param_shapes"]):
                 raise InputError(
@@ -288,27 +164,73 @@ class DsUniversalSource(Reader):
         return tuple(sorted(leaf[:-3] for leaf in leaves if leaf not in (_FP32, _STEP)))
 
     def _facts(self, optimizer: str | None) -> Facts:
-        optim = self._optimizer_state()
+        optim = read_universal_optimizer_state(self.root)
         stage, dp = optim["zero_stage"], optim["partition_count"]
+        self._zero3 = stage == 3
         head = self._open_models(stage, dp)
         shapes = [need_mapping(s, "param_shapes entry") for s in head["param_shapes"]]
         ds_config = head.get("ds_config") or {}
         groups_raw = optim["param_groups"]
-        for g, group in enumerate(groups_raw):
-            if "lr" not in group:
-                raise InputError(f"zero/{_OPTIM}: param group {g} has no lr: not an optimizer's param group")
-            for sub in need_list(group.get("params", []), f"zero/{_OPTIM}: param group {g} params"):
-                as_int(sub, f"zero/{_OPTIM}: param group {g} params entry")
+        self._check_groups(groups_raw)
         layout = [[int(s) for s in g.get("params", [])] for g in groups_raw]
         if stage == 3:
             members, detection, sub_steps = self._zero3_layout(optim, shapes, layout, ds_config, optimizer, dp)
         else:
             members, detection, sub_steps = self._zero12_layout(shapes, groups_raw, layout, ds_config, optimizer)
 
-        self._flavour = detection.flavour
-        self._step_files = stage != 3 and detection.flavour is not None and detection.flavour.step_in_state
-        leaves = (_FP32,) + ((_STEP,) if self._step_files else ())
         dtype = model_dtype(head, shapes, files_bf16=False)
+        params, groups = self._optimized(groups_raw, members, shapes, sub_steps, detection, dtype)
+        tied = module_ties(head, self._shape)
+        buffer_names = list(head.get("buffer_names") or [])
+        warnings = list(detection.warnings)
+        self._frozen: dict[str, tuple[int, ...]] = {}
+        self._frozen_values: dict[str, torch.Tensor] = {}
+        if stage == 3:
+            frozen = self._zero3_frozen(head, dp, warnings)
+        else:
+            frozen = self._zero12_frozen(head, tied, buffer_names)
+        for pname, (shape, frozen_dtype) in frozen.items():
+            if pname in self._shape:
+                raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
+            self._frozen[pname] = shape
+            params.append(ParamMeta(pname, shape, frozen_dtype or dtype, None, True))
+
+        self._extras = {k: optim[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")}
+        info = self._info(head, optim, ds_config, dtype)
+        steps = [s for s in self._steps.values() if s is not None]
+        return Facts(
+            info=info,
+            flavour=detection.flavour.name if detection.flavour else None,
+            adam_w_mode=detection.adam_w_mode,
+            step=max(steps, default=None),
+            groups=groups,
+            params=params,
+            tied=tied,
+            buffer_names=buffer_names,
+            warnings=warnings,
+        )
+
+    def _check_groups(self, groups_raw: list[dict[str, Any]]) -> None:
+        """Every param group has an lr and integer members (sub-group or group indices)."""
+        for g, group in enumerate(groups_raw):
+            if "lr" not in group:
+                raise InputError(f"zero/{_OPTIM}: param group {g} has no lr: not an optimizer's param group")
+            for sub in need_list(group.get("params", []), f"zero/{_OPTIM}: param group {g} params"):
+                as_int(sub, f"zero/{_OPTIM}: param group {g} params entry")
+
+    def _optimized(
+        self,
+        groups_raw: list[dict[str, Any]],
+        members: list[list[int]],
+        shapes: list[Mapping[str, Any]],
+        sub_steps: Mapping[int, int | None],
+        detection: flavours.Detection,
+        dtype: str,
+    ) -> tuple[list[ParamMeta], list[GroupMeta]]:
+        """The optimized parameters by group, each one's files checked present (every key of its group)."""
+        self._flavour = detection.flavour
+        self._step_files = not self._zero3 and detection.flavour is not None and detection.flavour.step_in_state
+        leaves = (_FP32,) + ((_STEP,) if self._step_files else ())
         self._shape: dict[str, tuple[int, ...]] = {}
         self._steps: dict[str, int | None] = {}
         self._group_of: dict[str, int] = {}
@@ -348,23 +270,13 @@ class DsUniversalSource(Reader):
             for key in every:
                 self._require(pname, key + ".pt", every)
 
-        tied = module_ties(head, self._shape)
-        buffer_names = list(head.get("buffer_names") or [])
-        warnings = list(detection.warnings)
-        self._frozen: dict[str, tuple[int, ...]] = {}
-        self._frozen_values: dict[str, torch.Tensor] = {}
-        if stage == 3:
-            frozen = self._zero3_frozen(head, dp, warnings)
-        else:
-            frozen = self._zero12_frozen(head, tied, buffer_names)
-        for pname, (shape, frozen_dtype) in frozen.items():
-            if pname in self._shape:
-                raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
-            self._frozen[pname] = shape
-            params.append(ParamMeta(pname, shape, frozen_dtype or dtype, None, True))
+        return params, groups
 
-        self._extras = {k: optim[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")}
-        info = SourceInfo(
+    def _info(
+        self, head: Mapping[str, Any], optim: Mapping[str, Any], ds_config: Mapping[str, Any], dtype: str
+    ) -> SourceInfo:
+        stage, dp = optim["zero_stage"], optim["partition_count"]
+        return SourceInfo(
             format="ds-universal",
             zero_stage=stage,
             dp_world_size=dp,
@@ -375,18 +287,6 @@ class DsUniversalSource(Reader):
             sub_group_size=sub_group_size(ds_config) if stage == 3 else None,
             ds_config=jsonable(ds_config),
             **engine_counters(head),
-        )
-        steps = [s for s in self._steps.values() if s is not None]
-        return Facts(
-            info=info,
-            flavour=detection.flavour.name if detection.flavour else None,
-            adam_w_mode=detection.adam_w_mode,
-            step=max(steps, default=None),
-            groups=groups,
-            params=params,
-            tied=tied,
-            buffer_names=buffer_names,
-            warnings=warnings,
         )
 
     def _zero3_layout(
@@ -399,36 +299,7 @@ class DsUniversalSource(Reader):
         dp: int,
     ) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
         """Sub-groups per param group, the flavour, and each sub-group's step (rank 0's copy)."""
-        sub_of_group: dict[int, int] = {}
-        for g, subs in enumerate(layout):
-            for sub in subs:
-                if not 0 <= sub < len(shapes):
-                    raise InputError(
-                        f"zero/{_OPTIM}: param group {g} names sub-group {sub}, but param_shapes has {len(shapes)}"
-                    )
-                if sub in sub_of_group:
-                    raise InputError(
-                        f"zero/{_OPTIM}: sub-group {sub} belongs to param groups {sub_of_group[sub]} and {g}"
-                    )
-                sub_of_group[sub] = g
-        for sub in range(len(shapes)):
-            if sub not in sub_of_group:
-                raise InputError(f"sub-group {sub} of param_shapes belongs to no param group in zero/{_OPTIM}")
-        numels = optim.get("flat_numels")
-        if numels is not None:
-            # rank 0's own shards ride along: their sizes tell whether param_shapes fit this dp
-            if len(numels) != len(shapes):
-                raise InputError(
-                    f"zero/{_OPTIM} holds fp32_flat_groups for {len(numels)} sub-groups, but "
-                    f"param_shapes has {len(shapes)}: files of different checkpoints are mixed"
-                )
-            for sub, members in enumerate(shapes):
-                want = sum(zero3_partition_size(_numel(tensor_shape(s)), dp) for s in members.values())
-                if numels[sub] != want:
-                    raise InputError(
-                        f"sub-group {sub} holds {numels[sub]} elements on rank 0, but its parameters' "
-                        f"partitions add up to {want} at dp={dp}: files of different checkpoints are mixed"
-                    )
+        sub_of_group = check_zero3_membership(layout, shapes, optim.get("flat_numels"), dp)
         state = optim["state"]
         detection = flavours.detect({"param_groups": optim["param_groups"], "state": state}, ds_config, optimizer)
         steps: dict[int, int | None] = {}

@@ -21,26 +21,31 @@ import torch
 from ucp.deepspeed.fields import (
     as_int,
     build_facts,
-    check_name,
-    check_rank_count,
-    engine_counters,
-    flat_state_keys,
-    flat_state_scalars,
+    check_one_version,
     jsonable,
+    need_list,
+    need_mapping,
+    need_tensor,
+    tensor_shape,
+)
+from ucp.deepspeed.layout import CheckpointFiles
+from ucp.deepspeed.model_states import (
+    check_model_states,
+    engine_counters,
     model_dtype,
     model_extras,
     module_buffers,
     module_ties,
-    need_list,
-    need_mapping,
-    need_tensor,
+    zero12_frozen_values,
+)
+from ucp.deepspeed.optim_states import (
+    check_rank_count,
+    flat_state_keys,
+    flat_state_scalars,
     optimizer_block,
     same_scalars,
     show_scalars,
-    tensor_shape,
-    zero12_frozen_values,
 )
-from ucp.deepspeed.layout import CheckpointFiles
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 from ucp.model import flavours
@@ -152,36 +157,10 @@ class Zero12Source(Reader):
         assert self._model is not None
         name = self._model.path.name
         head = self._model.obj
-        if not isinstance(head, Mapping) or head.get("param_shapes") is None:
-            raise InputError(
-                f"{name} has no param_shapes: not a ZeRO-1/2 model-states file (saved without optimizer state?)"
-            )
-        shapes = need_list(head["param_shapes"], f"{name}: param_shapes")
-        for group in shapes:
-            for pname in need_mapping(group, f"{name}: a param_shapes entry"):
-                check_name(pname, f"{name}: param_shapes")
-        for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
-            if head.get(key) is not None:
-                need_mapping(head[key], f"{name}: {key}")
-        for pname in head.get("frozen_param_shapes") or {}:
-            check_name(pname, f"{name}: frozen_param_shapes")
-        if head.get("buffer_names") is not None:
-            names = need_list(head["buffer_names"], f"{name}: buffer_names")
-            if not all(isinstance(n, str) for n in names):
-                raise InputError(f"{name}: buffer_names holds a name that is not a string")
-        tied = head.get("shared_params") or {}
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-            raise InputError(f"{name}: shared_params maps names that are not strings")
-        if not isinstance(head.get("ds_config") or {}, Mapping):
-            raise InputError(f"{name}: ds_config is a {type(head['ds_config']).__name__}, not a dict")
+        check_model_states(head, name, "not a ZeRO-1/2 model-states file (saved without optimizer state?)")
         stamped = [head] + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
         stamped += [optimizer_block(tf) for tf in self._optim]
-        versions = {str(m["ds_version"]) for m in stamped if m.get("ds_version") is not None}
-        if len(versions) > 1:
-            raise InputError(
-                f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
-                "from different runs, so use one tag folder as DeepSpeed saved it"
-            )
+        check_one_version(stamped)
         return head
 
     def _base(self, tf: TorchFile, block: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:

@@ -19,26 +19,25 @@ import torch
 from ucp.deepspeed.fields import (
     as_int,
     build_facts,
-    check_name,
-    check_rank_count,
-    engine_counters,
-    flat_state_keys,
-    flat_state_scalars,
+    check_one_version,
     jsonable,
-    model_dtype,
-    model_extras,
-    module_buffers,
     need_list,
     need_mapping,
     need_tensor,
-    optimizer_block,
-    same_scalars,
-    show_scalars,
-    stage_of,
     sub_group_size,
     tensor_shape,
 )
 from ucp.deepspeed.layout import CheckpointFiles
+from ucp.deepspeed.model_states import check_model_states, engine_counters, model_dtype, model_extras, module_buffers
+from ucp.deepspeed.optim_states import (
+    check_rank_count,
+    flat_state_keys,
+    flat_state_scalars,
+    optimizer_block,
+    same_scalars,
+    show_scalars,
+    stage_of,
+)
 from ucp.errors import InputError
 from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
@@ -113,30 +112,11 @@ class Zero3Source(Reader):
         models = []
         for tf in self._model:
             obj = tf.obj
-            if not isinstance(obj, Mapping) or "param_shapes" not in obj:
-                raise InputError(f"{tf.path.name} has no param_shapes: not a ZeRO-3 model-states file")
-            shapes = need_list(obj["param_shapes"], f"{tf.path.name}: param_shapes")
-            for sub in shapes:
-                for name in need_mapping(sub, f"{tf.path.name}: a param_shapes entry"):
-                    check_name(name, f"{tf.path.name}: param_shapes")
-            for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):
-                if obj.get(key) is not None:
-                    need_mapping(obj[key], f"{tf.path.name}: {key}")
-            for name in obj.get("frozen_param_shapes") or {}:
-                check_name(name, f"{tf.path.name}: frozen_param_shapes")
-            if obj.get("buffer_names") is not None:
-                names = need_list(obj["buffer_names"], f"{tf.path.name}: buffer_names")
-                if not all(isinstance(n, str) for n in names):
-                    raise InputError(f"{tf.path.name}: buffer_names holds a name that is not a string")
+            check_model_states(obj, tf.path.name, "not a ZeRO-3 model-states file")
             models.append(obj)
         head, first = models[0], self._model[0].path.name
         stamped = models + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
-        versions = {str(m["ds_version"]) for m in stamped if m.get("ds_version") is not None}
-        if len(versions) > 1:
-            raise InputError(
-                f"rank files were written by different DeepSpeed versions: {sorted(versions)}; they come "
-                "from different runs, so use one tag folder as DeepSpeed saved it"
-            )
+        check_one_version(stamped)
         counters = engine_counters(head)
         for tf, model in zip(self._model[1:], models[1:]):
             other = engine_counters(model)

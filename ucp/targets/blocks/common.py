@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ucp.deepspeed.fields import same_scalars, show_scalars
+from ucp.deepspeed.optim_states import same_scalars, show_scalars
 from ucp.errors import InputError
 from ucp.model.records import ParamState, PieceState
 
