@@ -14,7 +14,7 @@ import torch
 import ucp
 from tests.support.files import resave
 from ucp.io.torchfile import load
-from ucp.model import flavours
+from ucp.model.detect import detect
 from ucp.sources import open_reader
 
 
@@ -63,32 +63,29 @@ def test_apex_layout_reads_back_bit_exact_with_its_group_step(source, universals
 def test_detection_tells_every_flavour_apart_on_a_real_state_dict(source):
     built = source("z3-bf16-dp2-adamw")
     base = load(_zero3_optim(built.tag_dir)[0])["optimizer_state_dict"]["optimizer_state_dict"]
-    assert flavours.detect(base).flavour.name == "torch-adam"
+    assert detect(base).flavour.name == "torch-adam"
     fused = copy.deepcopy(base)
     for state in fused["state"].values():
         state["step"] = int(state["step"])
     for group in fused["param_groups"]:
         group["step"] = 0  # DeepSpeed FusedAdam's stale copy
         group["bias_correction"] = True
-    found = flavours.detect(fused)
+    found = detect(fused)
     assert found.flavour.name == "ds-fused-adam" and any("stale" in w for w in found.warnings)
     cpu = copy.deepcopy(fused)
     for group in cpu["param_groups"]:
         del group["step"]
-    assert (
-        flavours.detect(cpu, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).flavour.name
-        == "ds-cpu-adam"
-    )
+    assert detect(cpu, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).flavour.name == "ds-cpu-adam"
     apex = copy.deepcopy(base)
     for state in apex["state"].values():
         del state["step"]
     for group in apex["param_groups"]:
         group["step"] = 3
-    found = flavours.detect(apex)
+    found = detect(apex)
     assert found.flavour.name == "apex-fused-adam"
     assert found.flavour.read_step(apex["param_groups"][0], apex["state"][0]) == 3
-    assert flavours.detect({"state": {}, "param_groups": base["param_groups"]}).flavour is None
-    assert flavours.detect(base, override="ds-cpu-adam").flavour.name == "ds-cpu-adam"
+    assert detect({"state": {}, "param_groups": base["param_groups"]}).flavour is None
+    assert detect(base, override="ds-cpu-adam").flavour.name == "ds-cpu-adam"
 
 
 def test_converting_an_apex_checkpoint_keeps_its_step_and_moments(source, tmp_path):

@@ -20,6 +20,7 @@ from ucp.errors import ConfigError, OutputExistsError
 from ucp.harness import LoadSpec
 from ucp.migrate import MigrationConfigError, load_config, run_migration
 from ucp.sources import open_reader
+from ucp.sources.dcp import DcpSource
 from ucp.universal.reader import open_universal
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -371,6 +372,70 @@ target:
     assert f"{path}:5: target.stage: must be one of 1, 2, 3, got 4" in err
 
 
+# -- target.format: dcp -----------------------------------------------------------------------
+def test_a_migration_to_dcp_writes_what_the_source_holds_bit_exact(z3_fp32_dp3, tmp_path):
+    """Source -> rename -> reset (step kept) -> DCP, read back by the DCP source: every entry, bit for bit."""
+    path = _config(
+        tmp_path,
+        f"""
+source: {json.dumps(str(z3_fp32_dp3.path))}
+transforms:
+  - rename: {{pattern: "^", replace: "model."}}
+  - reset_optimizer: {{params: ["^model\\\\.norm\\\\."], step: keep}}
+target: {{format: dcp, output: out/dcp}}
+""",
+    )
+    text = run_migration(path, dry_run=True)
+    for line in (
+        f"write      {tmp_path / 'out/dcp'}: torch.distributed.checkpoint folder (torch layout) for torch-adamw, fp32, "
+        "any world size: model, optim, train_state, lr_scheduler",
+        "13 parameters (11 trained, 2 frozen) in 3 param group(s), 1 tied alias(es), 1 buffer(s); 22 optimizer tensors, "
+        "step 3",
+    ):
+        assert line in text, (line, text)
+    assert not (tmp_path / "out").exists()
+    assert "wrote a torch.distributed.checkpoint folder (torch-adamw, torch layout)" in run_migration(path)
+    with open_reader(z3_fp32_dp3.path) as src, DcpSource(tmp_path / "out/dcp") as out:
+        assert [(f"model.{p.name}", p.shape, p.group, p.frozen) for p in src.facts.params] == [
+            (p.name, p.shape, p.group, p.frozen) for p in out.facts.params
+        ]
+        assert out.facts.tied == {"model.head.weight": "model.embed.weight"} and out.facts.buffer_names == [
+            "model.calls"
+        ]
+        assert [g.hyper.lr for g in out.facts.groups] == [g.hyper.lr for g in src.facts.groups]
+        for meta in src.facts.params:
+            theirs, ours = src.read(meta.name), out.read(f"model.{meta.name}")
+            assert torch.equal(ours.fp32, theirs.fp32) and ours.step == theirs.step, meta.name
+            for key, value in theirs.optim.items():
+                want = torch.zeros_like(value) if meta.name.startswith("norm.") else value
+                assert torch.equal(ours.optim[key], want), (meta.name, key)
+        assert torch.equal(out.buffers()["model.calls"], src.buffers()["calls"])
+        assert out.extras()["lr_scheduler"] == src.extras()["lr_scheduler"]
+        assert out.facts.info.global_steps == src.facts.info.global_steps == 3
+
+
+def test_a_dcp_target_keeps_each_parameters_own_step_after_a_reset(z3_fp32_dp3, tmp_path):
+    """torch keeps one step per parameter: a reset restarts only the parameters it names."""
+    import torch.distributed.checkpoint as dcp
+
+    path = _config(
+        tmp_path,
+        f"""
+source: {json.dumps(str(z3_fp32_dp3.path))}
+transforms:
+  - reset_optimizer: ["^norm\\\\."]
+target: {{format: dcp, output: out}}
+""",
+    )
+    assert "steps [0, 3]" in run_migration(path, dry_run=True)
+    run_migration(path)
+    names = [p.name for p in open_reader(z3_fp32_dp3.path).facts.params if not p.frozen]
+    steps = {f"optim.state.{n}.step": torch.tensor(-1.0) for n in names}
+    dcp.load(steps, checkpoint_id=tmp_path / "out", no_dist=True)
+    assert {k.split(".")[2]: v.item() for k, v in steps.items() if v.item() == 0} == {"norm": 0.0}
+    assert sorted({v.item() for v in steps.values()}) == [0.0, 3.0]
+
+
 # -- bad configs, case by case ----------------------------------------------------------------
 BAD = [
     (
@@ -401,12 +466,40 @@ BAD = [
     ),
     (
         "unknown optimizer",
-        "{src}\ntarget:\n  dp: 2\n  optimizer: torch-adamw\n  output: out\n",
+        "{src}\ntarget:\n  dp: 2\n  optimizer: adamw\n  output: out\n",
         [
             "m.yaml:4: target.optimizer: must be one of torch-adam, ds-fused-adam, ds-cpu-adam, apex-fused-adam, "
-            "torch-sgd, torch-rmsprop, torch-nadam, torch-radam, torch-adamax, torch-adagrad, ds-cpu-adagrad, ds-lion, got "
-            "'torch-adamw' (did you mean 'torch-adam'?)"
+            "torch-sgd, torch-rmsprop, torch-nadam, torch-radam, torch-adamax, torch-adagrad, ds-cpu-adagrad, ds-lion, "
+            "torch-adamw, got 'adamw' (did you mean 'torch-adamw'?)"
         ],
+    ),
+    (
+        "torch-adamw for a native target",
+        "{src}\ntarget:\n  dp: 2\n  optimizer: torch-adamw\n  output: out\n",
+        [
+            "m.yaml:4: target.optimizer: torch-adamw names a dcp output's optimizer; a native checkpoint takes torch-adam"
+        ],
+    ),
+    ("native target without dp", "{src}\ntarget: {{output: out}}\n", ["m.yaml:2: target.dp: is required"]),
+    (
+        "dcp target with native options",
+        "{src}\ntarget:\n  format: dcp\n  dp: 2\n  tp: 2\n  output: out\n",
+        ["m.yaml:4: target.dp: does not apply to format dcp", "m.yaml:5: target.tp: does not apply to format dcp"],
+    ),
+    (
+        "dcp target for a DeepSpeed optimizer",
+        "{src}\ntarget: {{format: dcp, optimizer: ds-fused-adam, output: out}}\n",
+        ["m.yaml:2: target.optimizer: a dcp output is read by a torch optimizer: one of torch-adamw, torch-adam"],
+    ),
+    (
+        "dcp target for another optimizer family",
+        "{src}\ntarget: {{format: dcp, optimizer: torch-sgd, output: out}}\n",
+        ["m.yaml:2: target.optimizer:", "adam family"],
+    ),
+    (
+        "dcp layout on a native target",
+        "{src}\ntarget: {{dp: 2, layout: torchtitan, output: out}}\n",
+        ["m.yaml:2: target.layout: describes a dcp output"],
     ),
     (
         "unknown dtype",

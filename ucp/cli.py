@@ -37,6 +37,8 @@ def _positive(text: str) -> int:
 
 def _cmd_to_universal(args: argparse.Namespace) -> int:
     if args.distributed:
+        if args.frozen:
+            raise UcpError("--frozen is not supported with --distributed; convert the DCP folder in one process")
         from ucp.ops.distributed import to_universal_distributed
 
         to_universal_distributed(
@@ -45,6 +47,8 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
         return 0
     from ucp.ops.convert import to_universal
 
+    if args.frozen:
+        return _to_universal_frozen(args)
     manifest = to_universal(
         args.src,
         args.out,
@@ -58,6 +62,19 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_universal_frozen(args: argparse.Namespace) -> int:
+    """A DCP folder whose frozen parameters the user names (one rank's save cannot tell them from buffers)."""
+    from ucp.sources.dcp import DcpSource, is_dcp
+    from ucp.universal.writer import write_universal
+
+    if not is_dcp(args.src):
+        raise UcpError(f"--frozen names frozen parameters of a DCP folder; {args.src} holds no .metadata")
+    with DcpSource(args.src, optimizer=args.optimizer, names={"frozen": args.frozen}) as reader:
+        manifest = write_universal(reader, args.out, overwrite=args.overwrite, workers=args.workers, fsync=args.fsync)
+    print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
+    return 0
+
+
 def _cmd_restore_dcp(args: argparse.Namespace) -> int:
     from ucp.targets.dcp import write_dcp
 
@@ -66,11 +83,42 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
         args.out,
         optimizer=args.optimizer or "torch-adamw",
         tag=args.tag,
+        layout=args.dcp_layout or "torch",
         overwrite=args.overwrite,
         fsync=args.fsync,
     )
+    layout = f", {args.dcp_layout} layout" if args.dcp_layout else ""
     print(
-        f"wrote a torch.distributed.checkpoint folder ({args.optimizer or 'torch-adamw'}) to {args.out}",
+        f"wrote a torch.distributed.checkpoint folder ({args.optimizer or 'torch-adamw'}{layout}) to {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_restore_hf(args: argparse.Namespace, step: int | str) -> int:
+    from ucp.targets.hf import write_hf
+
+    result = write_hf(
+        args.universal,
+        args.out,
+        dp=args.dp,
+        stage=args.stage,
+        optimizer=args.optimizer,
+        dtype=args.dtype,
+        tag=args.tag,
+        sub_group_size=args.sub_group_size,
+        step=step,
+        tp=args.tp,
+        overwrite=args.overwrite,
+        workers=args.workers,
+        fsync=args.fsync,
+    )
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(
+        f"wrote {'a Trainer' if result.folder.kind == 'trainer' else 'an Accelerate'} folder for "
+        f"{result.world} process{'es' if result.world > 1 else ''} (ZeRO-{result.plan.stage}, tag "
+        f"{result.plan.tag}, {len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {args.out}",
         file=sys.stderr,
     )
     return 0
@@ -81,17 +129,23 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
     if args.format == "dcp":
         return _cmd_restore_dcp(args)
+    if args.dcp_layout:
+        raise UcpError("--dcp-layout describes a DCP output; add --format dcp")
     if args.dp is None:
         raise UcpError("restore needs --dp N (the data-parallel size of the new run), or --format dcp")
 
     step: int | str = args.step
     if isinstance(step, str) and step.isdigit():
         step = int(step)
+    from ucp.sources.hf import find_hf_folder
+
+    if find_hf_folder(args.universal) is not None:
+        return _cmd_restore_hf(args, step)
     plan = write_native(
         args.universal,
         args.out,
         dp=args.dp,
-        stage=args.stage,
+        stage=args.stage or 3,
         optimizer=args.optimizer,
         dtype=args.dtype,
         tag=args.tag,
@@ -180,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
     p.add_argument(
+        "--frozen",
+        nargs="+",
+        metavar="NAME",
+        help="DCP source: these entries are frozen parameters, not buffers (a one-rank save cannot tell them apart)",
+    )
+    p.add_argument(
         "--distributed",
         action="store_true",
         help="split the work across torch.distributed ranks (launch with torchrun)",
@@ -187,7 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_to_universal)
 
     p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size, or DCP")
-    p.add_argument("universal", help="universal directory (or a DeepSpeed or DCP checkpoint)")
+    p.add_argument(
+        "universal",
+        help="universal directory (or a DeepSpeed or DCP checkpoint); a Trainer checkpoint-N or Accelerate "
+        "save_state folder gives a whole folder of the same kind for the new size",
+    )
     p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
     p.add_argument(
         "--format",
@@ -195,8 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="deepspeed",
         help="deepspeed (default): a native ZeRO checkpoint; dcp: a torch.distributed.checkpoint folder for FSDP2",
     )
+    p.add_argument(
+        "--dcp-layout",
+        choices=("torch", "torchtitan"),
+        help="--format dcp: torch (default; get_state_dict's model/optim) or torchtitan (its CheckpointManager's keys)",
+    )
     p.add_argument("--dp", type=_positive, help="data-parallel size of the new run (needed for --format deepspeed)")
-    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage of the new run (default 3)")
+    p.add_argument(
+        "--stage",
+        type=int,
+        choices=(1, 2, 3),
+        help="ZeRO stage of the new run (default 3; a Hugging Face folder's own)",
+    )
     p.add_argument(
         "--tp",
         type=_positive,

@@ -12,20 +12,20 @@ resume to the same numbers. It loads and saves with the standard DCP lines (``ge
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ucp.harness.launch import RankFailure, free_port
+from ucp.harness.launch import run_ranks
 from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
 from ucp.harness.spec import RunSpec
 from ucp.harness.worker import lr_decay
 
-__all__ = ["run_fsdp", "loaded_record_path", "main"]
+__all__ = ["run_fsdp", "loaded_record_path", "main", "MODULE"]
+
+#: what each rank runs (``python -m MODULE SPEC_JSON``)
+MODULE = "ucp.harness.fsdp"
 
 #: what the FSDP2 run keeps besides model and optimizer (the names ucp's DCP target writes)
 _SCHEDULER, _TRAIN = "lr_scheduler", "train_state"
@@ -38,31 +38,9 @@ def loaded_record_path(record: str) -> str:
 
 def run_fsdp(spec: RunSpec, *, timeout: float = 600.0, log_dir: str | os.PathLike | None = None) -> None:
     """Run ``spec`` on ``spec.dp`` local FSDP2 ranks (gloo) and wait; RankFailure names the first that failed."""
-    spec.port = spec.port or free_port()
-    logs = Path(log_dir or tempfile.mkdtemp(prefix="ucp-fsdp-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(spec.dp):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.dp))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port), PYTHONWARNINGS="ignore")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        with open(logs / f"rank{rank}.log", "w") as log:
-            cmd = [sys.executable, "-m", "ucp.harness.fsdp", spec.to_json()]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    codes: list[int | str] = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            codes.append("timeout")
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for rank, code in enumerate(codes):
-        if code != 0:
-            tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-4000:]
-            raise RankFailure(f"FSDP2 rank {rank} exited with {code} (logs in {logs}):\n{tail}")
+    if spec.tp != 1:
+        raise ValueError("the FSDP2 harness shards over data parallelism only (tp=1)")
+    run_ranks(spec, timeout=timeout, log_dir=log_dir, module=MODULE)
 
 
 def _build(spec: RunSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

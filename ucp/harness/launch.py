@@ -1,4 +1,5 @@
-"""Start N local ranks of :mod:`ucp.harness.worker` with the environment torch.distributed expects."""
+"""Start N local ranks of a harness module (the DeepSpeed worker, or the FSDP2 one) with the
+environment torch.distributed expects."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from ucp.harness.spec import RunSpec
 
-__all__ = ["RankFailure", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "WORKER", "free_port", "run_ranks"]
 
 
 class RankFailure(RuntimeError):
@@ -24,11 +25,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLike | None = None) -> None:
-    """Run ``spec`` on ``spec.dp x spec.tp`` local processes and wait for all of them.
+#: the module each rank runs unless told otherwise: one DeepSpeed rank (``python -m MODULE SPEC_JSON``)
+WORKER = "ucp.harness.worker"
+
+
+def run_ranks(
+    spec: RunSpec,
+    *,
+    timeout: float = 900.0,
+    log_dir: str | os.PathLike | None = None,
+    module: str = WORKER,
+) -> None:
+    """Run ``python -m module SPEC_JSON`` on ``spec.dp x spec.tp`` local processes and wait for all of them.
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DeepSpeed runs on
-    its CPU accelerator with the gloo backend. Raises RankFailure naming the first rank that failed.
+    its CPU accelerator, every run on gloo. Raises RankFailure naming the first rank that failed
+    (and the module, so a log says which harness it came from).
     """
     if not spec.port:
         spec.port = free_port()
@@ -50,7 +62,7 @@ def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLi
             PYTHONWARNINGS="ignore",
         )
         log = open(logs / f"rank{rank}.log", "w")
-        cmd = [sys.executable, "-m", "ucp.harness.worker", spec.to_json()]
+        cmd = [sys.executable, "-m", module, spec.to_json()]
         procs.append((rank, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     failed = []
     try:
@@ -72,4 +84,4 @@ def run_ranks(spec: RunSpec, *, timeout: float = 900.0, log_dir: str | os.PathLi
     if failed:
         rank, code = failed[0]
         tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-4000:]
-        raise RankFailure(f"rank {rank} exited with {code} (logs in {logs}):\n{tail}")
+        raise RankFailure(f"{module} rank {rank} exited with {code} (logs in {logs}):\n{tail}")

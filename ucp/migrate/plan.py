@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ucp.errors import ConfigError, UcpError
+from ucp.migrate.dcp_target import describe_dcp, plan_dcp_target
 from ucp.migrate.issues import Issue, KeyPath, config_error, raise_issues, show_path
 from ucp.migrate.schema import EXPORT_SUFFIXES, MigrationConfig, ResetConfig, TargetConfig, TensorParallelConfig
 from ucp.model import flavours
@@ -25,6 +26,9 @@ class MigrationPlan:
     transforms: TransformPlan
     native: Any | None  # ucp.targets.native.NativePlan
     warnings: list[str] = field(default_factory=list)
+    dcp: Any | None = None  # ucp.targets.dcp.DcpPlan, for target.format: dcp
+    #: each trained parameter's step in a dcp target (torch keeps one per parameter; resets restart some)
+    dcp_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def facts(self) -> Facts:
@@ -81,16 +85,20 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
                     f"are removed; the new optimizer must have {kept} param group(s)",
                 )
             )
-        native = None
+        native = dcp = None
         if isinstance(config.target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
-            native = _plan_target(config, config.target, reader, tplan, issues)
+            if config.target.format == "dcp":
+                dcp = plan_dcp_target(config.target, reader, tplan, _param_steps(reader, tplan), issues)
+            else:
+                native = _plan_target(config, config.target, reader, tplan, issues)
         if config.exports and not broken & {"exports", "transforms"} and not tplan.problems:
             _check_exports(config, reader, tplan, issues)
         raise_issues(issues, origin, exists=exists)
     except BaseException:
         reader.close()
         raise
-    return MigrationPlan(config, reader, tplan, native, [origin.where(w) for w in warnings])
+    dcp_steps = _param_steps(reader, tplan) if dcp is not None else {}
+    return MigrationPlan(config, reader, tplan, native, [origin.where(w) for w in warnings], dcp, dcp_steps)
 
 
 def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan, issues: list[Issue]) -> None:
@@ -361,6 +369,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"
         )
         out += [f"             note: {note}" for note in native.notes]
+    if plan.dcp is not None and config.target is not None:
+        out += describe_dcp(plan.dcp, config.target, _counts(plan.facts), plan.dcp_steps)
     for export in config.exports:
         src = (
             "the universal directory"

@@ -1,4 +1,4 @@
-"""Running a plan: source -> transforms -> universal (if asked) -> native target (if asked) -> exports."""
+"""Running a plan: source -> transforms -> universal (if asked) -> native or DCP target (if asked) -> exports."""
 
 from __future__ import annotations
 
@@ -44,10 +44,25 @@ def execute(plan: MigrationPlan, *, overwrite: bool = False, workers: int | None
     return done
 
 
+def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool) -> str:
+    from ucp.targets.dcp import write_dcp
+
+    target = plan.config.target
+    if target is None or plan.dcp is None:
+        raise ValueError("the plan has no dcp target")
+    optimizer = target.optimizer or "torch-adamw"
+    write_dcp(
+        reader, target.output, optimizer=optimizer, layout=target.layout, steps=plan.dcp_steps, overwrite=overwrite
+    )
+    return f"wrote a torch.distributed.checkpoint folder ({optimizer}, {target.layout} layout) to {target.output}"
+
+
 def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
     from ucp.targets.native import write_plan
 
     target = plan.config.target
+    if plan.dcp is not None:
+        return _write_dcp(plan, reader, overwrite=overwrite)
     if target is None or plan.native is None:
         raise ValueError("the plan has no target")
     try:

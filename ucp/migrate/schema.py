@@ -152,19 +152,56 @@ class TensorParallelConfig(Node):
         return [(r.pattern, r.to_rule()) for r in self.rules]
 
 
+TARGET_FORMATS = ("deepspeed", "dcp")
+#: what a dcp target may name: torch optimizers, AdamW included (ucp.targets.dcp.DCP_OPTIMIZERS)
+DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith("torch-")))
+DCP_LAYOUTS = ("torch", "torchtitan")
+_ALL_OPTIMIZERS = tuple(dict.fromkeys((*flavours.FLAVOURS, *DCP_OPTIMIZERS)))
+#: TargetConfig fields that describe a native DeepSpeed layout, with the value that means "not given"
+_NATIVE_ONLY = {"dp": None, "stage": 3, "dtype": None, "step": "keep", "tag": None, "sub_group_size": None, "tp": 1}
+
+
 @dataclass
 class TargetConfig(Node):
-    """The native DeepSpeed checkpoint the new run loads with a plain ``engine.load_checkpoint``."""
+    """What the new run loads: a native DeepSpeed checkpoint (``engine.load_checkpoint``), or with
+    ``format: dcp`` a torch.distributed.checkpoint folder for FSDP2, which reshards on load (no dp)."""
 
     output: Path
-    dp: int = checked(_positive)
+    dp: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)  # deepspeed: required
+    format: str = checked(_one_of(TARGET_FORMATS), default="deepspeed")
+    layout: str = checked(_one_of(DCP_LAYOUTS), default="torch")  # dcp: get_state_dict's, or torchtitan's
     stage: int = checked(_one_of((1, 2, 3)), default=3)
-    optimizer: str | None = checked(_one_of(flavours.FLAVOURS), default=None)  # None: the source's
+    optimizer: str | None = checked(_one_of(_ALL_OPTIMIZERS), default=None)  # None: the source's (dcp: torch-adamw)
     dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the source's
     step: str | int = checked(_step_value, default="keep")
     tag: str | None = checked(_tag, default=None)  # None: global_step<N>
     sub_group_size: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
     tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
+
+    def cross_issues(self) -> Iterator[Issue]:
+        if self.format == "dcp" and self.optimizer is not None and self.optimizer not in DCP_OPTIMIZERS:
+            yield Issue(
+                ("optimizer",), f"a dcp output is read by a torch optimizer: one of {', '.join(DCP_OPTIMIZERS)}"
+            )
+        if self.format == "deepspeed" and self.optimizer == "torch-adamw":
+            yield Issue(
+                ("optimizer",),
+                "torch-adamw names a dcp output's optimizer; a native checkpoint takes torch-adam (AdamW is "
+                "torch-adam with decoupled weight decay, kept from the source)",
+            )
+        if self.format == "deepspeed":
+            if self.dp is None:
+                yield Issue(("dp",), "is required: the data-parallel size of the new run (or set format: dcp)")
+            if self.layout != "torch":
+                yield Issue(("layout",), "describes a dcp output; set format: dcp or remove it")
+            return
+        for name, unset in _NATIVE_ONLY.items():
+            if getattr(self, name) != unset:
+                yield Issue(
+                    (name,),
+                    "does not apply to format dcp: the folder holds fp32 masters and each parameter's own step, "
+                    "and DCP reshards on load at any world size; remove it",
+                )
 
     def options(self) -> RestoreOptions:
         """The same choices as the CLI's and the API's: one RestoreOptions, planned once."""

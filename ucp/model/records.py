@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ucp.model.flavours import Hyper
+from ucp.model.hyper import Hyper
 from ucp.model.pieces import Pieces
 
 __all__ = [

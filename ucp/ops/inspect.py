@@ -16,6 +16,7 @@ from typing import Any
 from ucp.model import flavours
 from ucp.model.records import Facts, Reader
 from ucp.sources import is_universal, open_reader
+from ucp.sources.hf import find_hf_folder
 
 __all__ = ["inspect_path", "inspect_reader", "format_report"]
 
@@ -30,11 +31,16 @@ _FORMATS = {"dcp": "dcp"}
 def inspect_path(path: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None) -> dict[str, Any]:
     """Summarize the checkpoint or universal directory at ``path`` as one JSON-ready dict."""
     path = Path(path)
-    reader = open_reader(path, tag=tag, optimizer=optimizer, verify=False)
+    hf = find_hf_folder(path) if tag is None else None
+    reader = open_reader(path, tag=tag or (hf.tag if hf else None), optimizer=optimizer, verify=False)
     try:
-        return inspect_reader(reader, path=path, universal=is_universal(path))
+        report = inspect_reader(reader, path=path, universal=is_universal(path))
     finally:
         reader.close()
+    if hf is not None:
+        report["format"] = f"hf-{hf.kind}"
+        report["hf"] = hf.describe()
+    return report
 
 
 def _adam_w_mode(facts: Facts) -> bool | None:
@@ -132,6 +138,21 @@ def _rule_text(rule: dict[str, Any] | None) -> str:
     return text
 
 
+def _hf_lines(hf: dict[str, Any]) -> list[str]:
+    """What a Trainer or Accelerate folder holds around its DeepSpeed tag."""
+    kind = "Hugging Face Trainer" if hf["kind"] == "trainer" else "Accelerate save_state"
+    step = f", global_step {hf['global_step']}" if hf["global_step"] is not None else ""
+    lines = [
+        f"  {kind} folder{step}: DeepSpeed tag {hf['tag']}, RNG files for {hf['processes'] or 0} "
+        f"process{'' if hf['processes'] == 1 else 'es'} "
+        f"({', '.join(hf['rng_files']) or 'none'})",
+        f"  other files (copied unchanged by ucp restore): {', '.join(hf['files']) or 'none'}",
+    ]
+    if hf["skipped"]:
+        lines.append(f"  other DeepSpeed tags, not carried by ucp restore: {', '.join(hf['skipped'])}")
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A short summary and a per-parameter table, for a terminal."""
     lines = [
@@ -146,6 +167,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"  {report['num_params']} parameters, {_fmt_int(report['numel'])} elements"
         f" ({report['num_frozen']} frozen, {_fmt_int(report['frozen_numel'])} elements)",
     ]
+    if report.get("hf"):
+        lines[1:1] = _hf_lines(report["hf"])
     adam = report.get("optimizer_family") in (None, "adam")
     for group in report["param_groups"]:
         hyper = group["hyperparameters"]

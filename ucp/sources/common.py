@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ucp.io.torchfile import TorchFile
-from ucp.model import flavours
+from ucp.model.hyper import hyper_from_group, raw_group
 from ucp.model.partition import zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import GroupMeta
@@ -70,8 +70,8 @@ def group_meta(
     """A DeepSpeed param group as the pipeline's record: neutral hyperparameters plus its own keys."""
     return GroupMeta(
         index=index,
-        hyper=flavours.hyper_from_group(group, adam_w_mode),
-        raw=flavours.raw_group(group),
+        hyper=hyper_from_group(group, adam_w_mode),
+        raw=raw_group(group),
         params=names,
         step=step,
         state_keys=state_keys,

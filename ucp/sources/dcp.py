@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import pickle
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from ucp.errors import CorruptFileError, InputError
-from ucp.model import flavours
+from ucp.model.detect import detect
+from ucp.model.hyper import hyper_from_group, raw_group
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 
 __all__ = [
@@ -143,7 +145,9 @@ def _load(path: Path, meta: Any, template: dict[str, Any]) -> None:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
 
     try:
-        dcp.load(template, storage_reader=Reader_(path), planner=Planner(), no_dist=True)
+        with warnings.catch_warnings():  # no_dist is what we ask for; torch warns about it on every call
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=Reader_(path), planner=Planner(), no_dist=True)
     except Exception as err:
         raise CorruptFileError(f"reading {path} with torch.distributed.checkpoint failed: {_cause(err)}") from None
 
@@ -180,7 +184,8 @@ class DcpSource(Reader):
     """A DCP folder of ``get_state_dict`` shape as a reader; see the module docstring for the call order.
 
     ``names`` tells parameters from buffers and tied aliases when the folder does not record it
-    (ucp's own DCP output records it under ``ucp``): ``{"tied": {alias: owner}, "buffers": [...]}``.
+    (ucp's own DCP output records it under ``ucp``): ``{"tied": {alias: owner}, "buffers": [...],
+    "frozen": [...]}``; ``frozen`` alone names the frozen parameters and leaves the rest to detection.
     Without either, an entry the optimizer does not hold is a tied alias when it equals a trained
     parameter, a frozen parameter when FSDP sharded it (several chunks), else a buffer.
     """
@@ -269,9 +274,7 @@ class DcpSource(Reader):
             raise InputError(f"{self.path}: the optimizer holds state for {stray[:3]}, which the model state does not")
         trained = [n for g in groups for n in g["params"]]
         tied, buffers, warnings = self._classify(set(trained), names)
-        detection = flavours.detect(
-            {"param_groups": groups, "state": dict(enumerate(self._scalars.values()))}, None, optimizer
-        )
+        detection = detect({"param_groups": groups, "state": dict(enumerate(self._scalars.values()))}, None, optimizer)
         first = next(iter(self._model.values()))
         dtype = str(names.get("dtype") or dtype_name(first.properties.dtype))
         steps = {
@@ -304,24 +307,21 @@ class DcpSource(Reader):
             if len(known) > 1:
                 raise InputError(f"{self.path}: param group {i} holds parameters at different steps {known}")
             keys = self._state_keys(members[0]) if members else ()
-            hyper = flavours.hyper_from_group(group, adam_w_mode)
-            raw = flavours.raw_group(group)
+            hyper = hyper_from_group(group, adam_w_mode)
+            raw = raw_group(group)
             out.append(GroupMeta(i, hyper, raw, members, step=known[0] if known else None, state_keys=keys))
         return out
 
     def _classify(self, trained: set[str], names: Mapping[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
-        """(tied aliases, buffer names, warnings) of the model entries the optimizer does not hold."""
+        """(tied aliases, buffer names, warnings) of the model entries the optimizer does not hold;
+        every other entry is a frozen parameter, so nothing is dropped."""
+        frozen = [str(n) for n in names.get("frozen") or []]
+        self._check_named(trained, frozen, names)
         if "buffers" in names or "tied" in names:
-            tied = {str(a): str(o) for a, o in dict(names.get("tied") or {}).items()}
-            buffers = [str(b) for b in names.get("buffers") or []]
-            unknown = sorted((set(tied) | set(buffers) | set(tied.values())) - self._model.keys())
-            if unknown:
-                raise InputError(
-                    f"{self.path}: the names given list {unknown[:3]}, which the model state does not hold"
-                )
-            return tied, buffers, []
+            tied = {str(a): str(o) for a, o in dict(names.get("tied") or {}).items() if a not in frozen}
+            return tied, [str(b) for b in names.get("buffers") or [] if b not in frozen], []
         tied = {}
-        rest = [n for n in self._model if n not in trained]
+        rest = [n for n in self._model if n not in trained and n not in frozen]
         for alias in rest:
             for owner in trained:
                 if self._same(alias, owner):
@@ -331,10 +331,23 @@ class DcpSource(Reader):
         warnings = []
         if buffers and all(len(s.chunks) == 1 for s in self._model.values()):
             warnings.append(
-                f"one rank wrote {self.path}, so frozen parameters and buffers look alike; "
-                f"read {buffers[:3]} as buffers"
+                f"one rank wrote {self.path}, so frozen parameters and buffers look alike; read {buffers[:3]} "
+                "as buffers (name the frozen ones: to-universal --frozen NAME...)"
             )
         return tied, buffers, warnings
+
+    def _check_named(self, trained: set[str], frozen: list[str], names: Mapping[str, Any]) -> None:
+        """Every name given is a model entry, and a frozen one is not trained."""
+        tied = dict(names.get("tied") or {})
+        given = {*frozen, *(str(b) for b in names.get("buffers") or []), *map(str, tied), *map(str, tied.values())}
+        unknown = sorted(given - self._model.keys())
+        if unknown:
+            raise InputError(f"{self.path}: the names given list {unknown[:3]}, which the model state does not hold")
+        trained_frozen = sorted(set(frozen) & trained)
+        if trained_frozen:
+            raise InputError(
+                f"{self.path}: {trained_frozen[:3]} are trained (the optimizer holds them), so not frozen parameters"
+            )
 
     def _same(self, alias: str, owner: str) -> bool:
         a, b = self._model[alias], self._model[owner]

@@ -53,7 +53,7 @@ from ucp.deepspeed.optim_states import check_zero3_membership, read_universal_op
 from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
 from ucp.io.torchfile import TorchFile
-from ucp.model import flavours
+from ucp.model.detect import Detection, detect
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta, zero3_gather
@@ -224,7 +224,7 @@ class DsUniversalSource(Reader):
         members: list[list[int]],
         shapes: list[Mapping[str, Any]],
         sub_steps: Mapping[int, int | None],
-        detection: flavours.Detection,
+        detection: Detection,
         dtype: str,
     ) -> tuple[list[ParamMeta], list[GroupMeta]]:
         """The optimized parameters by group, each one's files checked present (every key of its group)."""
@@ -297,11 +297,11 @@ class DsUniversalSource(Reader):
         ds_config: Mapping[str, Any],
         optimizer: str | None,
         dp: int,
-    ) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
+    ) -> tuple[list[list[int]], Detection, dict[int, int | None]]:
         """Sub-groups per param group, the flavour, and each sub-group's step (rank 0's copy)."""
         sub_of_group = check_zero3_membership(layout, shapes, optim.get("flat_numels"), dp)
         state = optim["state"]
-        detection = flavours.detect({"param_groups": optim["param_groups"], "state": state}, ds_config, optimizer)
+        detection = detect({"param_groups": optim["param_groups"], "state": state}, ds_config, optimizer)
         steps: dict[int, int | None] = {}
         for sub in range(len(shapes)):
             group = optim["param_groups"][sub_of_group[sub]]
@@ -315,7 +315,7 @@ class DsUniversalSource(Reader):
         layout: list[list[int]],
         ds_config: Mapping[str, Any],
         optimizer: str | None,
-    ) -> tuple[list[list[int]], flavours.Detection, dict[int, int | None]]:
+    ) -> tuple[list[list[int]], Detection, dict[int, int | None]]:
         """One param_shapes entry per group; the flavour and group steps from each group's step.pt."""
         if len(groups_raw) != len(shapes):
             raise InputError(
@@ -335,7 +335,7 @@ class DsUniversalSource(Reader):
             first = next(iter(members), None)
             if first is not None and (self._zero / first / "step.pt").is_file():
                 state[g] = {"step": torchfile.load(self._zero / first / "step.pt")}
-        detection = flavours.detect({"param_groups": groups_raw, "state": state}, ds_config, optimizer)
+        detection = detect({"param_groups": groups_raw, "state": state}, ds_config, optimizer)
         steps: dict[int, int | None] = {}
         for g, group in enumerate(groups_raw):
             steps[g] = detection.flavour.read_step(group, state.get(g, {})) if detection.flavour else None

@@ -48,7 +48,7 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model import flavours
+from ucp.model.detect import Detection, detect
 from ucp.model.partition import Zero12Group, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -302,7 +302,7 @@ class Zero12Source(Reader):
         self,
         groups_raw: list[Mapping[str, Any]],
         bases: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
-        detection: flavours.Detection,
+        detection: Detection,
     ) -> list[int | None]:
         """Each param group's step, checked across ranks (the highest wins, with a warning)."""
         group_steps: list[int | None] = []
@@ -321,7 +321,7 @@ class Zero12Source(Reader):
         groups_raw: list[Mapping[str, Any]],
         shapes: list[Mapping[str, Any]],
         group_steps: list[int | None],
-        detection: flavours.Detection,
+        detection: Detection,
         dtype: str,
     ) -> tuple[list[ParamMeta], list[GroupMeta]]:
         """The optimized parameters in group order (placing each), and each group's metadata."""
@@ -367,7 +367,7 @@ class Zero12Source(Reader):
         self._check_moments(bases)
         self._layouts_ = self._layouts(shapes, blocks)
         self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
-        detection = flavours.detect(blocks[0][_BASE], ds_config, optimizer)
+        detection = detect(blocks[0][_BASE], ds_config, optimizer)
         group_steps = self._group_steps(groups_raw, bases, detection)
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
         params, groups = self._groups(groups_raw, shapes, group_steps, detection, dtype)

@@ -41,7 +41,7 @@ from ucp.deepspeed.optim_states import (
 from ucp.errors import InputError
 from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
-from ucp.model import flavours
+from ucp.model.detect import Detection, detect
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -165,7 +165,7 @@ class Zero3Source(Reader):
         inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw = inners[0][0]
         layout = self._layout(inners)
-        detection = flavours.detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
+        detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
         flat = self._flat(blocks, len(shapes))
         sub_of_group = self._place(layout, shapes, flat)
         self._collect_keys(inners, flat, len(shapes))
@@ -314,7 +314,7 @@ class Zero3Source(Reader):
         groups_raw: list[Mapping[str, Any]],
         sub_of_group: dict[int, int],
         inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
-        detection: flavours.Detection,
+        detection: Detection,
     ) -> dict[int, int | None]:
         """The step of each sub-group, checked across ranks (the highest wins, with a warning)."""
         sub_steps: dict[int, int | None] = {}
@@ -335,7 +335,7 @@ class Zero3Source(Reader):
         layout: list[list[int]],
         shapes: list[Mapping[str, Any]],
         sub_steps: dict[int, int | None],
-        detection: flavours.Detection,
+        detection: Detection,
         dtype: str,
     ) -> tuple[list[ParamMeta], list[GroupMeta]]:
         """The optimized parameters in group order, and each group's metadata."""

@@ -9,6 +9,11 @@ reshards on load)::
     dcp.load(state, checkpoint_id=OUT)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+With ``layout="torchtitan"`` it holds what torchtitan's CheckpointManager (0.3) loads instead: model
+FQNs at the top level, ``optimizer`` flattened as its OptimizersContainer keeps it, ``lr_scheduler``
+as ``{"last_epoch"}``, ``train_state`` as ``{"step", "ntokens_seen"}`` (load it with
+``exclude_from_loading=["dataloader"]``: no source has torchtitan's dataloader state).
+
 Besides ``model`` and ``optim`` it holds ``lr_scheduler`` (the scheduler's state_dict),
 ``train_state`` (``step``, ``global_samples``, ``skipped_steps``) and ``ucp`` (a JSON string:
 tied aliases, buffers, model dtype) so that :class:`ucp.sources.dcp.DcpSource` reads it back
@@ -24,7 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,12 +44,16 @@ from ucp.model.records import Facts, ParamState, Reader
 from ucp.sources import open_reader
 from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
 
-__all__ = ["write_dcp", "plan_dcp", "DcpPlan", "DCP_OPTIMIZERS"]
+__all__ = ["write_dcp", "plan_dcp", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
 
 logger = logging.getLogger(__name__)
 
 #: what --optimizer may name for a DCP output: torch optimizers (AdamW is Adam with decoupled decay)
 DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith("torch-")))
+#: ``torch``: get_state_dict's {"model", "optim", ...}; ``torchtitan``: what its CheckpointManager reads
+DCP_LAYOUTS = ("torch", "torchtitan")
+#: torchtitan's key for the optimizer (torchtitan.components.checkpoint.OPTIMIZER)
+TT_OPTIMIZER = "optimizer"
 
 
 @dataclass
@@ -54,6 +64,7 @@ class DcpPlan:
     #: flattened DCP key -> (parameter name, "fp32" or an optimizer state key); buffers are real tensors
     lazy: dict[str, tuple[str, str]] = field(default_factory=dict)
     flavour: str = "torch-adam"
+    layout: str = "torch"
     notes: list[str] = field(default_factory=list)
 
 
@@ -88,25 +99,12 @@ def _groups(facts: Facts, kind: flavours.Flavour, adam_w: bool | None, plan: Dcp
     return groups
 
 
-def plan_dcp(facts: Facts, buffers: dict[str, torch.Tensor], extras: dict[str, Any], optimizer: str) -> DcpPlan:
-    """Lay out the DCP state dict from the facts alone (no parameter is read)."""
-    kind, adam_w = _flavour(optimizer)
-    has_state = any(g.state_keys for g in facts.groups)
-    flavours.check_family(facts.flavour, kind, has_state)
+def _optim_state(
+    facts: Facts, kind: flavours.Flavour, steps: Mapping[str, int | None], plan: DcpPlan, prefix: str
+) -> dict[str, dict[str, Any]]:
+    """Each trained parameter's optimizer state by FQN (meta tensors; ``prefix`` + FQN + key is lazy)."""
     params = {p.name: p for p in facts.params}
-    for alias, owner in facts.tied.items():
-        if owner not in params:
-            raise InputError(f"tied alias {alias!r} points at {owner!r}, which is not a parameter of the checkpoint")
-    plan = DcpPlan(state={}, flavour=optimizer)
-    model: dict[str, Any] = {}
-    for meta in facts.params:
-        model[meta.name] = _meta(meta.shape)
-        plan.lazy[f"{MODEL}.{meta.name}"] = (meta.name, "fp32")
-    for alias, owner in facts.tied.items():
-        model[alias] = model[owner]  # torch reports the alias with the owner's tensor
-        plan.lazy[f"{MODEL}.{alias}"] = (owner, "fp32")
-    model.update(buffers)
-    state: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
     for group in facts.groups:
         if group.step is None and kind.has_step:
             continue  # never stepped: torch keeps no state yet
@@ -116,19 +114,89 @@ def plan_dcp(facts: Facts, buffers: dict[str, torch.Tensor], extras: dict[str, A
             tensors = {k: _meta(params[name].shape) for k in group.state_keys}
             scalars = {k: _meta(()) for k in kind.scalars}
             for key in (*scalars, *tensors):
-                plan.lazy[f"{OPTIM}.state.{name}.{key}"] = (name, key)
-            state[name] = kind.make_state(tensors, int(group.step or 0), scalars)
-    plan.state = {MODEL: model, OPTIM: {"state": state, "param_groups": _groups(facts, kind, adam_w, plan)}}
-    if extras.get("lr_scheduler") is not None:
-        plan.state[SCHEDULER] = extras["lr_scheduler"]
-    info = facts.info
-    plan.state[TRAIN_STATE] = {
-        "step": info.global_steps,
-        "global_samples": info.global_samples or 0,
-        "skipped_steps": info.skipped_steps,
+                plan.lazy[f"{prefix}{name}.{key}"] = (name, key)
+            own = steps.get(name, group.step)  # a migration's reset restarts one parameter's step
+            state[name] = kind.make_state(tensors, int(own if own is not None else group.step or 0), scalars)
+    return state
+
+
+def _model(facts: Facts, buffers: Mapping[str, torch.Tensor], plan: DcpPlan, prefix: str) -> dict[str, Any]:
+    """Model entries by FQN as ``model.state_dict()`` has them: parameters, tied aliases, buffers."""
+    params = {p.name for p in facts.params}
+    for alias, owner in facts.tied.items():
+        if owner not in params:
+            raise InputError(f"tied alias {alias!r} points at {owner!r}, which is not a parameter of the checkpoint")
+    model: dict[str, Any] = {}
+    for meta in facts.params:
+        model[meta.name] = _meta(meta.shape)
+        plan.lazy[f"{prefix}{meta.name}"] = (meta.name, "fp32")
+    for alias, owner in facts.tied.items():
+        model[alias] = model[owner]  # torch reports the alias with the owner's tensor
+        plan.lazy[f"{prefix}{alias}"] = (owner, "fp32")
+    model.update(buffers)
+    return model
+
+
+def _torchtitan(plan: DcpPlan, model: dict[str, Any], optim: dict[str, Any], extras: Mapping[str, Any]) -> None:
+    """torchtitan's CheckpointManager layout (0.3): model FQNs at the top level; ``optimizer`` as
+    OptimizersContainer flattens it (``state.FQN.KEY``, ``param_groups.FQN.KEY``); ``lr_scheduler``
+    as LRSchedulersContainer keeps it (``last_epoch``); ``train_state`` as its Trainer does."""
+    flat: dict[str, Any] = {}
+    for name, state in optim["state"].items():
+        flat.update({f"state.{name}.{key}": value for key, value in state.items()})
+    for group in optim["param_groups"]:
+        values = {k: v for k, v in group.items() if k != "params"}
+        values.setdefault("initial_lr", values.get("lr"))  # torchtitan always runs a LambdaLR, which adds it
+        for name in group["params"]:
+            flat.update({f"param_groups.{name}.{key}": value for key, value in values.items()})
+    train = plan.state[TRAIN_STATE]
+    scheduler = extras.get("lr_scheduler")
+    epoch = scheduler.get("last_epoch") if isinstance(scheduler, Mapping) else None
+    if epoch is None:
+        epoch = train["step"]
+        plan.notes.append(f"the source has no lr scheduler state; lr_scheduler.last_epoch is the step, {epoch}")
+    plan.notes.append("train_state.ntokens_seen is not recorded by the source; written as 0 (torchtitan logs it)")
+    plan.state = {
+        **model,
+        TT_OPTIMIZER: flat,
+        SCHEDULER: {"last_epoch": int(epoch)},
+        TRAIN_STATE: {"step": int(train["step"]), "ntokens_seen": 0},
+        UCP_KEY: plan.state[UCP_KEY],
     }
+
+
+def plan_dcp(
+    facts: Facts,
+    buffers: Mapping[str, torch.Tensor],
+    extras: Mapping[str, Any],
+    optimizer: str,
+    *,
+    steps: Mapping[str, int | None] | None = None,
+    layout: str = "torch",
+) -> DcpPlan:
+    """Lay out the DCP state dict from the facts alone (no parameter is read). ``steps`` overrides
+    single parameters' steps (torch keeps one per parameter); ``layout`` is one of DCP_LAYOUTS."""
+    if layout not in DCP_LAYOUTS:
+        raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
+    kind, adam_w = _flavour(optimizer)
+    has_state = any(g.state_keys for g in facts.groups)
+    flavours.check_family(facts.flavour, kind, has_state)
+    plan = DcpPlan(state={}, flavour=optimizer, layout=layout)
+    titan = layout == "torchtitan"
+    model = _model(facts, buffers, plan, "" if titan else f"{MODEL}.")
+    prefix = f"{TT_OPTIMIZER}.state." if titan else f"{OPTIM}.state."
+    optim = {
+        "state": _optim_state(facts, kind, steps or {}, plan, prefix),
+        "param_groups": _groups(facts, kind, adam_w, plan),
+    }
+    info = facts.info
+    train = {"step": info.global_steps, "global_samples": info.global_samples or 0, "skipped_steps": info.skipped_steps}
     record = {"format_version": 1, "dtype": info.dtype, "tied": facts.tied, "buffers": list(facts.buffer_names)}
-    plan.state[UCP_KEY] = json.dumps(record, sort_keys=True)
+    plan.state = {MODEL: model, OPTIM: optim, TRAIN_STATE: train, UCP_KEY: json.dumps(record, sort_keys=True)}
+    if titan:
+        _torchtitan(plan, model, optim, extras)
+    elif extras.get("lr_scheduler") is not None:
+        plan.state[SCHEDULER] = extras["lr_scheduler"]
     return plan
 
 
@@ -167,7 +235,9 @@ def _save(plan: DcpPlan, root: Path, fetch: Callable[[str, str], torch.Tensor], 
             return fetch(*where).detach().contiguous()
 
     writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
-    dcp.save(plan.state, storage_writer=writer, planner=Planner(), no_dist=True)
+    with warnings.catch_warnings():  # no_dist is what we ask for; torch warns about it on every call
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(plan.state, storage_writer=writer, planner=Planner(), no_dist=True)
 
 
 def write_dcp(
@@ -176,15 +246,20 @@ def write_dcp(
     *,
     optimizer: str = "torch-adamw",
     tag: str | None = None,
+    layout: str = "torch",
+    steps: Mapping[str, int | None] | None = None,
     overwrite: bool = False,
     fsync: bool = False,
 ) -> DcpPlan:
     """Write ``source`` (universal directory, DeepSpeed or DCP checkpoint, or a reader) as a DCP folder
-    at ``out`` for ``optimizer``; OUT appears whole or not at all. Returns the plan (with its notes)."""
+    at ``out`` for ``optimizer`` in ``layout`` (DCP_LAYOUTS); OUT appears whole or not at all.
+    ``steps`` overrides single parameters' steps (a migration's resets). Returns the plan (with its notes)."""
     _flavour(optimizer)  # refuse a bad name before anything is opened
+    if layout not in DCP_LAYOUTS:
+        raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
     reader = open_reader(source, tag=tag) if isinstance(source, (str, os.PathLike)) else source
     try:
-        plan = plan_dcp(reader.facts, reader.buffers(), reader.extras(), optimizer)
+        plan = plan_dcp(reader.facts, reader.buffers(), reader.extras(), optimizer, steps=steps, layout=layout)
         with staged_output(out, overwrite=overwrite, durable=fsync, check=read_metadata) as root:
             _save(plan, root, _Fetch(reader), fsync)
     finally:

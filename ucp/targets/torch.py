@@ -14,6 +14,7 @@ import torch
 
 from ucp.errors import InputError
 from ucp.model import flavours
+from ucp.model.detect import detect_live
 from ucp.model.records import Reader
 from ucp.sources import open_reader
 from ucp.targets.engine import match_groups
@@ -48,7 +49,7 @@ def restore_torch(
             for g in (optimizer.param_groups if optimizer else [])
         ]
         matched = match_groups(reader, live_members, strict=strict) if optimizer else []
-        kind = flavours.get(flavour) if flavour else flavours.detect_live(optimizer) if optimizer else None
+        kind = flavours.get(flavour) if flavour else detect_live(optimizer) if optimizer else None
         for name, param in params.items():
             if name not in expected:
                 continue

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ucp.errors import CorruptFileError, InputError
-from ucp.model.flavours import Hyper
+from ucp.model.hyper import Hyper
 from ucp.model.records import Facts, GroupMeta, ParamMeta, SourceInfo
 from ucp.model.version import VERSION
 

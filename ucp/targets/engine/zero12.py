@@ -20,6 +20,8 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.errors import InputError
 from ucp.model import flavours
+from ucp.model.detect import detect_live
+from ucp.model.hyper import hyper_from_group
 from ucp.model.partition import Zero12Group
 from ucp.model.records import ParamState, Reader
 from ucp.model.steps import step_chooser
@@ -86,7 +88,7 @@ def restore_zero12(
     check_names(engine, reader, strict=strict)
     opt = engine.optimizer
     base = opt.optimizer
-    flavour = flavours.get(optimizer) if optimizer else flavours.detect_live(base)
+    flavour = flavours.get(optimizer) if optimizer else detect_live(base)
     flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
     layouts, live_names, rank = live_zero12_layout(engine)
     facts = reader.facts
@@ -140,7 +142,7 @@ def restore_zero12(
     groups: list[dict[str, Any]] = []
     for g, live in enumerate(base.param_groups):
         source = matched[g]
-        hyper = facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
+        hyper = facts.groups[source].hyper if source is not None else hyper_from_group(live, None)
         raw = facts.groups[source].raw if source is not None else {}
         updated = flavour.update_group(live, hyper, steps[g], raw)
         updated["params"] = [g]

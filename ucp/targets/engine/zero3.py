@@ -11,6 +11,8 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.errors import InputError
 from ucp.model import flavours
+from ucp.model.detect import detect_live
+from ucp.model.hyper import hyper_from_group
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_rank_span
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
@@ -61,7 +63,7 @@ def restore_zero3(
     check_names(engine, reader, strict=strict)
     opt = engine.optimizer
     base = opt.optimizer
-    flavour = flavours.get(optimizer) if optimizer else flavours.detect_live(base)
+    flavour = flavours.get(optimizer) if optimizer else detect_live(base)
     flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
     layout, names = _live_zero3_layout(engine)
     for g, group in enumerate(names):
@@ -83,7 +85,7 @@ def restore_zero3(
     groups: list[dict[str, Any]] = []
     for g, live in enumerate(base.param_groups):
         source = matched[g]
-        hyper = reader.facts.groups[source].hyper if source is not None else flavours.hyper_from_group(live, None)
+        hyper = reader.facts.groups[source].hyper if source is not None else hyper_from_group(live, None)
         raw = reader.facts.groups[source].raw if source is not None else {}
         step = max((steps[s] for s in members[g]), default=0)
         updated = flavour.update_group(live, hyper, step, raw)

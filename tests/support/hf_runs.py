@@ -1,0 +1,111 @@
+"""Real Hugging Face Trainer runs for tests/test_hf.py: launched on local gloo ranks, saves cached on disk.
+
+A save run is keyed by its spec (like :mod:`tests.support.fixtures`), so it is built once; a run
+that resumes from a folder ucp wrote is never cached, since it tests ucp's current code.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.support.fixtures import cache_root
+from tests.support.hf_worker import HfSpec
+from ucp.harness.launch import RankFailure, free_port
+
+__all__ = ["HfRun", "run_hf", "cached_run"]
+
+_VERSION = "1"
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+class HfRun:
+    """A finished run: its output folder and records."""
+
+    def __init__(self, spec: HfSpec) -> None:
+        self.spec = spec
+        self.out = Path(spec.out)
+        self.record = Path(spec.record)
+
+    def loaded(self) -> dict[str, Any]:
+        return torch.load(self.record / "loaded.pt", weights_only=True)
+
+    def final(self) -> dict[str, Any]:
+        return torch.load(self.record / "final.pt", weights_only=True)
+
+    def rng_loaded(self, rank: int) -> torch.Tensor:
+        return torch.load(self.record / f"rng_loaded_{rank}.pt", weights_only=True)["cpu"]
+
+
+def run_hf(spec: HfSpec, *, timeout: float = 600.0) -> HfRun:
+    """Run ``spec`` on ``spec.world`` local processes; raise RankFailure with the failing rank's log."""
+    spec = replace(spec, port=spec.port or free_port())
+    logs = Path(spec.record) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(spec.world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.world),
+            LOCAL_WORLD_SIZE=str(spec.world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(spec.port),
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")])),
+            PYTHONWARNINGS="ignore",
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
+        log = open(logs / f"rank{rank}.log", "w")
+        cmd = [sys.executable, "-m", "tests.support.hf_worker", spec.to_json()]
+        procs.append((rank, subprocess.Popen(cmd, env=env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT), log))
+    failed = []
+    try:
+        for rank, proc, log in procs:
+            try:
+                code: int | str = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = "timeout"
+            log.close()
+            if code != 0:
+                failed.append((rank, code))
+    finally:
+        for _, proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if failed:
+        rank, code = failed[0]
+        tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-5000:]
+        raise RankFailure(f"rank {rank} exited with {code} (logs in {logs}):\n{tail}")
+    return HfRun(spec)
+
+
+def cached_run(name: str, spec: HfSpec) -> HfRun:
+    """``spec`` run once into the fixture cache (its ``out``/``record`` are set here)."""
+    raw = replace(spec, out="", record="", port=0).to_json()
+    key = hashlib.sha1(f"{_VERSION}{raw}".encode()).hexdigest()[:16]
+    folder = cache_root() / f"hf-{name}-{key}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    spec = replace(spec, out=str(folder / "out"), record=str(folder / "record"))
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "DONE").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            run_hf(spec)
+            (folder / "DONE").write_text("ok")
+    return HfRun(spec)

@@ -1,0 +1,187 @@
+"""One rank of a real Hugging Face Trainer run with DeepSpeed on CPU.
+
+Started by :func:`tests.support.hf_runs.run_hf` once per rank with RANK/WORLD_SIZE/... set; the
+spec arrives as JSON on the command line. Rank 0 writes what the live engine holds right after the
+checkpoint load (fp32 masters and Adam moments, gathered with DeepSpeed's own ``safe_get_full_*``)
+and after training (global step, every optimizer step, the losses); every rank writes the CPU RNG
+state Trainer loaded for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["HfSpec", "main"]
+
+
+@dataclass
+class HfSpec:
+    """One Trainer run; every field travels to the ranks as JSON."""
+
+    world: int = 2
+    stage: int = 3
+    out: str = ""  # Trainer output_dir (checkpoint-N folders appear here)
+    record: str = ""  # folder for this run's records
+    per_device: int = 2
+    accum: int = 3
+    max_steps: int = 7
+    save_steps: int = 4
+    resume: str | None = None  # a checkpoint folder to resume from
+    live_from: str | None = None  # ucp.integrations.hf: load any checkpoint at any world size
+    sub_group_size: int = 200
+    samples: int = 96
+    seed: int = 42
+    port: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A two-layer Llama built from its config: no download, odd sizes so every partition pads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=27,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed random token rows; labels are the inputs (causal LM)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, 61, (n, 12), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def ds_config(spec: HfSpec) -> dict[str, Any]:
+    """No optimizer block: Trainer builds torch AdamW with a decay and a no-decay group."""
+    zero: dict[str, Any] = {"stage": spec.stage}
+    if spec.stage == 3:
+        zero["sub_group_size"] = spec.sub_group_size
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+    }
+
+
+def _engine_state(engine: Any) -> dict[str, Any]:
+    """fp32 master and Adam moments of every trained parameter, gathered (collective: every rank calls)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    state: dict[str, Any] = {}
+    stepped = any(_optimizer_steps(engine))  # before the first step there are no moments (ZeRO-2 keeps step 0)
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        entry = {"fp32": safe_get_full_fp32_param(param)}
+        for key in ("exp_avg", "exp_avg_sq") if stepped else ():
+            entry[key] = safe_get_full_optimizer_state(param, key)
+        state[name] = {k: v.detach().clone().cpu() if v is not None else None for k, v in entry.items()}
+    return state
+
+
+def _optimizer_steps(engine: Any) -> list[float]:
+    """Every step the wrapped torch optimizer keeps (one per flat sub-group / group partition)."""
+    inner = engine.optimizer.optimizer
+    return [float(s["step"]) for s in inner.state.values() if "step" in s]
+
+
+def _run_trainer(spec: HfSpec, rank: int) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    record = Path(spec.record)
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            engine = trainer.model_wrapped
+            loaded = {"global_step": state.global_step, "state": _engine_state(engine)}
+            loaded["steps"] = _optimizer_steps(engine)
+            if rank == 0:
+                torch.save(loaded, record / "loaded.pt")
+
+    class RecordingTrainer(Trainer):
+        def _load_rng_state(self, checkpoint: str | None) -> None:
+            super()._load_rng_state(checkpoint)
+            torch.save({"cpu": torch.random.get_rng_state()}, record / f"rng_loaded_{rank}.pt")
+
+    args = TrainingArguments(
+        output_dir=spec.out,
+        per_device_train_batch_size=spec.per_device,
+        gradient_accumulation_steps=spec.accum,
+        max_steps=spec.max_steps,
+        save_strategy="steps",
+        save_steps=spec.save_steps,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        report_to="none",
+        seed=spec.seed,
+        bf16=True,
+        use_cpu=True,
+        ddp_backend="gloo",
+        deepspeed=ds_config(spec),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = RecordingTrainer(
+        model=tiny_llama(), args=args, train_dataset=_Tokens(spec.samples, 7), callbacks=[Recorder()]
+    )
+    if spec.live_from:
+        from ucp.integrations.hf import resume_trainer
+
+        resume_trainer(trainer, spec.live_from)
+    else:
+        trainer.train(resume_from_checkpoint=spec.resume)
+    engine = trainer.model_wrapped
+    final = {
+        "global_step": trainer.state.global_step,
+        "engine_global_steps": engine.global_steps,
+        "steps": _optimizer_steps(engine),
+        "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+        "state": _engine_state(engine),
+    }
+    if rank == 0:
+        torch.save(final, record / "final.pt")
+
+
+def main(argv: list[str]) -> None:
+    spec = HfSpec(**json.loads(argv[1]))
+    rank = int(os.environ["RANK"])
+    Path(spec.record).mkdir(parents=True, exist_ok=True)
+    _run_trainer(spec, rank)
+    if torch.distributed.is_initialized():  # a clean exit: gloo threads left running abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

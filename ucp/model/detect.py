@@ -1,0 +1,135 @@
+"""Which flavour wrote a checkpoint (from its state dict and DeepSpeed config) or owns a live
+optimizer: keys only each optimizer writes, never a guess; unknown state is refused in one line."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucp.errors import InputError
+from ucp.model.flavours import FLAVOURS, Flavour, get
+
+__all__ = ["Detection", "detect", "detect_live"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Detection:
+    """What :func:`detect` concluded and why; warnings are surfaced by ``ucp inspect``."""
+
+    flavour: Flavour | None
+    adam_w_mode: bool | None
+    reason: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | None, bool | None, bool]:
+    """(type, adam_w_mode, offload) from a DeepSpeed config, where it names the optimizer."""
+    if not isinstance(ds_config, Mapping):
+        return None, None, False
+    zero = ds_config.get("zero_optimization") or {}
+    offload = (
+        isinstance(zero, Mapping)
+        and isinstance(zero.get("offload_optimizer"), Mapping)
+        and zero["offload_optimizer"].get("device") in ("cpu", "nvme")
+    )
+    opt = ds_config.get("optimizer")
+    if not isinstance(opt, Mapping) or not opt.get("type"):
+        return None, None, bool(offload)
+    kind = str(opt["type"]).lower()
+    params = opt.get("params") or {}
+    adam_w = params.get("adam_w_mode", kind == "adamw") if kind in ("adam", "adamw") else None
+    return kind, adam_w, bool(offload)
+
+
+def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any]) -> tuple[str, str] | None:
+    """(flavour, reason) for the optimizers that are not Adam, told by the keys only they write."""
+    state_keys = {k for s in states if isinstance(s, Mapping) for k in s}
+    int_steps = bool(steps) and all(
+        isinstance(s, int) or (torch.is_tensor(s) and not s.is_floating_point()) for s in steps
+    )
+    torch_groups = {"foreach", "maximize", "differentiable"} & group_keys
+    if {"nesterov", "dampening"} <= group_keys:
+        return "torch-sgd", "param groups carry nesterov and dampening"
+    if {"centered", "alpha"} <= group_keys:
+        return "torch-rmsprop", "param groups carry centered and alpha"
+    if "momentum_decay" in group_keys or "mu_product" in state_keys:
+        return "torch-nadam", "param groups carry momentum_decay"
+    if {"lr_decay", "initial_accumulator_value"} <= group_keys:
+        return "torch-adagrad", "param groups carry lr_decay and initial_accumulator_value"
+    if "exp_inf" in state_keys:
+        return "torch-adamax", "state holds exp_inf"
+    if torch_groups and "betas" in group_keys and "amsgrad" not in group_keys and not int_steps:
+        return "torch-radam", "torch param groups with betas but no amsgrad, and no exp_inf"
+    if int_steps and "betas" not in group_keys and state_keys - {"step"} == {"exp_avg_sq"}:
+        return "ds-cpu-adagrad", "int steps, exp_avg_sq only, param groups without betas"
+    if int_steps and "betas" in group_keys and "eps" not in group_keys:
+        return "ds-lion", "int steps, param groups with betas but no eps"
+    return None
+
+
+def detect(
+    optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, override: str | None = None
+) -> Detection:
+    """Tell the flavour from a (base) optimizer state dict: where the step lives and its type."""
+    _, cfg_adam_w, offload = _ds_config_optimizer(ds_config)
+    groups = list(optimizer_state.get("param_groups") or [])
+    decoupled = {bool(g["decoupled_weight_decay"]) for g in groups if "decoupled_weight_decay" in g}
+    if len(decoupled) == 1:  # torch >= 2.4 writes it: AdamW True, Adam False
+        cfg_adam_w = decoupled.pop()
+    states = list((optimizer_state.get("state") or {}).values())
+    if override is not None:
+        return Detection(get(override), cfg_adam_w, "given by the user")
+    steps = [s.get("step") for s in states if isinstance(s, Mapping) and "step" in s]
+    group_keys = set().union(*(g.keys() for g in groups)) if groups else set()
+    other = _detect_beyond_adam(group_keys, states, steps)
+    if other is not None:
+        return Detection(FLAVOURS[other[0]], cfg_adam_w, other[1])
+    warnings: list[str] = []
+    if steps and all(torch.is_tensor(s) and s.is_floating_point() for s in steps):
+        return Detection(FLAVOURS["torch-adam"], cfg_adam_w, "per-parameter float step tensors")
+    if steps and all(isinstance(s, int) or (torch.is_tensor(s) and not s.is_floating_point()) for s in steps):
+        if "step" in group_keys or (not offload and "amsgrad" not in group_keys):
+            flavour = FLAVOURS["ds-fused-adam"]
+            stale = [g.get("step") for g in groups if "step" in g]
+            real = max(int(s) for s in steps if s is not None)
+            if stale and any(int(v) != real for v in stale):
+                warnings.append(
+                    f"group['step'] reads {sorted({int(v) for v in stale})} while parameters took {real} steps: "
+                    "DeepSpeed FusedAdam keeps its real counter per parameter; the stale group copy is ignored"
+                )
+            return Detection(flavour, cfg_adam_w, "per-parameter int steps with a group step key", warnings)
+        return Detection(FLAVOURS["ds-cpu-adam"], cfg_adam_w, "per-parameter int steps, no group step")
+    if not steps and groups and all("step" in g for g in groups):
+        return Detection(FLAVOURS["apex-fused-adam"], cfg_adam_w, "group steps only")
+    if not states:
+        return Detection(None, cfg_adam_w, "the optimizer has taken no step yet")
+    return Detection(None, cfg_adam_w, "no step found where any known Adam keeps it")
+
+
+def detect_live(optimizer: Any) -> Flavour:
+    """The flavour of a live optimizer object (the base optimizer inside a DeepSpeed engine)."""
+    cls = type(optimizer)
+    module = cls.__module__
+    if module.startswith("apex.") and cls.__name__ == "FusedAdam":
+        return FLAVOURS["apex-fused-adam"]
+    if module.startswith("deepspeed.ops.adam") and cls.__name__ == "FusedAdam":
+        return FLAVOURS["ds-fused-adam"]
+    if module.startswith("deepspeed.ops.adam") and "CPUAdam" in cls.__name__:
+        return FLAVOURS["ds-cpu-adam"]
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        return FLAVOURS["torch-adam"]
+    for flavour in FLAVOURS.values():
+        for live in flavour.live:
+            where, _, name = live.partition(":")
+            if module.startswith(where) and cls.__name__ == name:
+                return flavour
+    raise InputError(
+        f"cannot tell where {cls.__module__}.{cls.__name__} keeps its step; pass optimizer= one of "
+        f"{', '.join(FLAVOURS)}"
+    )

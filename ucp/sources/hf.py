@@ -1,0 +1,195 @@
+"""Hugging Face run folders: a Trainer ``checkpoint-N`` and an Accelerate ``save_state`` folder.
+
+Both wrap one DeepSpeed checkpoint (a tag folder and ``latest``) in files of their own: a Trainer
+folder holds ``trainer_state.json``, ``training_args.bin``, ``rng_state_<i>.pth`` (``rng_state.pth``
+at one process), ``scheduler.pt``/``scaler.pt`` and the model's weights, config and tokenizer; an
+Accelerate folder holds the ``pytorch_model`` tag, ``random_states_<i>.pkl``, ``scheduler.bin``,
+``sampler.bin``, ``dl_state_dict.bin`` and custom objects. This module only names those files (it
+never unpickles one); :mod:`ucp.targets.hf` writes the same kind of folder for a new world size.
+
+RNG policy at a new world size: new process ``r`` takes old process ``r mod W_old``'s file. The
+random streams of the old run are not reproduced exactly (ranks past ``W_old`` repeat a stream).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ucp.deepspeed.layout import LATEST, read_latest
+from ucp.errors import InputError
+
+__all__ = [
+    "HfFolder",
+    "find_hf_folder",
+    "rng_plan",
+    "rng_names",
+    "batch_advice",
+    "TRAINER",
+    "ACCELERATE",
+]
+
+logger = logging.getLogger(__name__)
+
+TRAINER = "trainer"
+ACCELERATE = "accelerate"
+#: files only Trainer writes into checkpoint-N (transformers 5.23)
+_TRAINER_MARKS = ("trainer_state.json", "training_args.bin")
+_TRAINER_RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+#: Accelerate's per-process RNG pickles (accelerate 1.15 ``RNG_STATE_NAME``)
+_ACCEL_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+#: Accelerate's tag for the i-th DeepSpeed model: pytorch_model, pytorch_model_1, ...
+_ACCEL_TAG = re.compile(r"^pytorch_model(?:_\d+)?$")
+_DS_FILE = re.compile(r"(model|optim)_states\.pt$")
+
+
+@dataclass(frozen=True)
+class HfFolder:
+    """What a Hugging Face run folder holds, by file name (nothing unpickled)."""
+
+    path: Path
+    kind: str  # TRAINER | ACCELERATE
+    tag: str  # the DeepSpeed tag folder the framework loads
+    rng_files: tuple[str, ...]  # one per old process, in process order
+    files: tuple[str, ...]  # every other entry, copied unchanged
+    skipped: tuple[str, ...]  # other DeepSpeed tag folders, not carried (their shards fit the old size only)
+    trainer_state: dict[str, Any] | None
+
+    @property
+    def old_world(self) -> int | None:
+        """Processes of the run that saved it, as its RNG files count them."""
+        return len(self.rng_files) or None
+
+    @property
+    def global_step(self) -> int | None:
+        return None if self.trainer_state is None else self.trainer_state.get("global_step")
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON summary ``ucp inspect`` shows."""
+        return {
+            "kind": self.kind,
+            "tag": self.tag,
+            "global_step": self.global_step,
+            "processes": self.old_world,
+            "rng_files": list(self.rng_files),
+            "files": list(self.files),
+            "skipped": list(self.skipped),
+            "train_batch_size": None if self.trainer_state is None else self.trainer_state.get("train_batch_size"),
+        }
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return path.is_dir() and any(_DS_FILE.search(p.name) for p in path.iterdir())
+
+
+def _rng_files(names: list[str], pattern: re.Pattern[str], folder: Path) -> tuple[str, ...]:
+    """The RNG files in process order; a gap (rank 1 missing of 0..2) is refused."""
+    indexed = {}
+    for name in names:
+        match = pattern.match(name)
+        if match:
+            indexed[int(match.group(1)) if match.group(1) is not None else -1] = name
+    if -1 in indexed:  # Trainer at one process: rng_state.pth
+        if len(indexed) > 1:
+            raise InputError(f"{folder} holds both rng_state.pth and rng_state_<i>.pth; keep the ones of one run")
+        return (indexed[-1],)
+    missing = [i for i in range(len(indexed)) if i not in indexed]
+    if missing:
+        raise InputError(
+            f"{folder} has RNG files for processes {sorted(indexed)} but not {missing}: the folder is incomplete"
+        )
+    return tuple(indexed[i] for i in range(len(indexed)))
+
+
+def _kind(names: set[str], tag: str) -> str | None:
+    if any(m in names for m in _TRAINER_MARKS) or any(_TRAINER_RNG.match(n) for n in names):
+        return TRAINER
+    if _ACCEL_TAG.match(tag) or any(_ACCEL_RNG.match(n) for n in names):
+        return ACCELERATE
+    return None
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    file = path / "trainer_state.json"
+    if not file.is_file():
+        return None
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(f"{file} is not readable JSON: {err}") from None
+    if not isinstance(state, dict):
+        raise InputError(f"{file} is not a JSON object")
+    return state
+
+
+def find_hf_folder(path: str | os.PathLike[str]) -> HfFolder | None:
+    """The Hugging Face folder at ``path``, or None when it is not one (a bare DeepSpeed folder, ...)."""
+    path = Path(path)
+    if not (path / LATEST).is_file():
+        return None
+    names = sorted(os.listdir(path))
+    tag = read_latest(path / LATEST)
+    kind = _kind(set(names), tag)
+    if kind is None:
+        return None
+    if not _is_tag_dir(path / tag):
+        raise InputError(f"{path}/latest names {tag!r}, but {path / tag} holds no DeepSpeed files")
+    if kind == ACCELERATE:
+        models = [n for n in names if _ACCEL_TAG.match(n) and _is_tag_dir(path / n)]
+        if len(models) > 1:
+            raise InputError(
+                f"{path} holds several DeepSpeed models ({', '.join(models)}); ucp restores a folder with one"
+            )
+    rng = _rng_files(names, _TRAINER_RNG if kind == TRAINER else _ACCEL_RNG, path)
+    skipped = tuple(n for n in names if n != tag and _is_tag_dir(path / n))
+    files = tuple(n for n in names if n not in (LATEST, tag) and n not in rng and n not in skipped)
+    return HfFolder(path, kind, tag, rng, files, skipped, _read_state(path))
+
+
+def rng_names(kind: str, world: int) -> list[str]:
+    """The RNG file each of ``world`` processes looks for (Trainer at one process: ``rng_state.pth``)."""
+    if kind == TRAINER:
+        return ["rng_state.pth"] if world == 1 else [f"rng_state_{r}.pth" for r in range(world)]
+    return [f"random_states_{r}.pkl" for r in range(world)]
+
+
+def rng_plan(folder: HfFolder, world: int) -> list[tuple[str, str]]:
+    """(old file, new file) per new process: new process r takes old process r mod W_old."""
+    if not folder.rng_files:
+        return []
+    new = rng_names(folder.kind, world)
+    return [(folder.rng_files[r % len(folder.rng_files)], name) for r, name in enumerate(new)]
+
+
+def _procs(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _pairs(per_rank: int) -> list[tuple[int, int]]:
+    return [(b, per_rank // b) for b in range(1, per_rank + 1) if per_rank % b == 0]
+
+
+def batch_advice(micro: int, accum: int, old_dp: int, new_dp: int) -> str | None:
+    """What keeps the global batch ``micro * accum * old_dp`` at ``new_dp`` processes; None when nothing changes.
+
+    Trainer places the data from ``global_step`` alone, so a different global batch silently
+    changes which samples the resumed run sees.
+    """
+    total = micro * accum * old_dp
+    if micro * accum * new_dp == total:
+        return None
+    head = (
+        f"the global batch was {total} ({micro} per device x {accum} accumulation x {_procs(old_dp)}); "
+        f"at {_procs(new_dp)} the same settings give {micro * accum * new_dp}"
+    )
+    if total % new_dp:
+        return f"{head}, and no setting keeps {total} at {_procs(new_dp)} (it is not a multiple of {new_dp})"
+    per_rank = total // new_dp
+    options = sorted(_pairs(per_rank), key=lambda p: (abs(p[0] - micro), -p[0]))
+    text = ", or ".join(f"--per_device_train_batch_size {b} --gradient_accumulation_steps {a}" for b, a in options[:2])
+    return f"{head}; to keep {total} pass {text}"

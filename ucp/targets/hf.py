@@ -1,0 +1,150 @@
+"""A Hugging Face run folder for a new world size: the same kind of folder, ready to resume from.
+
+Call order: :func:`write_hf` finds the source's layout (:func:`ucp.sources.hf.find_hf_folder`),
+plans the native write for the new size (:func:`ucp.targets.native.plan_native`), and inside one
+staged output writes the DeepSpeed tag under the name the framework loads plus ``latest``, copies
+every other file of the source unchanged (as bytes: nothing is unpickled), and gives each new
+process an RNG file (new process r takes old process r mod W_old). The source is only read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ucp.deepspeed.layout import LATEST
+from ucp.errors import InputError, UcpError
+from ucp.io.atomic import staged_output
+from ucp.model.options import RestoreOptions
+from ucp.model.records import Facts
+from ucp.sources import open_reader
+from ucp.sources.hf import HfFolder, batch_advice, find_hf_folder, rng_plan
+from ucp.targets.native import NativePlan, plan_native, write_plan
+
+__all__ = ["HfResult", "write_hf", "check_out_path"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HfResult:
+    """What was written, and what the user should know before resuming."""
+
+    folder: HfFolder
+    plan: NativePlan
+    out: Path
+    world: int
+    rng: list[tuple[str, str]]
+    notes: list[str] = field(default_factory=list)
+
+
+def check_out_path(src: Path, out: Path) -> None:
+    """Refuse an output that is the source, inside it, or holds it: the source is never changed."""
+    src_real, out_real = src.resolve(), Path(os.path.abspath(out)).resolve()
+    if out_real == src_real or src_real in out_real.parents or out_real in src_real.parents:
+        raise UcpError(
+            f"{out} overlaps the source {src}; write the new folder beside it (e.g. {src.parent / (src.name + '-new')})"
+        )
+
+
+def _options(facts: Facts, folder: HfFolder, options: RestoreOptions | None, fields: dict[str, Any]) -> RestoreOptions:
+    """The new run keeps the source's stage and tag name unless told otherwise."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    fields.setdefault("stage", facts.info.zero_stage)
+    fields.setdefault("tag", folder.tag)
+    if options is None:
+        return RestoreOptions(**fields)
+    return replace(options, **{k: v for k, v in fields.items() if k not in ("stage", "tag")})
+
+
+def _batch_note(facts: Facts, new_dp: int) -> str | None:
+    """Trainer and Accelerate fill DeepSpeed's config with the real batch settings; read them there."""
+    cfg = facts.info.ds_config or {}
+    micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
+    if not isinstance(micro, int) or not isinstance(accum, int):
+        return None
+    return batch_advice(micro, accum, facts.info.dp_world_size, new_dp)
+
+
+def _procs(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _rng_notes(folder: HfFolder, world: int, rng: list[tuple[str, str]]) -> list[str]:
+    if not rng:
+        return [f"{folder.path} has no RNG files; the resumed run starts from its own seed"]
+    old = len(folder.rng_files)
+    if old == world:
+        return []
+    return [
+        f"RNG files: new process r takes old process r mod {old} "
+        f"({', '.join(f'{new} <- {src}' for src, new in rng)}); the old random streams are not "
+        f"reproduced exactly at {_procs(world)} (dropout and sampling draw differently)"
+    ]
+
+
+def _copy_entry(src: Path, dst: Path) -> None:
+    if src.is_symlink() or not (src.is_file() or src.is_dir()):
+        raise InputError(f"{src} is not a plain file or folder; ucp copies only those")
+    if src.is_dir():
+        shutil.copytree(src, dst, symlinks=False)
+    else:
+        shutil.copyfile(src, dst)
+
+
+def _fill(
+    root: Path, folder: HfFolder, reader: Any, plan: NativePlan, rng: list[tuple[str, str]], workers: Any
+) -> None:
+    """The DeepSpeed tag and ``latest`` (built in a sub-folder, then moved up), the copies, the RNG files."""
+    native = root / ".ucp-native"
+    write_plan(reader, plan, native, workers=workers, fsync=False)
+    os.rename(native / plan.tag, root / plan.tag)
+    os.rename(native / LATEST, root / LATEST)
+    native.rmdir()
+    for name in folder.files:
+        _copy_entry(folder.path / name, root / name)
+    for old, new in rng:
+        shutil.copyfile(folder.path / old, root / new)
+
+
+def write_hf(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: RestoreOptions | None = None,
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    fsync: bool = False,
+    **fields: Any,
+) -> HfResult:
+    """Write OUT: the Trainer or Accelerate folder ``src`` for ``dp`` x ``tp`` processes, whole or not at all.
+
+    ``options`` or its fields as keywords (``dp=3``, ``stage``, ``optimizer``, ...); stage and tag
+    default to the source's, so the framework finds the tag it looks for.
+    """
+    src, out = Path(src), Path(out)
+    folder = find_hf_folder(src)
+    if folder is None:
+        raise InputError(f"{src} is not a Hugging Face Trainer or Accelerate checkpoint folder")
+    check_out_path(src, out)
+    with open_reader(src, tag=folder.tag) as reader:
+        opts = _options(reader.facts, folder, options, fields)
+        plan = plan_native(reader.facts, opts)
+        world = opts.dp * opts.tp
+        rng = rng_plan(folder, world)
+        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+            _fill(root, folder, reader, plan, rng, workers)
+        result = HfResult(folder, plan, out, world, rng, list(plan.notes))
+        result.notes += _rng_notes(folder, world, rng)
+        batch = _batch_note(reader.facts, opts.dp)
+        if batch:
+            result.notes.append(batch)
+        if folder.skipped:
+            result.notes.append(f"not carried: {', '.join(folder.skipped)} (shards of another tag, for the old size)")
+    for note in result.notes:
+        logger.info("%s", note)
+    return result
