@@ -7,9 +7,19 @@ from typing import Any
 import torch
 
 from ucp.errors import InputError
+from ucp.model.flavours import Flavour
+from ucp.model.hyper import hyper_from_group
 from ucp.model.records import Reader
 
-__all__ = ["match_groups", "check_names", "place_steps_on_device", "restore_common", "dp_rank_and_size"]
+__all__ = [
+    "match_groups",
+    "check_names",
+    "place_steps_on_device",
+    "restore_common",
+    "dp_rank_and_size",
+    "live_groups",
+    "loss_scaler_wrapper",
+]
 
 
 def match_groups(reader: Reader, live_members: list[list[str]], *, strict: bool) -> list[int | None]:
@@ -83,3 +93,32 @@ def dp_rank_and_size(process_group: Any) -> tuple[int, int]:
     import deepspeed.comm as dist
 
     return dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
+
+
+def live_groups(
+    reader: Reader, live: list[dict[str, Any]], matched: list[int | None], flavour: Flavour, steps: list[int]
+) -> list[dict[str, Any]]:
+    """The new run's param groups with the checkpoint's settings and steps: a live group the
+    checkpoint lacks (``matched`` None) keeps its own settings. ``params`` is left to the stage."""
+    groups = []
+    for g, group in enumerate(live):
+        source = matched[g]
+        hyper = reader.facts.groups[source].hyper if source is not None else hyper_from_group(group, None)
+        raw = reader.facts.groups[source].raw if source is not None else {}
+        groups.append(flavour.update_group(group, hyper, steps[g], raw))
+    return groups
+
+
+def loss_scaler_wrapper(opt: Any, reader: Reader, stage: int) -> dict[str, Any]:
+    """The ZeRO wrapper fields of the optimizer block, with the checkpoint's loss scaler state moved
+    into the engine's own scaler object (it keeps its class, the checkpoint gives its numbers)."""
+    scaler = getattr(opt, "loss_scaler", None)
+    saved = reader.extras().get("loss_scaler")
+    if scaler is not None and saved is not None and hasattr(saved, "__dict__"):
+        scaler.__dict__.update(saved.__dict__)
+    return {
+        "zero_stage": stage,
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": getattr(opt, "dynamic_loss_scale", False),
+        "overflow": False,
+    }

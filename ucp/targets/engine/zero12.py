@@ -21,12 +21,19 @@ from ucp.deepspeed import states as ds_states
 from ucp.errors import InputError
 from ucp.model import flavours
 from ucp.model.detect import detect_live
-from ucp.model.hyper import hyper_from_group
 from ucp.model.partition import Zero12Group
 from ucp.model.records import ParamState, Reader
 from ucp.model.steps import step_chooser
+from ucp.targets.blocks.common import RankBuffers
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
-from ucp.targets.engine.common import check_names, dp_rank_and_size, match_groups, place_steps_on_device
+from ucp.targets.engine.common import (
+    check_names,
+    dp_rank_and_size,
+    live_groups,
+    loss_scaler_wrapper,
+    match_groups,
+    place_steps_on_device,
+)
 
 __all__ = ["restore_zero12", "live_zero12_layout"]
 
@@ -83,53 +90,18 @@ def restore_zero12(
     step_of: Callable[[ParamState], int] | None = None,
 ) -> None:
     """Load ``reader``'s weights (and optimizer state) into a live stage-1/2 engine on this rank."""
-    import deepspeed
-
     check_names(engine, reader, strict=strict)
     opt = engine.optimizer
-    base = opt.optimizer
-    flavour = flavours.get(optimizer) if optimizer else detect_live(base)
+    flavour = flavours.get(optimizer) if optimizer else detect_live(opt.optimizer)
     flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
     layouts, live_names, rank = live_zero12_layout(engine)
-    facts = reader.facts
-    known = {m.name for m in facts.params}
-    names = []
-    for g, group in enumerate(live_names):
-        for i, name in enumerate(group):
-            if name in known and facts.param(name).numel != layouts[g].numels[i]:
-                raise InputError(
-                    f"{name} has {facts.param(name).numel} elements in the checkpoint but "
-                    f"{layouts[g].numels[i]} in the engine"
-                )
-        names.append([n for n in group if n in known])
+    names = _held_names(reader, layouts, live_names)
     matched = match_groups(reader, live_names, strict=strict)
-
-    # start from what the engine holds, so parameters the checkpoint lacks (strict=False) keep their values
-    _, hp_groups, _ = _wrapper_groups(opt)
-    keys = [facts.groups[m].state_keys if m is not None and load_optimizer_states else () for m in matched]
-    mine = zero12_buffers(layouts, keys, [{} for _ in layouts])
-    for g, partition in enumerate(hp_groups):
-        mine.fp32[g].copy_(partition.detach().view(-1).float().cpu())
-        live = base.state.get(partition, {})
-        for key, flat in mine.optim[g].items():
-            if torch.is_tensor(live.get(key)) and live[key].numel() == flat.numel():
-                flat.copy_(live[key].detach().float().cpu())
-    # a layout for the members the checkpoint holds, at their live offsets
-    held = []
-    for g, layout in enumerate(layouts):
-        index = [live_names[g].index(n) for n in names[g]]
-        held.append(
-            Zero12Group(
-                layout.dp,
-                tuple(layout.numels[i] for i in index),
-                tuple(layout.offsets[i] for i in index),
-                layout.numel,
-                layout.partition_size,
-            )
-        )
+    keys = [reader.facts.groups[m].state_keys if m is not None and load_optimizer_states else () for m in matched]
+    mine = _from_live(opt, layouts, keys)
     seen = fill_zero12_ranks(
         reader,
-        held,
+        _held_layouts(layouts, live_names, names),
         names,
         {rank: mine},
         keys=keys,
@@ -138,46 +110,10 @@ def restore_zero12(
         step_of=step_of or step_chooser("keep"),
     )
     steps = group_steps(seen)
-
-    groups: list[dict[str, Any]] = []
-    for g, live in enumerate(base.param_groups):
-        source = matched[g]
-        hyper = facts.groups[source].hyper if source is not None else hyper_from_group(live, None)
-        raw = facts.groups[source].raw if source is not None else {}
-        updated = flavour.update_group(live, hyper, steps[g], raw)
-        updated["params"] = [g]
-        groups.append(updated)
-    extras = reader.extras()
-    scaler = getattr(opt, "loss_scaler", None)
-    if scaler is not None and extras.get("loss_scaler") is not None and hasattr(extras["loss_scaler"], "__dict__"):
-        scaler.__dict__.update(extras["loss_scaler"].__dict__)
-    wrapper = {
-        "zero_stage": 2 if getattr(opt, "partition_gradients", False) else 1,
-        "loss_scaler": scaler,
-        "dynamic_loss_scale": getattr(opt, "dynamic_loss_scale", False),
-        "overflow": False,
-    }
-    block = ds_states.zero12_optim_block(
-        wrapper=wrapper,
-        flavour=flavour,
-        fp32=mine.fp32,
-        optim=mine.optim,
-        scalars=mine.scalars,
-        layouts=layouts,
-        names=live_names,
-        index=rank,
-        steps=steps,
-        groups=groups,
-        clip_grad=getattr(opt, "clip_grad", 0.0),
-        ds_version=deepspeed.__version__,
-        moments=load_optimizer_states,
-        alignment_paddings=getattr(opt, "round_robin_bit16_padding", None),
-    )
-    # the fp32 partitions go in whole (padding included) and on the engine's device
-    block["single_partition_of_fp32_groups"] = [t.to(p.device) for t, p in zip(mine.fp32, hp_groups)]
-    if load_optimizer_states:
-        device = hp_groups[0].device if hp_groups else torch.device("cpu")
-        place_steps_on_device(block, groups, device)
+    groups = live_groups(reader, opt.optimizer.param_groups, matched, flavour, steps)
+    for g, entry in enumerate(groups):
+        entry["params"] = [g]
+    block = _optim_block(opt, reader, flavour, mine, layouts, live_names, rank, steps, groups, load_optimizer_states)
     if hasattr(opt, "checkpoint_event_prologue"):
         opt.checkpoint_event_prologue()
     # the rigid path reads only this rank's entry (param_alignment_paddings equal the engine's)
@@ -191,6 +127,93 @@ def restore_zero12(
     _restore_frozen(engine, reader)
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()
+
+
+def _held_names(reader: Reader, layouts: list[Zero12Group], live_names: list[list[str]]) -> list[list[str]]:
+    """Each live group's members that the checkpoint holds, their sizes checked against the engine's."""
+    facts = reader.facts
+    known = {m.name for m in facts.params}
+    names = []
+    for g, group in enumerate(live_names):
+        for i, name in enumerate(group):
+            if name in known and facts.param(name).numel != layouts[g].numels[i]:
+                raise InputError(
+                    f"{name} has {facts.param(name).numel} elements in the checkpoint but "
+                    f"{layouts[g].numels[i]} in the engine"
+                )
+        names.append([n for n in group if n in known])
+    return names
+
+
+def _from_live(opt: Any, layouts: list[Zero12Group], keys: list[tuple[str, ...]]) -> RankBuffers:
+    """This rank's buffers, starting from what the engine holds, so parameters the checkpoint lacks
+    (strict=False) keep their values."""
+    _, hp_groups, _ = _wrapper_groups(opt)
+    mine = zero12_buffers(layouts, keys, [{} for _ in layouts])
+    for g, partition in enumerate(hp_groups):
+        mine.fp32[g].copy_(partition.detach().view(-1).float().cpu())
+        live = opt.optimizer.state.get(partition, {})
+        for key, flat in mine.optim[g].items():
+            if torch.is_tensor(live.get(key)) and live[key].numel() == flat.numel():
+                flat.copy_(live[key].detach().float().cpu())
+    return mine
+
+
+def _held_layouts(layouts: list[Zero12Group], live_names: list[list[str]], names: list[list[str]]) -> list[Zero12Group]:
+    """A layout for the members the checkpoint holds, at their live offsets."""
+    held = []
+    for g, layout in enumerate(layouts):
+        index = [live_names[g].index(n) for n in names[g]]
+        held.append(
+            Zero12Group(
+                layout.dp,
+                tuple(layout.numels[i] for i in index),
+                tuple(layout.offsets[i] for i in index),
+                layout.numel,
+                layout.partition_size,
+            )
+        )
+    return held
+
+
+def _optim_block(
+    opt: Any,
+    reader: Reader,
+    flavour: flavours.Flavour,
+    mine: RankBuffers,
+    layouts: list[Zero12Group],
+    live_names: list[list[str]],
+    rank: int,
+    steps: list[int],
+    groups: list[dict[str, Any]],
+    moments: bool,
+) -> dict[str, Any]:
+    """This rank's entry of the ZeRO-1/2 optimizer state, as the engine's load_state_dict reads it."""
+    import deepspeed
+
+    _, hp_groups, _ = _wrapper_groups(opt)
+    block = ds_states.zero12_optim_block(
+        wrapper=loss_scaler_wrapper(opt, reader, 2 if getattr(opt, "partition_gradients", False) else 1),
+        flavour=flavour,
+        fp32=mine.fp32,
+        optim=mine.optim,
+        scalars=mine.scalars,
+        layouts=layouts,
+        names=live_names,
+        index=rank,
+        steps=steps,
+        groups=groups,
+        clip_grad=getattr(opt, "clip_grad", 0.0),
+        ds_version=deepspeed.__version__,
+        moments=moments,
+        alignment_paddings=getattr(opt, "round_robin_bit16_padding", None),
+    )
+    # the fp32 partitions go in whole (padding included) and on the engine's device
+    block["single_partition_of_fp32_groups"] = [t.to(p.device) for t, p in zip(mine.fp32, hp_groups)]
+    if moments:
+        device = hp_groups[0].device if hp_groups else torch.device("cpu")
+        place_steps_on_device(block, groups, device)
+    return block
 
 
 def _restore_frozen(engine: Any, reader: Reader) -> None:

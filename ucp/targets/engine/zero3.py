@@ -12,11 +12,17 @@ from ucp.deepspeed import states as ds_states
 from ucp.errors import InputError
 from ucp.model import flavours
 from ucp.model.detect import detect_live
-from ucp.model.hyper import hyper_from_group
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_rank_span
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
-from ucp.targets.engine.common import check_names, dp_rank_and_size, match_groups, place_steps_on_device
+from ucp.targets.engine.common import (
+    check_names,
+    dp_rank_and_size,
+    live_groups,
+    loss_scaler_wrapper,
+    match_groups,
+    place_steps_on_device,
+)
 
 __all__ = ["restore_zero3"]
 
@@ -82,25 +88,12 @@ def restore_zero3(
     )
     steps = sub_group_steps(seen)
     members = [layout.sub_groups_in(g) for g in range(len(names))]
-    groups: list[dict[str, Any]] = []
-    for g, live in enumerate(base.param_groups):
-        source = matched[g]
-        hyper = reader.facts.groups[source].hyper if source is not None else hyper_from_group(live, None)
-        raw = reader.facts.groups[source].raw if source is not None else {}
-        step = max((steps[s] for s in members[g]), default=0)
-        updated = flavour.update_group(live, hyper, step, raw)
-        updated["params"] = members[g]
-        groups.append(updated)
+    group_step = [max((steps[s] for s in members[g]), default=0) for g in range(len(members))]
+    groups = live_groups(reader, base.param_groups, matched, flavour, group_step)
+    for g, entry in enumerate(groups):
+        entry["params"] = members[g]
     device = opt.fp32_partitioned_groups_flat[0].device if opt.fp32_partitioned_groups_flat else torch.device("cpu")
-    wrapper = {
-        "zero_stage": 3,
-        "loss_scaler": opt.loss_scaler,
-        "dynamic_loss_scale": opt.dynamic_loss_scale,
-        "overflow": False,
-    }
-    extras = reader.extras()
-    if extras.get("loss_scaler") is not None and hasattr(extras["loss_scaler"], "__dict__"):
-        opt.loss_scaler.__dict__.update(extras["loss_scaler"].__dict__)
+    wrapper = loss_scaler_wrapper(opt, reader, 3)
     block = ds_states.zero3_optim_block(
         wrapper=wrapper,
         flavour=flavour,
