@@ -14,9 +14,12 @@ import torch
 
 from ucp.deepspeed.fields import as_int, check_name, need_list, need_mapping, need_tensor, tensor_shape
 from ucp.errors import InputError
+from ucp.io.torchfile import TorchFile
+from ucp.model.partition import zero3_rank_span
 from ucp.model.records import dtype_name
 
 __all__ = [
+    "zero3_frozen_fragment",
     "check_model_states",
     "DS_MODEL_KEYS",
     "client_state",
@@ -220,3 +223,16 @@ def check_model_states(obj: Any, file_name: str, what: str) -> Mapping[str, Any]
     if not isinstance(obj.get("ds_config") or {}, Mapping):
         raise InputError(f"{file_name}: ds_config is a {type(obj['ds_config']).__name__}, not a dict")
     return obj
+
+
+def zero3_frozen_fragment(tf: TorchFile, name: str, numel: int, dp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of a frozen ZeRO-3 parameter (its model-states file's
+    ``frozen_param_fragments``), checked to hold at least the rank's span of ``numel``."""
+    start, end = zero3_rank_span(numel, dp, rank)
+    fragment = (tf.obj.get("frozen_param_fragments") or {}).get(name)
+    if fragment is None:
+        raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
+    fragment = need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {name!r}")
+    if fragment.numel() < end - start:
+        raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}")
+    return fragment

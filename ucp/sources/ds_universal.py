@@ -35,7 +35,6 @@ from ucp.deepspeed.fields import (
     jsonable,
     need_list,
     need_mapping,
-    need_tensor,
     sub_group_size,
     tensor_shape,
 )
@@ -47,6 +46,7 @@ from ucp.deepspeed.model_states import (
     model_extras,
     module_buffers,
     module_ties,
+    zero3_frozen_fragment,
     zero12_frozen_values,
 )
 from ucp.deepspeed.optim_states import check_zero3_membership, read_universal_optimizer_state
@@ -365,14 +365,7 @@ class DsUniversalSource(Reader):
                         "writes no folder for frozen ZeRO-3 parameters; copy every rank's model states "
                         "from the source tag folder"
                     )
-                fragment = (tf.obj.get("frozen_param_fragments") or {}).get(pname)
-                if fragment is None:
-                    raise InputError(f"{tf.path.name} has no fragment of frozen parameter {pname!r}")
-                fragment = need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {pname!r}")
-                if fragment.numel() < end - start:
-                    raise InputError(
-                        f"{tf.path.name}: fragment of {pname!r} holds {fragment.numel()} elements, needs {end - start}"
-                    )
+                fragment = zero3_frozen_fragment(tf, pname, numel, dp, rank)
                 frozen_dtype = frozen_dtype or dtype_name(fragment.dtype)
             out[pname] = (shape, frozen_dtype)
         missing = [r for r in range(dp) if r not in self._models]

@@ -9,6 +9,7 @@ sub-group in order; the optimizer's param groups list which sub-groups each grou
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from ucp.deepspeed.fields import (
     tensor_shape,
 )
 from ucp.deepspeed.layout import CheckpointFiles
-from ucp.deepspeed.model_states import check_model_states, engine_counters, model_dtype, model_extras, module_buffers
+from ucp.deepspeed.model_states import (
+    check_model_states,
+    engine_counters,
+    model_dtype,
+    model_extras,
+    module_buffers,
+    zero3_frozen_fragment,
+)
 from ucp.deepspeed.optim_states import (
     check_rank_count,
     flat_state_keys,
@@ -386,22 +394,11 @@ class Zero3Source(Reader):
 
     def _check_fragments(self, name: str, shape: tuple[int, ...]) -> None:
         """Every rank must hold its piece of a frozen parameter (checked here, before any output)."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        dp = len(self._model)
+        numel, dp = math.prod(shape), len(self._model)
         for rank, tf in enumerate(self._model):
             start, end = zero3_rank_span(numel, dp, rank)
-            if end <= start:
-                continue
-            fragment = (tf.obj.get("frozen_param_fragments") or {}).get(name)
-            if fragment is None:
-                raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
-            need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {name!r}")
-            if fragment.numel() < end - start:
-                raise InputError(
-                    f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}"
-                )
+            if end > start:
+                zero3_frozen_fragment(tf, name, numel, dp, rank)
 
     # -- tensors -----------------------------------------------------------------------------
     def _pieces(self, where: _Where, pick: Callable[[Mapping[str, Any]], torch.Tensor]) -> Pieces:
@@ -439,24 +436,10 @@ class Zero3Source(Reader):
 
     def _frozen_tensor(self, name: str) -> torch.Tensor:
         shape = self._frozen[name]
-        numel = 1
-        for d in shape:
-            numel *= d
-        dp = len(self._model)
-
-        def fragment_of(rank: int) -> torch.Tensor:
-            tf = self._model[rank]
-            fragment = (tf.obj.get("frozen_param_fragments") or {}).get(name)
-            if fragment is None:
-                raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
-            start, end = zero3_rank_span(numel, dp, rank)
-            if fragment.numel() < end - start:
-                raise InputError(
-                    f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}"
-                )
-            return fragment
-
-        return zero3_gather(fragment_of, numel, shape, dp)
+        numel, dp = math.prod(shape), len(self._model)
+        return zero3_gather(
+            lambda rank: zero3_frozen_fragment(self._model[rank], name, numel, dp, rank), numel, shape, dp
+        )
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return module_buffers(self._model[0].obj, self._model[0].path.name)
