@@ -10,8 +10,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import torch
 
 from tests.support.fixtures import cache_root
 from tests.support.hf_worker import HfSpec
-from ucp.harness.launch import RankFailure, free_port
+from ucp.harness.launch import free_port, launch
 
 __all__ = ["HfRun", "run_hf", "cached_run"]
 
@@ -49,48 +47,21 @@ class HfRun:
 def run_hf(spec: HfSpec, *, timeout: float = 600.0) -> HfRun:
     """Run ``spec`` on ``spec.world`` local processes; raise RankFailure with the failing rank's log."""
     spec = replace(spec, port=spec.port or free_port())
-    logs = Path(spec.record) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(spec.world):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(spec.world),
-            LOCAL_WORLD_SIZE=str(spec.world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(spec.port),
-            DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")])),
-            PYTHONWARNINGS="ignore",
-            HF_HUB_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-        )
-        log = open(logs / f"rank{rank}.log", "w")
-        cmd = [sys.executable, "-m", "tests.support.hf_worker", spec.to_json()]
-        procs.append((rank, subprocess.Popen(cmd, env=env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
-    try:
-        for rank, proc, log in procs:
-            try:
-                code: int | str = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = "timeout"
-            log.close()
-            if code != 0:
-                failed.append((rank, code))
-    finally:
-        for _, proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if failed:
-        rank, code = failed[0]
-        tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-5000:]
-        raise RankFailure(f"rank {rank} exited with {code} (logs in {logs}):\n{tail}")
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    launch(
+        spec.world,
+        spec.to_json(),
+        port=spec.port,
+        module="tests.support.hf_worker",
+        timeout=timeout,
+        log_dir=Path(spec.record) / "logs",
+        env=env,
+        cwd=_ROOT,
+    )
     return HfRun(spec)
 
 

@@ -96,6 +96,9 @@ def _engine_state(engine: Any) -> dict[str, Any]:
     """fp32 master and Adam moments of every trained parameter, gathered (collective: every rank calls)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    from ucp.harness.worker import _relink_optimizer_state
+
+    _relink_optimizer_state(engine.optimizer)  # DeepSpeed 0.19.8 ZeRO-1/2 links group 1's fragments too early
     state: dict[str, Any] = {}
     stepped = any(_optimizer_steps(engine))  # before the first step there are no moments (ZeRO-2 keeps step 0)
     for name, param in engine.module.named_parameters():

@@ -8,11 +8,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from ucp.harness.spec import RunSpec
 
-__all__ = ["RankFailure", "WORKER", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "WORKER", "free_port", "launch", "run_ranks"]
 
 
 class RankFailure(RuntimeError):
@@ -36,34 +37,50 @@ def run_ranks(
     log_dir: str | os.PathLike | None = None,
     module: str = WORKER,
 ) -> None:
-    """Run ``python -m module SPEC_JSON`` on ``spec.dp x spec.tp`` local processes and wait for all of them.
-
-    Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; DeepSpeed runs on
-    its CPU accelerator, every run on gloo. Raises RankFailure naming the first rank that failed
-    (and the module, so a log says which harness it came from).
-    """
+    """Run ``python -m module SPEC_JSON`` on ``spec.dp x spec.tp`` local processes and wait for all of them
+    (see :func:`launch`)."""
     if not spec.port:
         spec.port = free_port()
+    launch(spec.dp * spec.tp, spec.to_json(), port=spec.port, module=module, timeout=timeout, log_dir=log_dir)
+
+
+def launch(
+    world: int,
+    payload: str,
+    *,
+    port: int,
+    module: str,
+    timeout: float = 900.0,
+    log_dir: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> Path:
+    """Run ``python -m module PAYLOAD`` on ``world`` local processes and wait for all of them.
+
+    Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (plus ``env``); DeepSpeed
+    runs on its CPU accelerator, every run on gloo. Returns the log folder. Raises RankFailure naming
+    the first rank that failed (and the module, so a log says which harness it came from).
+    """
     logs = Path(log_dir or tempfile.mkdtemp(prefix="ucp-ranks-"))
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
-    world = spec.dp * spec.tp
     for rank in range(world):
-        env = dict(os.environ)
-        env.update(
+        rank_env = dict(os.environ)
+        rank_env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(spec.port),
+            MASTER_PORT=str(port),
             DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+            OMP_NUM_THREADS=rank_env.get("OMP_NUM_THREADS", "1"),
             PYTHONWARNINGS="ignore",
         )
+        rank_env.update(env or {})
         log = open(logs / f"rank{rank}.log", "w")
-        cmd = [sys.executable, "-m", module, spec.to_json()]
-        procs.append((rank, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        cmd = [sys.executable, "-m", module, payload]
+        procs.append((rank, subprocess.Popen(cmd, env=rank_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
     failed = []
     try:
         for rank, proc, log in procs:
@@ -85,3 +102,4 @@ def run_ranks(
         rank, code = failed[0]
         tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-4000:]
         raise RankFailure(f"{module} rank {rank} exited with {code} (logs in {logs}):\n{tail}")
+    return logs
