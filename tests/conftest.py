@@ -51,13 +51,19 @@ OPTIMIZER_SOURCES: dict[str, dict[str, Any]] = {
     "z2-bf16-radam": dict(dp=2, stage=2, dtype="bf16", optimizer="torch-radam"),
     "z3-fp32-lion": dict(dp=2, stage=3, dtype="fp32", optimizer="ds-cpu-lion", offload=True),
     "z2-fp32-adagrad": dict(dp=2, stage=2, dtype="fp32", optimizer="ds-cpu-adagrad", offload=True),
+    # MuonWithAuxAdam: momentum_buffer on the matrices' groups (no step), Adam moments and a step on the rest
+    "z3-fp32-muon": dict(dp=2, stage=3, dtype="fp32", optimizer="ds-muon"),
+}
+#: real runs ucp must refuse in one line (DeepSpeed Muon at ZeRO-2 keeps whole-parameter momentum per rank)
+REFUSED_SOURCES: dict[str, dict[str, Any]] = {
+    "z2-bf16-muon": dict(dp=2, stage=2, dtype="bf16", optimizer="ds-muon"),
 }
 
 
 @pytest.fixture(scope="session")
 def source() -> Callable[[str], Built]:
     """source(name) -> a cached real checkpoint from SOURCES, TP_SOURCES or OPTIMIZER_SOURCES."""
-    return lambda name: build(**{**SOURCES, **TP_SOURCES, **OPTIMIZER_SOURCES}[name])
+    return lambda name: build(**{**SOURCES, **TP_SOURCES, **OPTIMIZER_SOURCES, **REFUSED_SOURCES}[name])
 
 
 @pytest.fixture(scope="session")

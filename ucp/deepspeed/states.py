@@ -98,12 +98,15 @@ def flat_state(
     steps: Sequence[int],
     moments: bool,
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
+    groups: Sequence[Mapping[str, Any]] = (),
 ) -> dict[int, dict[str, Any]]:
-    """The torch optimizer state of flat tensors: one entry per flat tensor, as the flavour keeps it."""
+    """The torch optimizer state of flat tensors: one entry per flat tensor, as the flavour keeps it
+    (no step for the flat tensors of a group that counts none: ``groups[*]["params"]`` are flat indices)."""
     if not moments:
         return {}
+    stepless = {i for g in groups if not flavour.group_has_step(g) for i in g["params"]}
     return {
-        i: flavour.make_state(tensors, step, scalars[i] if i < len(scalars) else None)
+        i: flavour.make_state(tensors, step, scalars[i] if i < len(scalars) else None, with_step=i not in stepless)
         for i, (tensors, step) in enumerate(zip(optim, steps))
     }
 
@@ -121,7 +124,7 @@ def zero3_optim_block(
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> dict[str, Any]:
     """The dict DeepSpeed's ZeRO-3 optimizer saves for one rank (and loads back)."""
-    inner = {"state": flat_state(flavour, optim, steps, moments, scalars), "param_groups": groups}
+    inner = {"state": flat_state(flavour, optim, steps, moments, scalars, groups), "param_groups": groups}
     return {**wrapper, "partition_count": dp, "optimizer_state_dict": inner, "fp32_flat_groups": fp32}
 
 
@@ -159,7 +162,10 @@ def zero12_optim_block(
         "dynamic_loss_scale": wrapper["dynamic_loss_scale"],
         "overflow": wrapper["overflow"],
         "clip_grad": clip_grad,
-        "base_optimizer_state": {"state": flat_state(flavour, optim, steps, moments, scalars), "param_groups": groups},
+        "base_optimizer_state": {
+            "state": flat_state(flavour, optim, steps, moments, scalars, groups),
+            "param_groups": groups,
+        },
         # DeepSpeedZeroOptimizer strips the end padding; its loader (and BF16_Optimizer's) pads it back
         "single_partition_of_fp32_groups": [
             fp32[g][: layout.partition_size - paddings[g]] for g, layout in enumerate(layouts)

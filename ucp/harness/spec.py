@@ -22,6 +22,7 @@ OPTIMIZERS = (
     "torch-adagrad",
     "ds-cpu-adagrad",  # needs offload
     "ds-cpu-lion",  # needs offload
+    "ds-muon",  # MuonWithAuxAdam from the DeepSpeed config
 )
 
 

@@ -32,6 +32,8 @@ def _make_optimizer(spec: RunSpec, groups: list[dict]):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=spec.lr, betas=betas, adamw_mode=True)
+    if spec.optimizer == "ds-muon":
+        return None  # DeepSpeed builds it from the config (it must tag each parameter use_muon)
     return _other_optimizer(spec, groups, betas)
 
 
@@ -81,6 +83,11 @@ def _ds_config(spec: RunSpec) -> dict:
         "steps_per_print": 10**9,
         **({"zero_force_ds_cpu_optimizer": False} if force else {}),
     }
+    if spec.optimizer == "ds-muon":
+        # MuonWithAuxAdam: Muon on the matrices, Adam (DeepSpeed's FusedAdam) on the rest
+        params = {"lr": spec.lr, "momentum": 0.95, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+        config["optimizer"] = {"type": "Muon", "params": params}
+        zero["reduce_scatter"] = False  # DeepSpeed 0.19.8 refuses Muon with reduce scatter
     if spec.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.grad_accum_dtype}
     if spec.tp > 1:
@@ -122,6 +129,15 @@ def _parallel_ranks(spec: RunSpec) -> tuple[int, int]:
     return groups.get_data_parallel_rank(), groups.get_tensor_model_parallel_rank()
 
 
+def _keys_of(param: torch.nn.Parameter, keys: list[str]) -> list[str]:
+    """The state keys a parameter's group keeps, decided alike on every rank (the gather is a collective):
+    DeepSpeed tags Muon's parameters use_muon; their group keeps momentum_buffer, the others Adam's."""
+    muon = getattr(param, "use_muon", None)
+    if muon is None:
+        return keys
+    return [k for k in keys if (k == "momentum_buffer") == bool(muon)]
+
+
 def record_path(record: str, tp_rank: int) -> str:
     """Where a tensor-parallel rank's record goes: tp rank 0 writes ``record`` itself."""
     return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
@@ -141,6 +157,10 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     # every elementwise state key the optimizer keeps (safe_get_full_optimizer_state gathers those),
     # and each flat tensor's 0-dim entries (NAdam's mu_product, the step) as they are
     keys = sorted({k for s in base.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 1})
+    if spec.optimizer == "ds-muon" and spec.stage < 3:
+        # ZeRO-1/2 keeps Muon's momentum whole per parameter, not as a partition fragment: DeepSpeed 0.19.8's
+        # safe_get_full_optimizer_state cannot gather it (and fails on some ranks only, hanging the rest)
+        keys = [k for k in keys if k != "momentum_buffer"]
     out["state_scalars"] = [
         {k: (v.item() if torch.is_tensor(v) else v) for k, v in s.items() if not (torch.is_tensor(v) and v.dim())}
         for s in base.state.values()
@@ -154,7 +174,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         seen[id(param)] = name
         if param.requires_grad:
             out["params"][name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
-            for key in keys:
+            for key in _keys_of(param, keys):
                 state = safe_get_full_optimizer_state(param, key)
                 out["state"].setdefault(key, {})[name] = None if state is None else state.detach().cpu().clone()
             for key in ("exp_avg", "exp_avg_sq"):  # Adam's, in the record's first layout
@@ -194,7 +214,13 @@ def main(argv: list[str]) -> None:
     groups = build_param_groups(model, spec.param_groups, spec.lr)
     optimizer = _make_optimizer(spec, groups)
     scheduler = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay)) if spec.scheduler else None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(spec))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        model_parameters=groups if optimizer is None else None,
+        lr_scheduler=scheduler,
+        config=_ds_config(spec),
+    )
     if spec.load is not None:
         if spec.load.kind == "ucp":
             import ucp

@@ -54,6 +54,10 @@ def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any
         isinstance(s, int) or (torch.is_tensor(s) and not s.is_floating_point()) for s in steps
     )
     torch_groups = {"foreach", "maximize", "differentiable"} & group_keys
+    if "use_muon" in group_keys:
+        if steps and not int_steps:
+            return "ds-muon-torch-adam", "param groups carry use_muon; the Adam groups keep float step tensors"
+        return "ds-muon", "param groups carry use_muon (DeepSpeed MuonWithAuxAdam)"
     if {"nesterov", "dampening"} <= group_keys:
         return "torch-sgd", "param groups carry nesterov and dampening"
     if {"centered", "alpha"} <= group_keys:

@@ -15,6 +15,8 @@ torch-adamax       adamax      ``state[p]["step"]`` float    exp_avg, exp_inf
 torch-adagrad      adagrad     ``state[p]["step"]`` float    sum
 ds-cpu-adagrad     ds-adagrad  ``state[p]["step"]`` int      exp_avg_sq (a running sum of squares)
 ds-lion            lion        ``state[p]["step"]`` int      exp_avg
+ds-muon            muon        Adam groups' ``state[p]``     momentum_buffer (Muon groups, no step);
+                               int, stale group copy        exp_avg, exp_avg_sq (Adam groups)
 =================  ==========  ===========================  ==========================================
 
 State means the same thing within a family, so a restore may move between its flavours (a torch
@@ -43,6 +45,7 @@ __all__ = [
     "Flavour",
     "FLAVOURS",
     "check_family",
+    "check_stage",
     "get",
 ]
 
@@ -78,13 +81,24 @@ class Flavour:
             raise InputError(f"optimizer step {value} is not a non-negative whole number")
         return int(value)
 
+    def group_has_step(self, group: Mapping[str, Any]) -> bool:
+        """Whether this optimizer counts steps for a group: DeepSpeed Muon's own groups
+        (``use_muon``) keep only a momentum, its Adam groups a step."""
+        return self.has_step and not (self.family == "muon" and group.get("use_muon") is True)
+
     def make_state(
-        self, tensors: Mapping[str, torch.Tensor], step: int, scalars: Mapping[str, torch.Tensor] | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        step: int,
+        scalars: Mapping[str, torch.Tensor] | None = None,
+        *,
+        with_step: bool = True,
     ) -> dict[str, Any]:
-        """One flat tensor's optimizer state as this optimizer keeps it: its step where it reads it,
-        its 0-dim scalars, then every state tensor by key, in order (torch's own order)."""
+        """One flat tensor's optimizer state as this optimizer keeps it: its step where it reads it
+        (``with_step`` False for a group without one, see :meth:`group_has_step`), its 0-dim scalars,
+        then every state tensor by key, in order (torch's own order)."""
         state: dict[str, Any] = {}
-        if self.step_in_state:
+        if self.step_in_state and with_step:
             state["step"] = torch.tensor(float(step), dtype=torch.float32) if self.float_step else int(step)
         state.update(scalars or {})
         state.update(tensors)
@@ -116,7 +130,7 @@ class Flavour:
         stays within a family, so its keys are the ones the optimizer reads."""
         if self.family != "adam":
             own = {k: group_value(v) for k, v in raw.items() if k not in ("params", "step")}
-            if self.step_in_group:
+            if self.step_in_group and self.group_has_step(raw):
                 own["step"] = int(step)
             return own
         group: dict[str, Any] = {
@@ -214,6 +228,24 @@ FLAVOURS: dict[str, Flavour] = {
             "lion",
             live=("deepspeed.ops.lion:FusedLion", "deepspeed.ops.lion:DeepSpeedCPULion"),
         ),
+        Flavour(
+            "ds-muon",
+            True,
+            True,
+            False,
+            "DeepSpeed MuonWithAuxAdam: momentum_buffer on Muon groups (no step); FusedAdam moments, int step "
+            "per parameter and a stale group copy on the others",
+            "muon",
+            live=("deepspeed.runtime.zero.muon.muon_optimizer:MuonWithAuxAdam",),
+        ),
+        Flavour(
+            "ds-muon-torch-adam",
+            True,
+            False,
+            True,
+            "DeepSpeed MuonWithAuxAdam with torch_adam: Muon groups as ds-muon; torch AdamW's float step tensors",
+            "muon",
+        ),
     )
 }
 
@@ -228,6 +260,16 @@ def check_family(source: str | None, target: Flavour, groups_state: bool) -> Non
             f"the checkpoint holds {source} state ({FLAVOURS[source].family} family); {target.name} "
             f"({target.family} family) would read it as something it is not: restore into a "
             f"{FLAVOURS[source].family} optimizer, or reset the optimizer state"
+        )
+
+
+def check_stage(flavour: Flavour | None, stage: int) -> None:
+    """DeepSpeed Muon at ZeRO-1/2 keeps each Muon parameter's whole momentum on every rank whose
+    partition it touches (not a flat partition, seen in 0.19.8): refused until ucp reads that layout."""
+    if flavour is not None and flavour.family == "muon" and stage in (1, 2):
+        raise InputError(
+            f"DeepSpeed Muon at ZeRO-{stage} keeps whole-parameter momentum per rank, a layout ucp does not "
+            "read or write yet; Muon checkpoints move at ZeRO-3 only"
         )
 
 

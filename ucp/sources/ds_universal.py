@@ -54,6 +54,7 @@ from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect
+from ucp.model.flavours import check_stage
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta, zero3_gather
@@ -177,6 +178,7 @@ class DsUniversalSource(Reader):
             members, detection, sub_steps = self._zero3_layout(optim, shapes, layout, ds_config, optimizer, dp)
         else:
             members, detection, sub_steps = self._zero12_layout(shapes, groups_raw, layout, ds_config, optimizer)
+            check_stage(detection.flavour, stage)
 
         dtype = model_dtype(head, shapes, files_bf16=False)
         params, groups = self._optimized(groups_raw, members, shapes, sub_steps, detection, dtype)

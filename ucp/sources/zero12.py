@@ -49,6 +49,7 @@ from ucp.deepspeed.optim_states import (
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect
+from ucp.model.flavours import check_stage
 from ucp.model.partition import Zero12Group, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -368,6 +369,7 @@ class Zero12Source(Reader):
         self._layouts_ = self._layouts(shapes, blocks)
         self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
         detection = detect(blocks[0][_BASE], ds_config, optimizer)
+        check_stage(detection.flavour, stage)
         group_steps = self._group_steps(groups_raw, bases, detection)
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
         params, groups = self._groups(groups_raw, shapes, group_steps, detection, dtype)

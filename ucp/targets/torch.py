@@ -57,8 +57,12 @@ def restore_torch(
             with torch.no_grad():
                 param.copy_(state.fp32.to(param.dtype))
             if optimizer is not None and kind is not None and state.optim and param.requires_grad:
+                index = facts.param(name).group
                 new = kind.make_state(
-                    {k: v.to(param.device) for k, v in state.optim.items()}, int(state.step or 0), state.scalars
+                    {k: v.to(param.device) for k, v in state.optim.items()},
+                    int(state.step or 0),
+                    state.scalars,
+                    with_step=index is None or kind.group_has_step(facts.groups[index].raw),
                 )
                 if torch.is_tensor(new.get("step")) and _on_device(optimizer, param):
                     new["step"] = new["step"].to(param.device)

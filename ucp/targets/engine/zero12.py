@@ -94,6 +94,7 @@ def restore_zero12(
     opt = engine.optimizer
     flavour = flavours.get(optimizer) if optimizer else detect_live(opt.optimizer)
     flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
+    flavours.check_stage(flavour, 2 if getattr(opt, "partition_gradients", False) else 1)
     layouts, live_names, rank = live_zero12_layout(engine)
     names = _held_names(reader, layouts, live_names)
     matched = match_groups(reader, live_names, strict=strict)

@@ -67,6 +67,7 @@ def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
         tp=options.tp,
     )
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
+    flavours.check_stage(plan.flavour, options.stage)
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
         plan.layout = zero3_layout(numels, options.dp, size)
