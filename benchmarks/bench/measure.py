@@ -266,7 +266,9 @@ def measure_size(cfg: BenchConfig, size_mb: int) -> dict[str, Any]:
         "disk": run.disk,
         "notes": run.notes,
     }
-    result.update(summarize(run.samples))
+    native = run.disk.get("ucp-native")
+    share = native["bytes"] / cfg.restore_dp / 2**20 if native else None
+    result.update(summarize(run.samples, rank_share_mib=share))
     busy = max(load_before[0], result["loadavg_after"][0])
     if busy > (os.cpu_count() or 1):
         result["notes"].append(

@@ -19,6 +19,14 @@ TARGETS = (
     ("work", "ucp-work", "ds-work", 0.10, True, "wall minus bare import of the heavy library, ucp / ds_to_universal"),
     ("rss", "ucp-rss", "ds-rss", 0.50, True, "peak RSS (wait4 ru_maxrss), ucp / ds_to_universal"),
     ("vs-cp", "ucp-work", "cp", 3.0, True, "ucp work / `cp -r` of the shard folder"),
+    (
+        "restore-rss",
+        "ucp-restore-rss-over-import",
+        "rank-share",
+        1.25,
+        True,
+        "ucp restore's peak RSS over import torch's / one new rank's share of the output (streams rank by rank)",
+    ),
     ("cpu-time", "ucp-cpu", "ds-cpu", 0.25, False, "CPU time (user+sys, whole tree), ucp / ds_to_universal"),
     ("cpu-work", "ucp-cpu-work", "ds-cpu-work", 0.10, False, "CPU time minus the bare import's, ucp / ds"),
 )
@@ -88,8 +96,9 @@ def tool_stats(samples: list[Sample]) -> dict[str, dict[str, Any]]:
     return tools
 
 
-def derive(tools: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """The numbers the ratios are taken of: medians, and medians minus a baseline (bare import, idle engine)."""
+def derive(tools: dict[str, dict[str, Any]], rank_share_mib: float | None = None) -> dict[str, float | None]:
+    """The numbers the ratios are taken of: medians, and medians minus a baseline (bare import, idle engine).
+    ``rank_share_mib``: the native output's size over the restore's DP size (what one rank's buffers hold)."""
 
     def wall(name: str) -> float | None:
         return tool_stat(tools, name, "wall_s_median")
@@ -115,6 +124,8 @@ def derive(tools: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "ucp-cpu-work": _minus(cpu("ucp-to-universal"), cpu("import-torch")),
         "ds-cpu-work": _minus(cpu("ds-to-universal"), cpu("import-deepspeed")),
         "ucp-restore-work": _minus(wall("ucp-restore"), wall("import-torch")),
+        "ucp-restore-rss-over-import": _minus(rss("ucp-restore"), rss("import-torch")),
+        "rank-share": rank_share_mib,
         # load paths: time over an engine that loads nothing; ucp's path includes its restore process
         "ds-load-over-init": _minus(wall("ds-universal-load"), wall("engine-init")),
         "ucp-native-load-over-init": _minus(wall("ucp-native-load"), wall("engine-init")),
@@ -154,8 +165,8 @@ def ratios(derived: dict[str, float | None], tools: dict[str, dict[str, Any]]) -
     return rows
 
 
-def summarize(samples: list[Sample]) -> dict[str, Any]:
+def summarize(samples: list[Sample], rank_share_mib: float | None = None) -> dict[str, Any]:
     """Medians per tool, the derived work/load numbers and the ratio table against the targets."""
     tools = tool_stats(samples)
-    derived = derive(tools)
+    derived = derive(tools, rank_share_mib)
     return {"tools": tools, "derived": derived, "ratios": ratios(derived, tools)}

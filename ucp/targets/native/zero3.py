@@ -93,5 +93,6 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
                 ds_states.optim_file_dict(block, facts.info.ds_config, facts.info.ds_version),
                 tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
             )
-        del ranks  # before the next pass allocates its rank's buffers
+            del buffers, block  # this rank's buffers go before the next pass allocates its own
+        del ranks
     logger.info("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, tag_dir)
