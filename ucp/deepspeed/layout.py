@@ -261,9 +261,10 @@ def find_ds_universal(path: Path, tag: str | None = None) -> Path | None:
     return None
 
 
-def ds_universal_model_files(root: Path) -> tuple[dict[int, Path], list[Path]]:
-    """The model-states files ds_to_universal copied into ROOT: ZeRO-3's per DP rank, ZeRO-1/2's one.
-    Tensor-parallel output (an mp rank other than 0) is refused."""
+def ds_universal_model_files(root: Path, stage: int, dp: int) -> dict[int, Path]:
+    """The model-states files ds_to_universal copied into ROOT, by DP rank: ZeRO-3's one per rank, ZeRO-1/2's
+    one (rank 0). Files of the other stage, ranks beyond ``dp``, a missing rank-0 file and tensor-parallel
+    output (an mp rank other than 0) are refused in one line."""
     ranks: dict[int, Path] = {}
     plain: list[Path] = []
     for path in sorted(root.glob("*model_states.pt")):
@@ -278,4 +279,28 @@ def ds_universal_model_files(root: Path) -> tuple[dict[int, Path], list[Path]]:
             ranks[int(z3.group(1))] = path
         elif one:
             plain.append(path)
-    return ranks, plain
+    if stage != 3:
+        if not plain:
+            found = f" (only {next(iter(ranks.values())).name}, a ZeRO-3 file)" if ranks else ""
+            raise InputError(
+                f"mp_rank_00_model_states.pt is missing from {root}{found}: ds_to_universal copies it last, so "
+                "the run did not finish; rerun it or copy it from the source tag folder"
+            )
+        return {0: plain[0]}
+    if plain and not ranks:
+        raise InputError(
+            f"{root} holds {plain[0].name}, a ZeRO-1/2 model file, but {UNIVERSAL_OPTIM} says zero_stage=3: "
+            "files of different checkpoints are mixed"
+        )
+    extra = sorted(r for r in ranks if r >= dp)
+    if extra:
+        raise InputError(
+            f"{ranks[extra[0]].name} in {root} is beyond partition_count={dp} in {UNIVERSAL_OPTIM}: files of "
+            "different checkpoints are mixed"
+        )
+    if 0 not in ranks:
+        raise InputError(
+            f"zero_pp_rank_0_mp_rank_00_model_states.pt is missing from {root}: ds_to_universal copies every "
+            "rank's model states there; copy them from the source tag folder"
+        )
+    return dict(sorted(ranks.items()))

@@ -16,9 +16,13 @@ from ucp.deepspeed.layout import UNIVERSAL_OPTIM
 from ucp.errors import InputError
 from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
-from ucp.model.partition import zero3_partition_size
+from ucp.model.partition import Zero12Group, zero3_partition_size, zero12_group
 
 __all__ = [
+    "rank_scalars",
+    "check_scaler_fields",
+    "zero12_layouts",
+    "check_slice_mappings",
     "read_universal_optimizer_state",
     "check_zero3_membership",
     "STEP_KEY",
@@ -182,11 +186,7 @@ def read_universal_optimizer_state(root: Path) -> dict[str, Any]:
         ]
         for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version"):
             out[key] = obj.get(key)
-        if out["loss_scaler"] is not None and not isinstance(out["loss_scaler"], (LossScaler, DynamicLossScaler)):
-            raise InputError(
-                f"{UNIVERSAL_OPTIM}: loss_scaler is a {type(out['loss_scaler']).__name__}, not a "
-                "DeepSpeed loss scaler: the file is damaged or not from DeepSpeed"
-            )
+        check_scaler_fields(out, UNIVERSAL_OPTIM)
         if stage == 3:
             inner = need_mapping(obj.get("optimizer_state_dict"), f"{UNIVERSAL_OPTIM}: optimizer_state_dict")
             state = need_mapping(inner.get("state") or {}, f"{UNIVERSAL_OPTIM}: optimizer state")
@@ -247,3 +247,73 @@ def check_zero3_membership(
                     f"partitions add up to {want} at dp={dp}: files of different checkpoints are mixed"
                 )
     return sub_of_group
+
+
+def zero12_layouts(shapes: list[Mapping[str, Any]], paddings: Any, dp: int, file_name: str) -> list[Zero12Group]:
+    """Each ZeRO-1/2 param group's flat layout at ``dp`` from its members' shapes (``param_shapes``) and,
+    where the file records them, their alignment paddings (``param_alignment_paddings``)."""
+    layouts = []
+    for g, members in enumerate(shapes):
+        numels = [math.prod(tensor_shape(shape)) for shape in members.values()]
+        pads = None
+        if paddings is not None:
+            where = f"{file_name}: param_alignment_paddings"
+            pads = [as_int(p, where) for p in need_list(need_list(paddings, where)[g], f"{where}[{g}]")]
+            if len(pads) != len(numels):
+                raise InputError(
+                    f"{where}[{g}] has {len(pads)} entries, but param group {g} has {len(numels)} parameters"
+                )
+        layouts.append(zero12_group(numels, dp, param_paddings=pads))
+    return layouts
+
+
+def check_slice_mappings(mapping: Any, names: list[str], layout: Zero12Group, rank: int, where: str) -> None:
+    """A rank's ``param_slice_mappings`` for one group must be the slices ucp's layout gives (params in
+    param_shapes order, aligned to 2 x dp); anything else is a layout this ucp does not know."""
+    mapping = need_mapping(mapping, f"{where}: param_slice_mappings")
+    expected = {}
+    for i, pname in enumerate(names):
+        span = layout.rank_slice(i, rank)
+        if span is not None:
+            expected[pname] = span
+    found = {
+        k: (
+            as_int(getattr(v, "start", None), f"{where}: slice start"),
+            as_int(getattr(v, "numel", None), f"{where}: slice numel"),
+        )
+        for k, v in mapping.items()
+    }
+    if found != expected:
+        raise InputError(
+            f"{where}: param_slice_mappings do not match the flat layout ucp expects (params in "
+            "param_shapes order, aligned to 2 x dp): a layout this ucp does not know"
+        )
+
+
+def rank_scalars(
+    entry: Mapping[str, Any], rank0: Mapping[str, torch.Tensor] | None, where: str
+) -> dict[str, torch.Tensor]:
+    """A flat tensor's 0-dim optimizer scalars (:func:`flat_state_scalars`), which every rank stepped
+    together and so must hold bit-equal to rank 0's (``rank0``; None on rank 0 itself)."""
+    scalars = flat_state_scalars(entry)
+    if rank0 is not None and not same_scalars(scalars, rank0):
+        raise InputError(
+            f"{where} holds optimizer scalars {show_scalars(scalars)}, rank 0 holds {show_scalars(rank0)}: "
+            "ranks from different saves are mixed"
+        )
+    return scalars
+
+
+def check_scaler_fields(block: Mapping[str, Any], where: str) -> None:
+    """The loss-scaler fields of a ZeRO block: a DeepSpeed scaler (or none) and booleans."""
+    scaler = block.get("loss_scaler")
+    if scaler is not None and not isinstance(scaler, (LossScaler, DynamicLossScaler)):
+        raise InputError(
+            f"{where}: loss_scaler is a {type(scaler).__name__}, not a DeepSpeed loss scaler: the file is "
+            "damaged or not from DeepSpeed"
+        )
+    for key in ("dynamic_loss_scale", "overflow"):
+        if block.get(key) is not None and not isinstance(block[key], bool):
+            raise InputError(
+                f"{where}: {key} is a {type(block[key]).__name__}, not a bool: the file is damaged or not from DeepSpeed"
+            )

@@ -90,36 +90,8 @@ class DsUniversalSource(Reader):
     # -- facts -------------------------------------------------------------------------------
     def _open_models(self, stage: int, dp: int) -> Mapping[str, Any]:
         """Open the copied model-states files (rank -> file) and return rank 0's object."""
-        ranks, plain = ds_universal_model_files(self.root)
-        if stage == 3:
-            if plain and not ranks:
-                raise InputError(
-                    f"{self.root} holds {plain[0].name}, a ZeRO-1/2 model file, but zero/{_OPTIM} says "
-                    "zero_stage=3: files of different checkpoints are mixed"
-                )
-            extra = sorted(r for r in ranks if r >= dp)
-            if extra:
-                raise InputError(
-                    f"{ranks[extra[0]].name} in {self.root} is beyond partition_count={dp} in "
-                    f"zero/{_OPTIM}: files of different checkpoints are mixed"
-                )
-            if 0 not in ranks:
-                raise InputError(
-                    f"zero_pp_rank_0_mp_rank_00_model_states.pt is missing from {self.root}: "
-                    "ds_to_universal copies every rank's model states there; copy them from the source "
-                    "tag folder"
-                )
-            for rank, path in sorted(ranks.items()):
-                self._models[rank] = TorchFile(path)
-        else:
-            if not plain:
-                found = f" (only {next(iter(ranks.values())).name}, a ZeRO-3 file)" if ranks else ""
-                raise InputError(
-                    f"mp_rank_00_model_states.pt is missing from {self.root}{found}: ds_to_universal "
-                    "copies it last, so the run did not finish; rerun it or copy it from the source "
-                    "tag folder"
-                )
-            self._models[0] = TorchFile(plain[0])
+        for rank, path in ds_universal_model_files(self.root, stage, dp).items():
+            self._models[rank] = TorchFile(path)
         head = self._models[0].obj
         name = self._models[0].path.name
         check_model_states(

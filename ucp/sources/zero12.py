@@ -40,17 +40,17 @@ from ucp.deepspeed.model_states import (
 )
 from ucp.deepspeed.optim_states import (
     check_rank_count,
+    check_slice_mappings,
     flat_state_keys,
-    flat_state_scalars,
     optimizer_block,
-    same_scalars,
-    show_scalars,
+    rank_scalars,
+    zero12_layouts,
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect
 from ucp.model.flavours import check_stage
-from ucp.model.partition import Zero12Group, zero12_group
+from ucp.model.partition import Zero12Group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import file_pieces, group_meta
@@ -192,34 +192,8 @@ class Zero12Source(Reader):
         return groups, state
 
     def _layouts(self, shapes: list[Mapping[str, Any]], blocks: list[Mapping[str, Any]]) -> list[Zero12Group]:
-        dp = len(self._optim)
-        name0 = self._optim[0].path.name
         paddings = blocks[0].get("param_alignment_paddings")
-        layouts = []
-        for g, members in enumerate(shapes):
-            numels = []
-            for shape in members.values():
-                shape = tensor_shape(shape)
-                numel = 1
-                for d in shape:
-                    numel *= d
-                numels.append(numel)
-            pads = None
-            if paddings is not None:
-                pads = [
-                    as_int(p, f"{name0}: param_alignment_paddings")
-                    for p in need_list(
-                        need_list(paddings, f"{name0}: param_alignment_paddings")[g],
-                        f"{name0}: param_alignment_paddings[{g}]",
-                    )
-                ]
-                if len(pads) != len(numels):
-                    raise InputError(
-                        f"{name0}: param_alignment_paddings[{g}] has {len(pads)} entries, but param "
-                        f"group {g} has {len(numels)} parameters"
-                    )
-            layouts.append(zero12_group(numels, dp, param_paddings=pads))
-        return layouts
+        return zero12_layouts(shapes, paddings, len(self._optim), self._optim[0].path.name)
 
     def _check_group_sizes(
         self,
@@ -257,35 +231,11 @@ class Zero12Source(Reader):
                     self._keys[g] = flat_state_keys(
                         entry, size, f"{name}: param group {g}", self._keys[g] if rank else None
                     )
-                    scalars = flat_state_scalars(entry)
-                    if rank and not same_scalars(scalars, self._scalars[g]):
-                        raise InputError(
-                            f"{name}: param group {g} holds optimizer scalars {show_scalars(scalars)}, rank 0 holds "
-                            f"{show_scalars(self._scalars[g])}: ranks from different saves are mixed"
-                        )
-                    self._scalars[g] = scalars
+                    where = f"{name}: param group {g}"
+                    self._scalars[g] = rank_scalars(entry, self._scalars[g] if rank else None, where)
                 if mappings is not None:
-                    mapping = need_mapping(
-                        need_list(mappings, f"{name}: param_slice_mappings")[g], f"{name}: param_slice_mappings[{g}]"
-                    )
-                    expected = {}
-                    for i, pname in enumerate(shapes[g]):
-                        where = layout.rank_slice(i, rank)
-                        if where is not None:
-                            expected[pname] = where
-                    found = {
-                        k: (
-                            as_int(getattr(v, "start", None), f"{name}: slice start"),
-                            as_int(getattr(v, "numel", None), f"{name}: slice numel"),
-                        )
-                        for k, v in mapping.items()
-                    }
-                    if found != expected:
-                        raise InputError(
-                            f"{name}: param_slice_mappings of param group {g} do not match the flat layout "
-                            "ucp expects (params in param_shapes order, aligned to 2 x dp): a layout "
-                            "this ucp does not know"
-                        )
+                    mapping = need_list(mappings, f"{name}: param_slice_mappings")[g]
+                    check_slice_mappings(mapping, list(shapes[g]), layout, rank, f"{name}: param group {g}")
 
     def _check_moments(self, bases: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]) -> None:
         """Every rank holds optimizer state, or none does."""

@@ -39,15 +39,13 @@ from ucp.deepspeed.model_states import (
 )
 from ucp.deepspeed.optim_states import (
     check_rank_count,
+    check_scaler_fields,
     flat_state_keys,
-    flat_state_scalars,
     optimizer_block,
-    same_scalars,
-    show_scalars,
+    rank_scalars,
     stage_of,
 )
 from ucp.errors import InputError
-from ucp.io.standins import DynamicLossScaler, LossScaler
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
@@ -200,18 +198,7 @@ class Zero3Source(Reader):
 
     def _check_scalers(self, blocks: list[Mapping[str, Any]]) -> None:
         for tf, block in zip(self._optim, blocks):
-            scaler = block.get("loss_scaler")
-            if scaler is not None and not isinstance(scaler, (LossScaler, DynamicLossScaler)):
-                raise InputError(
-                    f"{tf.path.name}: loss_scaler is a {type(scaler).__name__}, not a DeepSpeed loss "
-                    "scaler: the file is damaged or not from DeepSpeed"
-                )
-            for key in ("dynamic_loss_scale", "overflow"):
-                if block.get(key) is not None and not isinstance(block[key], bool):
-                    raise InputError(
-                        f"{tf.path.name}: {key} is a {type(block[key]).__name__}, not a bool: the file "
-                        "is damaged or not from DeepSpeed"
-                    )
+            check_scaler_fields(block, tf.path.name)
 
     def _layout(self, inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]) -> list[list[int]]:
         """The sub-groups of each param group, the same on every rank."""
@@ -309,13 +296,8 @@ class Zero3Source(Reader):
                     f"{tf.path.name}: sub-group {sub}",
                     self._keys[sub] if rank else None,
                 )
-                scalars = flat_state_scalars(entry)
-                if rank and not same_scalars(scalars, self._scalars[sub]):
-                    raise InputError(
-                        f"{tf.path.name}: sub-group {sub} holds optimizer scalars {show_scalars(scalars)}, rank 0 "
-                        f"holds {show_scalars(self._scalars[sub])}: ranks from different saves are mixed"
-                    )
-                self._scalars[sub] = scalars
+                where = f"{tf.path.name}: sub-group {sub}"
+                self._scalars[sub] = rank_scalars(entry, self._scalars[sub] if rank else None, where)
 
     def _sub_steps(
         self,
