@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ucp.errors import UcpError
 
@@ -95,24 +96,27 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _native_options(args: argparse.Namespace, step: int | str, stage: int | None) -> dict[str, Any]:
+    """The restore flags a native checkpoint (bare or inside a Hugging Face folder) is written with."""
+    return {
+        "dp": args.dp,
+        "stage": stage,
+        "optimizer": args.optimizer,
+        "dtype": args.dtype,
+        "tag": args.tag,
+        "sub_group_size": args.sub_group_size,
+        "step": step,
+        "tp": args.tp,
+        "overwrite": args.overwrite,
+        "workers": args.workers,
+        "fsync": args.fsync,
+    }
+
+
 def _cmd_restore_hf(args: argparse.Namespace, step: int | str) -> int:
     from ucp.targets.hf import write_hf
 
-    result = write_hf(
-        args.universal,
-        args.out,
-        dp=args.dp,
-        stage=args.stage,
-        optimizer=args.optimizer,
-        dtype=args.dtype,
-        tag=args.tag,
-        sub_group_size=args.sub_group_size,
-        step=step,
-        tp=args.tp,
-        overwrite=args.overwrite,
-        workers=args.workers,
-        fsync=args.fsync,
-    )
+    result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     print(
@@ -141,21 +145,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
     if find_hf_folder(args.universal) is not None:
         return _cmd_restore_hf(args, step)
-    plan = write_native(
-        args.universal,
-        args.out,
-        dp=args.dp,
-        stage=args.stage or 3,
-        optimizer=args.optimizer,
-        dtype=args.dtype,
-        tag=args.tag,
-        sub_group_size=args.sub_group_size,
-        step=step,
-        overwrite=args.overwrite,
-        workers=args.workers,
-        fsync=args.fsync,
-        tp=args.tp,
-    )
+    plan = write_native(args.universal, args.out, **_native_options(args, step, args.stage or 3))
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
