@@ -250,6 +250,7 @@ def test_inspect_describes_a_dcp_folder_in_text_and_json(which, dcp_folders, cap
     text = capsys.readouterr().out
     assert text.startswith(f"{folder}: dcp checkpoint") and "optimizer torch-adam (adam_w_mode=True), step 3" in text
     assert "tied: head.weight -> embed.weight" in text and "buffers: calls" in text
+    assert "torch.distributed.checkpoint, saved at" in text and "DeepSpeed" not in text and "ZeRO" not in text
     assert cli(["inspect", str(folder), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["format"], report["num_params"], report["num_frozen"], report["global_steps"]) == ("dcp", 13, 2, 3)

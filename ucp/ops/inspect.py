@@ -153,13 +153,22 @@ def _hf_lines(hf: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _layout_line(report: dict[str, Any]) -> str:
+    """Where the state came from: a DCP folder has no ZeRO stage, DeepSpeed version or tag to show."""
+    if report["format"] == "dcp" or report.get("source_format") == "dcp":
+        return f"  torch.distributed.checkpoint, saved at {report['dp_world_size']} rank(s), dtype {report['dtype']}"
+    return (
+        f"  ZeRO stage {report['zero_stage']}, dp={report['dp_world_size']}, mp={report['mp_world_size']}, "
+        f"dtype {report['dtype']}, DeepSpeed {report['ds_version'] or '?'}, tag {report['tag'] or '-'}"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A short summary and a per-parameter table, for a terminal."""
     lines = [
         f"{report['path']}: {report['format']} checkpoint"
         + (f" (from {report['source_format']})" if report["format"] == "universal" else ""),
-        f"  ZeRO stage {report['zero_stage']}, dp={report['dp_world_size']}, mp={report['mp_world_size']}, "
-        f"dtype {report['dtype']}, DeepSpeed {report['ds_version'] or '?'}, tag {report['tag'] or '-'}",
+        _layout_line(report),
         f"  optimizer {report['optimizer']}"
         + ("" if report["adam_w_mode"] is None else f" (adam_w_mode={report['adam_w_mode']})")
         + f", step {report['step'] if report['step'] is not None else '-'}, "
