@@ -470,7 +470,7 @@ BAD = [
         [
             "m.yaml:4: target.optimizer: must be one of torch-adam, ds-fused-adam, ds-cpu-adam, apex-fused-adam, "
             "torch-sgd, torch-rmsprop, torch-nadam, torch-radam, torch-adamax, torch-adagrad, ds-cpu-adagrad, ds-lion, "
-            "torch-adamw, got 'adamw' (did you mean 'torch-adamw'?)"
+            "ds-muon, ds-muon-torch-adam, torch-adamw, got 'adamw' (did you mean 'torch-adamw'?)"
         ],
     ),
     (
