@@ -488,3 +488,20 @@ def test_torchtitan_checkpoint_manager_resumes_the_torchtitan_layout(z3_fp32, un
     )
     for name, value in native_3_more["params"].items():
         assert torch.allclose(after["params"][name], value, rtol=0, atol=1e-5), name
+
+
+def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
+    """The model entry and the optimizer state of a parameter are written together: one read each."""
+    from ucp.universal import open_universal
+
+    with open_universal(universals("z3-fp32-dp3-adamw")) as reader:
+        reads: list[str] = []
+        read = reader.read
+
+        def counted(name: str, **kwargs: Any) -> Any:
+            reads.append(name)
+            return read(name, **kwargs)
+
+        reader.read = counted  # type: ignore[method-assign]
+        ucp.write_dcp(reader, tmp_path / "d")
+        assert sorted(reads) == sorted(m.name for m in reader.facts.params)

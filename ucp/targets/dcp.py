@@ -26,6 +26,7 @@ writes it and the reader reads that parameter then: memory stays near one parame
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -226,8 +227,20 @@ def _save(plan: DcpPlan, root: Path, fetch: Callable[[str, str], torch.Tensor], 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     lazy = plan.lazy
+    first: dict[str, int] = {}  # each parameter's place in the plan, so all its tensors are written together
+    for name, _ in lazy.values():
+        first.setdefault(name, len(first))
 
     class Planner(DefaultSavePlanner):
+        def finish_plan(self, new_plan: Any) -> Any:
+            # DCP writes items in plan order: grouped by parameter, each one is read once, not once for
+            # the model entry and again for its optimizer state
+            def rank(item: Any) -> int:
+                where = lazy.get(item.index.fqn)
+                return -1 if where is None else first[where[0]]
+
+            return super().finish_plan(dataclasses.replace(new_plan, items=sorted(new_plan.items, key=rank)))
+
         def resolve_data(self, write_item: Any) -> Any:
             where = lazy.get(write_item.index.fqn)
             if where is None:
