@@ -351,6 +351,24 @@ def test_optimizer_state_for_names_the_model_lacks_is_refused(tmp_path, capsys):
         DcpSource(tmp_path / "bad")
 
 
+def test_a_group_whose_members_keep_different_state_keys_is_refused(tmp_path, capsys):
+    """Never one member's keys for the whole group: the other member's moments would be lost."""
+    import torch.distributed.checkpoint as dcp
+
+    adam = {"step": torch.tensor(1.0), "exp_avg": torch.ones(3), "exp_avg_sq": torch.ones(3)}
+    state = {
+        "model": {"a.weight": torch.ones(3), "b.weight": torch.ones(3)},
+        "optim": {
+            "state": {"a.weight": {"step": torch.tensor(1.0)}, "b.weight": adam},
+            "param_groups": [
+                {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, "params": ["a.weight", "b.weight"]}
+            ],
+        },
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "bad", no_dist=True)
+    _fails(["to-universal", str(tmp_path / "bad"), str(tmp_path / "u")], tmp_path / "u", capsys, "b.weight keeps")
+
+
 def test_restore_dcp_refuses_another_optimizer_family(universals, tmp_path, capsys):
     out = tmp_path / "o"
     argv = ["restore", str(universals("z3-fp32-dp3-adamw")), str(out), "--format", "dcp", "--optimizer", "torch-sgd"]

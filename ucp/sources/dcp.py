@@ -306,7 +306,14 @@ class DcpSource(Reader):
             known = sorted({s for n in members if (s := steps[n]) is not None})
             if len(known) > 1:
                 raise InputError(f"{self.path}: param group {i} holds parameters at different steps {known}")
-            keys = self._state_keys(members[0]) if members else ()
+            per_member = {n: self._state_keys(n) for n in members}
+            keys = per_member[members[0]] if members else ()
+            odd = [n for n, k in per_member.items() if set(k) != set(keys)]
+            if odd:  # a group's members keep one set of keys; never take one member's as the group's
+                raise InputError(
+                    f"{self.path}: param group {i}: {odd[0]} keeps optimizer state {sorted(per_member[odd[0]])}, "
+                    f"{members[0]} keeps {sorted(keys)}; ucp carries one set of keys per group"
+                )
             hyper = hyper_from_group(group, adam_w_mode)
             raw = raw_group(group)
             out.append(GroupMeta(i, hyper, raw, members, step=known[0] if known else None, state_keys=keys))
