@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ucp.harness.launch import end_rank
+
 __all__ = ["HfSpec", "main"]
 
 
@@ -181,10 +183,8 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     Path(spec.record).mkdir(parents=True, exist_ok=True)
     _run_trainer(spec, rank)
-    if torch.distributed.is_initialized():  # a clean exit: gloo threads left running abort the process
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv)
+    end_rank()

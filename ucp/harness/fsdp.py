@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ucp.harness.launch import run_ranks
+from ucp.harness.launch import end_rank, run_ranks
 from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
 from ucp.harness.spec import RunSpec
 from ucp.harness.worker import lr_decay
@@ -174,9 +174,8 @@ def main(argv: list[str]) -> None:
         dcp.save(_state(model, optimizer, scheduler, counters), checkpoint_id=spec.save_dir)
     if spec.record:
         _save_record(_record(model, optimizer, scheduler, spec, counters, losses), spec.record)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_rank()

@@ -13,11 +13,28 @@ from pathlib import Path
 
 from ucp.harness.spec import RunSpec
 
-__all__ = ["RankFailure", "WORKER", "free_port", "launch", "run_ranks"]
+__all__ = ["RankFailure", "WORKER", "end_rank", "free_port", "launch", "run_ranks"]
 
 
 class RankFailure(RuntimeError):
     """A rank exited non-zero; the message carries the tail of its log."""
+
+
+def end_rank() -> None:
+    """Leave a finished rank at once, after every rank reached this point (call it last).
+
+    A process that returns normally runs C++ destructors of threads that gloo and DeepSpeed's
+    shared-memory comm op leave behind, and one of them now and then aborts the process
+    ("terminate called without an active exception") after all its work is written. The barrier
+    keeps a rank from leaving while another still talks to it; ``os._exit`` skips the destructors.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

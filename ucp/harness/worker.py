@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ucp.harness.launch import end_rank
 from ucp.harness.model import TinyLM, batch_for_step, build_param_groups, tp_layer_specs
 from ucp.harness.spec import RunSpec
 
@@ -254,8 +255,8 @@ def main(argv: list[str]) -> None:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
     if spec.record:
         _record(engine, model, spec, losses)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_rank()
