@@ -53,17 +53,20 @@ OPTIMIZER_SOURCES: dict[str, dict[str, Any]] = {
     "z2-fp32-adagrad": dict(dp=2, stage=2, dtype="fp32", optimizer="ds-cpu-adagrad", offload=True),
     # MuonWithAuxAdam: momentum_buffer on the matrices' groups (no step), Adam moments and a step on the rest
     "z3-fp32-muon": dict(dp=2, stage=3, dtype="fp32", optimizer="ds-muon"),
-}
-#: real runs ucp must refuse in one line (DeepSpeed Muon at ZeRO-2 keeps whole-parameter momentum per rank)
-REFUSED_SOURCES: dict[str, dict[str, Any]] = {
-    "z2-bf16-muon": dict(dp=2, stage=2, dtype="bf16", optimizer="ds-muon"),
+    # at ZeRO-1/2 each rank keeps the whole momentum of every matrix reaching its partition: SwiGLU's fused
+    # gate+up (2x the down projection) and three layers put a partition boundary inside a matrix at dp 2 and 3
+    "z2-fp32-muon": dict(dp=2, stage=2, dtype="fp32", optimizer="ds-muon", model=ModelSpec(glu=True, layers=3)),
+    # with the optimizer offloaded, the momentum is the rank's flat partition like any other state
+    "z1-bf16-muon-offload": dict(
+        dp=2, stage=1, dtype="bf16", optimizer="ds-muon", offload=True, model=ModelSpec(glu=True, layers=3)
+    ),
 }
 
 
 @pytest.fixture(scope="session")
 def source() -> Callable[[str], Built]:
     """source(name) -> a cached real checkpoint from SOURCES, TP_SOURCES or OPTIMIZER_SOURCES."""
-    return lambda name: build(**{**SOURCES, **TP_SOURCES, **OPTIMIZER_SOURCES, **REFUSED_SOURCES}[name])
+    return lambda name: build(**{**SOURCES, **TP_SOURCES, **OPTIMIZER_SOURCES}[name])
 
 
 @pytest.fixture(scope="session")

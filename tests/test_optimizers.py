@@ -6,7 +6,8 @@ momentum (square_avg, momentum_buffer, grad_avg), NAdam's 0-dim mu_product, Adam
 DeepSpeed's CPU Lion and Adagrad (with offload, which they need), DeepSpeed's MuonWithAuxAdam
 (momentum on the matrices' groups, which count no step; Adam moments and a step on the others). torch
 Adagrad is absent: DeepSpeed 0.19.8 fails inside its own step with it at every ZeRO stage (IndexError
-in get_flat_partition). Muon at ZeRO-1/2 keeps whole-parameter momentum per rank: refused, tested.
+in get_flat_partition). Muon at ZeRO-1/2 keeps each rank's momentum as the whole momentum of every matrix
+reaching its partition (a flat partition only with the optimizer offloaded): read, written and tested both ways.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from tests.support.fixtures import resume
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
 from ucp.io import torchfile
+from ucp.model.options import RestoreOptions
+from ucp.targets.native.plan import plan_native
 from ucp.universal import open_universal
 
 
@@ -77,7 +80,7 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, univers
 
 
 @pytest.mark.parametrize(
-    "name", ["z3-fp32-amsgrad", "z2-fp32-rmsprop", "z3-fp32-nadam", "z3-fp32-lion", "z3-fp32-muon"]
+    "name", ["z3-fp32-amsgrad", "z2-fp32-rmsprop", "z3-fp32-nadam", "z3-fp32-lion", "z3-fp32-muon", "z2-fp32-muon"]
 )
 def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, universals, name, tmp_path):
     built = source(name)
@@ -124,29 +127,59 @@ def test_inspect_lists_each_groups_state_keys(universals, capsys):
     assert out.count("state: square_avg, momentum_buffer, grad_avg") == 2
 
 
-def test_muon_at_zero_2_is_refused_in_one_line_before_anything_is_written(source, tmp_path, capsys):
-    built = source("z2-bf16-muon")
+def test_muon_zero_2_momentum_is_whole_per_parameter_and_ranks_agree_on_shared_matrices(source):
+    """The layout is real here (not a flat partition), and a matrix cut by the partition boundary exists."""
+    built = source("z2-fp32-muon")
     files = sorted(built.tag_dir.glob("*optim_states.pt"))
-    states = [torchfile.load(f)["optimizer_state_dict"]["base_optimizer_state"]["state"] for f in files]
-    assert all(any("momentum_buffer" in s for s in st.values()) for st in states), "no Muon momentum was saved"
-    code = cli(["to-universal", str(built.path), str(tmp_path / "u")])
-    err = capsys.readouterr().err.strip()
-    assert code != 0 and "Muon at ZeRO-2" in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "u").exists() and list(tmp_path.iterdir()) == []
+    blocks = [torchfile.load(f)["optimizer_state_dict"] for f in files]
+    sizes = [
+        [
+            (s["momentum_buffer"].numel(), b["single_partition_of_fp32_groups"][g].numel())
+            for g, s in st.items()
+            if "momentum_buffer" in s
+        ]
+        for b in blocks
+        for st in [b["base_optimizer_state"]["state"]]
+    ]
+    assert all(sizes) and any(whole != flat for rank in sizes for whole, flat in rank), sizes
+    copies = built.record["whole_copies"]
+    assert copies and all(agree for _, agree in copies), copies
 
 
-def test_a_zero3_muon_checkpoint_is_refused_for_a_zero_1_2_target(universals, tmp_path, capsys):
-    code = cli(["restore", str(universals("z3-fp32-muon")), str(tmp_path / "n"), "--dp", "2", "--stage", "2"])
-    err = capsys.readouterr().err.strip()
-    assert code != 0 and "Muon at ZeRO-2" in err and len(err.splitlines()) == 1, err
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize(
+    ("name", "stage", "offload"),
+    [
+        ("z3-fp32-muon", 2, False),
+        ("z2-fp32-muon", 3, False),
+        ("z1-bf16-muon-offload", 2, False),
+        ("z2-fp32-muon", 1, True),
+    ],
+)
+def test_muon_state_moves_between_zero_stages_and_layouts_bit_exact(source, universals, name, stage, offload, tmp_path):
+    """ZeRO-3 -> ZeRO-2 (whole momentum per rank), ZeRO-2 -> ZeRO-3, offloaded -> not offloaded and back."""
+    built = source(name)
+    out = tmp_path / "n"
+    ucp.write_native(universals(name), out, dp=3, stage=stage, offload=offload)
+    after = resume(built, LoadSpec(str(out)), dp=3, steps=0, name="loaded", work=tmp_path, stage=stage, offload=offload)
+    for key, per_param in built.record["state"].items():
+        assert set(after["state"][key]) == set(per_param), key
+        for param, value in per_param.items():
+            assert torch.equal(after["state"][key][param].float(), value.float()), (key, param)
 
 
-def test_a_live_engine_at_a_new_dp_takes_muon_and_adam_state_from_ucp_restore(source, universals, tmp_path):
-    built = source("z3-fp32-muon")
-    after = resume(
-        built, LoadSpec(str(universals("z3-fp32-muon")), kind="ucp"), dp=3, steps=0, name="live", work=tmp_path
-    )
+@pytest.mark.parametrize(("offload", "said"), [(None, "without"), (True, "with")])
+def test_the_plan_says_which_offload_setting_muon_momentum_is_written_for(universals, offload, said):
+    """DeepSpeed silently zeroes a momentum laid out for the other setting: the plan says which run it fits
+    (by default the source's: this run did not offload)."""
+    with open_universal(universals("z2-fp32-muon")) as reader:
+        plan = plan_native(reader.facts, RestoreOptions(dp=3, stage=2, offload=offload))
+    assert any(f"as a run {said} optimizer offload" in note for note in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("name", ["z3-fp32-muon", "z2-fp32-muon"])
+def test_a_live_engine_at_a_new_dp_takes_muon_and_adam_state_from_ucp_restore(source, universals, name, tmp_path):
+    built = source(name)
+    after = resume(built, LoadSpec(str(universals(name)), kind="ucp"), dp=3, steps=0, name="live", work=tmp_path)
     record = built.record
     assert set(record["state"]) == {"momentum_buffer", "exp_avg", "exp_avg_sq"}
     for key, per_param in record["state"].items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp.model.partition import (
@@ -150,3 +150,25 @@ def test_zero12_every_element_lands_on_exactly_one_rank_once(numels, dp):
         used = layout.partition_size - layout.padding(rank)
         assert held[rank] == [1] * used + [0] * layout.padding(rank)
     assert zero12_rank_slice(0, 0, layout.partition_size, 0) is None
+
+
+@settings(deadline=None)  # the first example imports DeepSpeed
+@given(
+    st.lists(st.integers(1, 50), min_size=1, max_size=8),
+    st.integers(1, 5),
+    st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=8, max_size=8)),
+)
+def test_zero12_whole_slots_are_deepspeeds_params_in_partition(numels, dp, paddings):
+    """Muon's whole-parameter layout takes DeepSpeed's own get_partition_info as its truth (0.19.8)."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    pads = paddings[: len(numels)] if paddings is not None else None
+    layout = zero12_group(numels, dp, param_paddings=pads)
+    tensors = [torch.empty(n) for n in numels]
+    for rank in range(dp):
+        held, _, _ = DeepSpeedZeroOptimizer.get_partition_info(None, tensors, layout.partition_size, rank, pads)
+        slots = layout.whole_slots(rank)
+        assert [id(tensors[i]) for i in slots] == [id(t) for t in held]
+        assert list(slots.values()) == [sum(numels[j] for j in list(slots)[:k]) for k in range(len(slots))]
+        assert layout.whole_size(rank) == sum(t.numel() for t in held)

@@ -134,25 +134,30 @@ def show_scalars(scalars: Mapping[str, torch.Tensor]) -> str:
 
 
 def flat_state_keys(
-    entry: Mapping[str, Any], size: int, where: str, expected: tuple[str, ...] | None = None
+    entry: Mapping[str, Any],
+    size: int,
+    where: str,
+    expected: tuple[str, ...] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> tuple[str, ...]:
     """The state keys of one flat tensor's optimizer entry, in its order: every key but the step and
     the 0-dim scalars (:func:`flat_state_scalars`) must be a flat floating tensor of the partition's
     ``size`` (elementwise state, which ucp can cut anew), or the checkpoint is refused; nothing is
-    ever dropped. ``expected``: what rank 0 holds."""
+    ever dropped. ``expected``: what rank 0 holds; ``sizes``: keys held in another layout, and their size."""
     keys = tuple(k for k in entry if k != STEP_KEY and not _is_scalar(entry[k]))
     for key in keys:
         value = entry[key]
-        if not torch.is_tensor(value) or not value.is_floating_point() or value.dim() != 1 or value.numel() != size:
+        want = (sizes or {}).get(key, size)
+        if not torch.is_tensor(value) or not value.is_floating_point() or value.dim() != 1 or value.numel() != want:
             kind = (
                 f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
                 if torch.is_tensor(value)
                 else f"a {type(value).__name__}"
             )
             raise InputError(
-                f"{where}: optimizer state {key!r} is {kind}, not a flat tensor of the partition's "
-                f"{size} elements: ucp cannot reshard it elementwise, so it refuses the checkpoint "
-                "rather than drop it"
+                f"{where}: optimizer state {key!r} is {kind}, not a flat tensor of the "
+                f"{'whole parameters' if key in (sizes or {}) else 'partition'}' {want} elements: ucp cannot "
+                "reshard it elementwise, so it refuses the checkpoint rather than drop it"
             )
     if expected is not None and keys != expected:
         raise InputError(

@@ -139,6 +139,34 @@ def _keys_of(param: torch.nn.Parameter, keys: list[str]) -> list[str]:
     return [k for k in keys if (k == "momentum_buffer") == bool(muon)]
 
 
+def _whole_momentum(engine) -> tuple[dict[str, torch.Tensor], list[tuple[str, bool]]]:
+    """Muon's ZeRO-1/2 momentum per parameter, cut by DeepSpeed's own bookkeeping: each rank keeps the
+    momentum of its ``params_in_partition`` whole, one after the other. Collective. Returns the first
+    copy of each, and for every parameter held by several ranks whether their copies agree."""
+    opt = engine.optimizer
+    mine: dict[str, torch.Tensor] = {}
+    for g, params in enumerate(opt.params_in_partition):
+        buffer = opt.optimizer.state.get(opt.single_partition_of_fp32_groups[g], {}).get("momentum_buffer")
+        if buffer is None:
+            continue
+        offset = 0
+        for param in params:
+            n = param.numel()
+            mine[engine.param_names[param]] = buffer[offset : offset + n].view(param.shape).detach().cpu().clone()
+            offset += n
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    first: dict[str, torch.Tensor] = {}
+    copies: list[tuple[str, bool]] = []
+    for held in gathered:
+        for name, value in held.items():
+            if name in first:
+                copies.append((name, torch.equal(first[name], value)))
+            else:
+                first[name] = value
+    return first, copies
+
+
 def record_path(record: str, tp_rank: int) -> str:
     """Where a tensor-parallel rank's record goes: tp rank 0 writes ``record`` itself."""
     return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
@@ -158,10 +186,12 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     # every elementwise state key the optimizer keeps (safe_get_full_optimizer_state gathers those),
     # and each flat tensor's 0-dim entries (NAdam's mu_product, the step) as they are
     keys = sorted({k for s in base.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 1})
-    if spec.optimizer == "ds-muon" and spec.stage < 3:
+    whole = spec.optimizer == "ds-muon" and spec.stage < 3 and not spec.offload
+    if whole:
         # ZeRO-1/2 keeps Muon's momentum whole per parameter, not as a partition fragment: DeepSpeed 0.19.8's
         # safe_get_full_optimizer_state cannot gather it (and fails on some ranks only, hanging the rest)
         keys = [k for k in keys if k != "momentum_buffer"]
+        out["state"]["momentum_buffer"], out["whole_copies"] = _whole_momentum(engine)
     out["state_scalars"] = [
         {k: (v.item() if torch.is_tensor(v) else v) for k, v in s.items() if not (torch.is_tensor(v) and v.dim())}
         for s in base.state.values()

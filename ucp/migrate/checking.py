@@ -59,6 +59,9 @@ def _type_ok(hint: Any, value: Any) -> bool:
         elif option is int:
             if isinstance(value, int) and not isinstance(value, bool):
                 return True
+        elif option is bool:
+            if isinstance(value, bool):
+                return True
         elif option is str:
             if isinstance(value, str):
                 return True
@@ -83,6 +86,8 @@ def _type_name(hint: Any) -> str:
             continue
         if option is int:
             names.append("an integer")
+        elif option is bool:
+            names.append("true or false")
         elif option is str:
             names.append("a string")
         elif option is Path:

@@ -158,7 +158,16 @@ DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.st
 DCP_LAYOUTS = ("torch", "torchtitan")
 _ALL_OPTIMIZERS = tuple(dict.fromkeys((*flavours.FLAVOURS, *DCP_OPTIMIZERS)))
 #: TargetConfig fields that describe a native DeepSpeed layout, with the value that means "not given"
-_NATIVE_ONLY = {"dp": None, "stage": 3, "dtype": None, "step": "keep", "tag": None, "sub_group_size": None, "tp": 1}
+_NATIVE_ONLY = {
+    "dp": None,
+    "stage": 3,
+    "dtype": None,
+    "step": "keep",
+    "tag": None,
+    "sub_group_size": None,
+    "tp": 1,
+    "offload": None,
+}
 
 
 @dataclass
@@ -177,6 +186,7 @@ class TargetConfig(Node):
     tag: str | None = checked(_tag, default=None)  # None: global_step<N>
     sub_group_size: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
     tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
+    offload: bool | None = None  # the new run offloads its optimizer (None: as the source did)
 
     def cross_issues(self) -> Iterator[Issue]:
         if self.format == "dcp" and self.optimizer is not None and self.optimizer not in DCP_OPTIMIZERS:

@@ -13,7 +13,7 @@ import torch
 from ucp.errors import InputError
 from ucp.model.flavours import FLAVOURS, Flavour, get
 
-__all__ = ["Detection", "detect", "detect_live"]
+__all__ = ["Detection", "detect", "detect_live", "offloads_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,23 +28,25 @@ class Detection:
     warnings: list[str] = field(default_factory=list)
 
 
+def offloads_optimizer(ds_config: Mapping[str, Any] | None) -> bool:
+    """Whether a DeepSpeed config offloads the optimizer (``zero_optimization.offload_optimizer`` to cpu or nvme)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    return isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme")
+
+
 def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | None, bool | None, bool]:
     """(type, adam_w_mode, offload) from a DeepSpeed config, where it names the optimizer."""
     if not isinstance(ds_config, Mapping):
         return None, None, False
-    zero = ds_config.get("zero_optimization") or {}
-    offload = (
-        isinstance(zero, Mapping)
-        and isinstance(zero.get("offload_optimizer"), Mapping)
-        and zero["offload_optimizer"].get("device") in ("cpu", "nvme")
-    )
+    offload = offloads_optimizer(ds_config)
     opt = ds_config.get("optimizer")
     if not isinstance(opt, Mapping) or not opt.get("type"):
-        return None, None, bool(offload)
+        return None, None, offload
     kind = str(opt["type"]).lower()
     params = opt.get("params") or {}
     adam_w = params.get("adam_w_mode", kind == "adamw") if kind in ("adam", "adamw") else None
-    return kind, adam_w, bool(offload)
+    return kind, adam_w, offload
 
 
 def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any]) -> tuple[str, str] | None:

@@ -45,7 +45,6 @@ __all__ = [
     "Flavour",
     "FLAVOURS",
     "check_family",
-    "check_stage",
     "get",
 ]
 
@@ -85,6 +84,14 @@ class Flavour:
         """Whether this optimizer counts steps for a group: DeepSpeed Muon's own groups
         (``use_muon``) keep only a momentum, its Adam groups a step."""
         return self.has_step and not (self.family == "muon" and group.get("use_muon") is True)
+
+    def zero12_whole_keys(self, group: Mapping[str, Any], *, offload: bool) -> tuple[str, ...]:
+        """State keys this optimizer keeps per *whole* parameter at ZeRO-1/2 rather than as the rank's
+        flat partition (``ucp.model.partition.zero12_whole_slots``): DeepSpeed Muon's momentum on its
+        own groups, unless the optimizer is offloaded to CPU, where it is a flat partition (0.19.8)."""
+        if offload or self.family != "muon" or group.get("use_muon") is not True:
+            return ()
+        return ("momentum_buffer",)
 
     def make_state(
         self,
@@ -260,16 +267,6 @@ def check_family(source: str | None, target: Flavour, groups_state: bool) -> Non
             f"the checkpoint holds {source} state ({FLAVOURS[source].family} family); {target.name} "
             f"({target.family} family) would read it as something it is not: restore into a "
             f"{FLAVOURS[source].family} optimizer, or reset the optimizer state"
-        )
-
-
-def check_stage(flavour: Flavour | None, stage: int) -> None:
-    """DeepSpeed Muon at ZeRO-1/2 keeps each Muon parameter's whole momentum on every rank whose
-    partition it touches (not a flat partition, seen in 0.19.8): refused until ucp reads that layout."""
-    if flavour is not None and flavour.family == "muon" and stage in (1, 2):
-        raise InputError(
-            f"DeepSpeed Muon at ZeRO-{stage} keeps whole-parameter momentum per rank, a layout ucp does not "
-            "read or write yet; Muon checkpoints move at ZeRO-3 only"
         )
 
 

@@ -53,6 +53,9 @@ class RestoreOptions:
     sub_group_size: int | None = None
     step: StepPolicy = "keep"
     tp: int = 1
+    #: the new run offloads its optimizer to CPU (``offload_optimizer``); None: as the source did.
+    #: Only DeepSpeed Muon at ZeRO-1/2 lays its state out differently then.
+    offload: bool | None = None
 
     def problems(self) -> list[str]:
         """Everything wrong with these options, each in one line (empty when they are sound)."""
@@ -77,6 +80,8 @@ class RestoreOptions:
             out.append(str(err))
         if self.sub_group_size is not None and not _positive(self.sub_group_size):
             out.append(f"sub_group_size must be positive, got {self.sub_group_size}")
+        if self.offload is not None and not isinstance(self.offload, bool):
+            out.append(f"offload must be true or false, got {self.offload!r}")
         if self.tag is not None and ("/" in self.tag or self.tag in ("", ".", "..")):
             out.append(f"tag {self.tag!r} is not a folder name")
         return out

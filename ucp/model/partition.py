@@ -34,6 +34,7 @@ __all__ = [
     "zero12_group_padding",
     "zero12_param_spans",
     "zero12_rank_slice",
+    "zero12_whole_slots",
     "Zero12Group",
     "zero12_group",
 ]
@@ -188,6 +189,25 @@ def zero12_rank_slice(param_offset: int, numel: int, partition_size: int, rank: 
     return (start - left, end - start) if start < end else None
 
 
+def zero12_whole_slots(offsets: Sequence[int], numels: Sequence[int], partition_size: int, rank: int) -> dict[int, int]:
+    """Where each parameter touching ``rank``'s partition sits in a buffer of *whole* parameters.
+
+    DeepSpeed's Muon at ZeRO-1/2 (without optimizer offload) keeps, per rank, the momentum of every
+    parameter whose elements reach the rank's partition, each whole and in flat order, one after
+    the other: a parameter cut by a partition boundary is held whole by both ranks. The parameters
+    are those of DeepSpeed's ``get_partition_info``: starting inside the partition, or starting
+    before it and reaching into it. Returns {parameter index: offset in the buffer}.
+    """
+    left, right = rank * partition_size, (rank + 1) * partition_size
+    slots: dict[int, int] = {}
+    position = 0
+    for index, (start, numel) in enumerate(zip(offsets, numels)):
+        if left <= start < right or start < left < start + numel:
+            slots[index] = position
+            position += numel
+    return slots
+
+
 @dataclass(frozen=True)
 class Zero12Group:
     """The flat layout of one ZeRO-1/2 param group at one DP size."""
@@ -209,6 +229,14 @@ class Zero12Group:
 
     def rank_slice(self, index: int, rank: int) -> tuple[int, int] | None:
         return zero12_rank_slice(self.offsets[index], self.numels[index], self.partition_size, rank)
+
+    def whole_slots(self, rank: int) -> dict[int, int]:
+        """Parameter index -> its offset in ``rank``'s whole-parameter buffer (see :func:`zero12_whole_slots`)."""
+        return zero12_whole_slots(self.offsets, self.numels, self.partition_size, rank)
+
+    def whole_size(self, rank: int) -> int:
+        """Elements of ``rank``'s whole-parameter buffer."""
+        return sum(self.numels[i] for i in self.whole_slots(rank))
 
 
 def zero12_group(

@@ -53,8 +53,7 @@ from ucp.deepspeed.optim_states import check_zero3_membership, read_universal_op
 from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect
-from ucp.model.flavours import check_stage
+from ucp.model.detect import Detection, detect, offloads_optimizer
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta, zero3_gather
@@ -150,7 +149,7 @@ class DsUniversalSource(Reader):
             members, detection, sub_steps = self._zero3_layout(optim, shapes, layout, ds_config, optimizer, dp)
         else:
             members, detection, sub_steps = self._zero12_layout(shapes, groups_raw, layout, ds_config, optimizer)
-            check_stage(detection.flavour, stage)
+            _refuse_whole_state(detection, groups_raw, ds_config, stage)
 
         dtype = model_dtype(head, shapes, files_bf16=False)
         params, groups = self._optimized(groups_raw, members, shapes, sub_steps, detection, dtype)
@@ -429,3 +428,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _refuse_whole_state(
+    detection: Detection, groups: list[Mapping[str, Any]], ds_config: Mapping[str, Any], stage: int
+) -> None:
+    """DeepSpeed Muon at ZeRO-1/2 keeps whole-parameter momentum per rank; ds_to_universal cuts it as
+    if it were the rank's flat partition (0.19.8), so what it wrote is not the momentum: refused."""
+    flavour = detection.flavour
+    offload = offloads_optimizer(ds_config)
+    if flavour is not None and any(flavour.zero12_whole_keys(g, offload=offload) for g in groups):
+        raise InputError(
+            f"this ds_to_universal folder comes from DeepSpeed Muon at ZeRO-{stage}, whose per-rank momentum "
+            "holds whole parameters; ds_to_universal cuts it as a flat partition, so its momentum files are "
+            "not the momentum: convert the original checkpoint with `ucp to-universal` instead"
+        )

@@ -48,8 +48,7 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect
-from ucp.model.flavours import check_stage
+from ucp.model.detect import Detection, detect, offloads_optimizer
 from ucp.model.partition import Zero12Group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -228,8 +227,9 @@ class Zero12Source(Reader):
                     )
                 if state:
                     entry = need_mapping(state.get(g), f"{name}: optimizer state of param group {g}")
+                    whole = {key: layout.whole_size(rank) for key in self._whole[g]}
                     self._keys[g] = flat_state_keys(
-                        entry, size, f"{name}: param group {g}", self._keys[g] if rank else None
+                        entry, size, f"{name}: param group {g}", self._keys[g] if rank else None, whole
                     )
                     where = f"{name}: param group {g}"
                     self._scalars[g] = rank_scalars(entry, self._scalars[g] if rank else None, where)
@@ -317,9 +317,11 @@ class Zero12Source(Reader):
                 raise InputError("rank files disagree on param_alignment_paddings: ranks from different runs are mixed")
         self._check_moments(bases)
         self._layouts_ = self._layouts(shapes, blocks)
-        self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
         detection = detect(blocks[0][_BASE], ds_config, optimizer)
-        check_stage(detection.flavour, stage)
+        offload = offloads_optimizer(ds_config)
+        flavour = detection.flavour
+        self._whole = [flavour.zero12_whole_keys(g, offload=offload) if flavour else () for g in groups_raw]
+        self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
         group_steps = self._group_steps(groups_raw, bases, detection)
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
         params, groups = self._groups(groups_raw, shapes, group_steps, detection, dtype)
@@ -373,6 +375,26 @@ class Zero12Source(Reader):
             )
         return file_pieces(parts, self._shape[pname])
 
+    def _whole_pieces(self, pname: str, key: str) -> Pieces:
+        """A state kept whole per parameter (``Zero12Group.whole_slots``): the copy of the first rank
+        holding it; every other rank's copy must be the same bytes, or the ranks come from different runs."""
+        g, i = self._where[pname]
+        layout = self._layouts_[g]
+        numel = layout.numels[i]
+        copies = []
+        for rank, tf in enumerate(self._optim):
+            slot = layout.whole_slots(rank).get(i)
+            if slot is not None:
+                flat = tf.obj["optimizer_state_dict"][_BASE]["state"][g][key].detach()
+                copies.append((tf, flat.narrow(0, slot, numel)))
+        for tf, copy in copies[1:]:
+            if not torch.equal(copy, copies[0][1]):
+                raise InputError(
+                    f"{pname}: its {key} in {tf.path.name} differs from the copy in {copies[0][0].path.name} "
+                    "(each rank keeps it whole, and they should agree): ranks from different saves are mixed"
+                )
+        return file_pieces(copies[:1], self._shape[pname])
+
     def _piece_state(self, name: str, moments: bool) -> PieceState:
         if name in self._frozen:
             return PieceState(fp32=Pieces.of(self._frozen[name].detach().to(torch.float32, copy=True)))
@@ -384,7 +406,12 @@ class Zero12Source(Reader):
             return PieceState(fp32=fp32, step=step)
         g = self._where[name][0]
         optim = {
-            key: self._pieces(name, lambda block, g, key=key: block[_BASE]["state"][g][key]) for key in self._keys[g]
+            key: (
+                self._whole_pieces(name, key)
+                if key in self._whole[g]
+                else self._pieces(name, lambda block, g, key=key: block[_BASE]["state"][g][key])
+            )
+            for key in self._keys[g]
         }
         scalars = {k: v.clone() for k, v in self._scalars[g].items()}
         return PieceState(fp32=fp32, optim=optim, step=step, scalars=scalars)

@@ -16,11 +16,22 @@ __all__ = ["zero12_buffers", "fill_zero12_ranks", "group_steps"]
 
 
 def zero12_buffers(
-    layouts: Sequence[Zero12Group], keys: Sequence[Sequence[str]], scalars: list[dict[str, torch.Tensor]]
+    layouts: Sequence[Zero12Group],
+    keys: Sequence[Sequence[str]],
+    scalars: list[dict[str, torch.Tensor]],
+    *,
+    rank: int,
+    whole: Sequence[Sequence[str]] = (),
 ) -> RankBuffers:
-    """One rank's flat partitions: per param group, one tensor of the partition size per key;
+    """Rank ``rank``'s flat partitions: per param group, one tensor of the partition size per key,
+    except the keys ``whole[g]`` kept per whole parameter (``Zero12Group.whole_slots``), sized so;
     ``scalars`` (per group, filled as members are read) is shared by every rank's buffers."""
-    return RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys, scalars)
+    buffers = RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys, scalars)
+    for g, group_keys in enumerate(whole):
+        for key in group_keys:
+            if key in buffers.optim[g]:
+                buffers.optim[g][key] = torch.zeros(layouts[g].whole_size(rank), dtype=torch.float32)
+    return buffers
 
 
 def fill_zero12_ranks(
@@ -34,8 +45,10 @@ def fill_zero12_ranks(
     workers: int,
     step_of: Callable[[ParamState], int],
     on_state: Callable[[str, ParamState], None] | None = None,
+    whole: Sequence[Sequence[str]] = (),
 ) -> list[set[int]]:
-    """Read every parameter of ``names`` (per param group, in flat order) once into the ranks' partitions.
+    """Read every parameter of ``names`` (per param group, in flat order) once into the ranks' partitions
+    (the keys ``whole[g]``, as in :func:`zero12_buffers`, into every rank whose partition it touches).
 
     ``on_state(name, state)`` sees each state as it is read (the native writer takes the module
     weights from it). Returns, per param group, the set of steps its members carried.
@@ -43,6 +56,8 @@ def fill_zero12_ranks(
     steps: list[set[int]] = [set() for _ in layouts]
     shared_scalars = next(iter(ranks.values())).scalars if ranks else []  # one list, shared by the ranks
     where = {name: (g, i) for g, group in enumerate(names) for i, name in enumerate(group)}
+    whole_keys = [set(whole[g]) if g < len(whole) else set() for g in range(len(layouts))]
+    slots = [{r: layout.whole_slots(r) for r in ranks} if whole_keys[g] else {} for g, layout in enumerate(layouts)]
 
     def one(name: str) -> None:
         g, i = where[name]
@@ -54,6 +69,11 @@ def fill_zero12_ranks(
             pairs += list(state.optim.items())
         for key, tensor in pairs:
             values = tensor.reshape(-1)
+            if key in whole_keys[g]:
+                for r, held in slots[g].items():
+                    if i in held:
+                        ranks[r].optim[g][key].narrow(0, held[i], values.numel()).copy_(values)
+                continue
             for span in spans:
                 buffers = ranks[span.rank]
                 target = buffers.fp32[g] if key is None else buffers.optim[g][key]

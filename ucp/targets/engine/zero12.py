@@ -94,12 +94,19 @@ def restore_zero12(
     opt = engine.optimizer
     flavour = flavours.get(optimizer) if optimizer else detect_live(opt.optimizer)
     flavours.check_family(reader.facts.flavour, flavour, load_optimizer_states)
-    flavours.check_stage(flavour, 2 if getattr(opt, "partition_gradients", False) else 1)
     layouts, live_names, rank = live_zero12_layout(engine)
     names = _held_names(reader, layouts, live_names)
     matched = match_groups(reader, live_names, strict=strict)
     keys = [reader.facts.groups[m].state_keys if m is not None and load_optimizer_states else () for m in matched]
-    mine = _from_live(opt, layouts, keys)
+    offload = bool(getattr(opt, "cpu_offload", False))
+    whole = [flavour.zero12_whole_keys(group, offload=offload) for group in opt.optimizer.param_groups]
+    for g, group_keys in enumerate(whole):
+        if group_keys and keys[g] and names[g] != live_names[g]:
+            raise InputError(
+                f"param group {g} keeps {', '.join(group_keys)} whole per parameter, and the checkpoint holds "
+                f"only {len(names[g])} of its {len(live_names[g])} members: restore it with strict=True"
+            )
+    mine = _from_live(opt, layouts, keys, rank, whole)
     seen = fill_zero12_ranks(
         reader,
         _held_layouts(layouts, live_names, names),
@@ -109,6 +116,7 @@ def restore_zero12(
         moments=load_optimizer_states,
         workers=workers,
         step_of=step_of or step_chooser("keep"),
+        whole=whole,
     )
     steps = group_steps(seen)
     groups = live_groups(reader, opt.optimizer.param_groups, matched, flavour, steps)
@@ -146,11 +154,13 @@ def _held_names(reader: Reader, layouts: list[Zero12Group], live_names: list[lis
     return names
 
 
-def _from_live(opt: Any, layouts: list[Zero12Group], keys: list[tuple[str, ...]]) -> RankBuffers:
+def _from_live(
+    opt: Any, layouts: list[Zero12Group], keys: list[tuple[str, ...]], rank: int, whole: list[tuple[str, ...]]
+) -> RankBuffers:
     """This rank's buffers, starting from what the engine holds, so parameters the checkpoint lacks
     (strict=False) keep their values."""
     _, hp_groups, _ = _wrapper_groups(opt)
-    mine = zero12_buffers(layouts, keys, [{} for _ in layouts])
+    mine = zero12_buffers(layouts, keys, [{} for _ in layouts], rank=rank, whole=whole)
     for g, partition in enumerate(hp_groups):
         mine.fp32[g].copy_(partition.detach().view(-1).float().cpu())
         live = opt.optimizer.state.get(partition, {})

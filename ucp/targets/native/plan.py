@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ucp.errors import ConfigError
 from ucp.model import flavours
+from ucp.model.detect import offloads_optimizer
 from ucp.model.options import RestoreOptions
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
@@ -36,6 +37,11 @@ class NativePlan:
     notes: list[str] = field(default_factory=list)
     tp: int = 1  # tensor-parallel degree of the checkpoint written
     mp_rank: int = 0  # the TP rank whose files are being written
+    offload: bool = False  # the new run offloads its optimizer (DeepSpeed Muon's ZeRO-1/2 layout follows it)
+
+    def whole_keys(self, facts: Facts) -> list[tuple[str, ...]]:
+        """Per param group, the state keys written whole per parameter at ZeRO-1/2 (Flavour.zero12_whole_keys)."""
+        return [self.flavour.zero12_whole_keys(g.raw, offload=self.offload) for g in facts.groups]
 
 
 def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
@@ -65,12 +71,20 @@ def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
         reset_moments=options.reset,
         group_names=group_names,
         tp=options.tp,
+        offload=offloads_optimizer(facts.info.ds_config) if options.offload is None else options.offload,
     )
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
-    flavours.check_stage(plan.flavour, options.stage)
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
         plan.layout = zero3_layout(numels, options.dp, size)
+    muon = any(plan.flavour.zero12_whole_keys(g.raw, offload=False) for g in facts.groups)
+    if options.stage in (1, 2) and not options.reset and muon:
+        plan.notes.append(
+            "DeepSpeed Muon's momentum is laid out "
+            + ("as each rank's flat partition" if plan.offload else "whole per parameter")
+            + f", as a run {'with' if plan.offload else 'without'} optimizer offload reads it "
+            "(DeepSpeed would start the other from zero: set offload to match the new run)"
+        )
     if name != facts.flavour and facts.flavour is not None:
         plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
     return plan

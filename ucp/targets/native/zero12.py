@@ -55,7 +55,8 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
         weights[name] = state.fp32.to(lp)
 
     scalars: list[dict[str, torch.Tensor]] = [{} for _ in layouts]
-    ranks = {r: zero12_buffers(layouts, keys, scalars) for r in range(dp)}
+    whole = plan.whole_keys(facts) if moments else []
+    ranks = {r: zero12_buffers(layouts, keys, scalars, rank=r, whole=whole) for r in range(dp)}
     seen = fill_zero12_ranks(
         reader,
         layouts,
@@ -66,6 +67,7 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
         workers=workers,
         step_of=lambda state: param_step(plan, state),
         on_state=keep_weight,
+        whole=whole,
     )
     steps = group_steps(seen)
     groups = optimizer_groups(reader, plan, [[g] for g in range(len(names))], steps)
