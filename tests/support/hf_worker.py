@@ -80,11 +80,12 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def ds_config(spec: HfSpec) -> dict[str, Any]:
-    """No optimizer block: Trainer builds torch AdamW with a decay and a no-decay group."""
+    """No optimizer block: Trainer builds torch AdamW with a decay and a no-decay group; top-level
+    blocks in ``spec.extra["ds_config"]`` (an optimizer, ``checkpoint.load_universal``) are added."""
     zero: dict[str, Any] = {"stage": spec.stage}
     if spec.stage == 3:
         zero["sub_group_size"] = spec.sub_group_size
-    return {
+    return dict(spec.extra.get("ds_config") or {}) | {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
@@ -129,6 +130,7 @@ def _run_trainer(spec: HfSpec, rank: int) -> None:
             engine = trainer.model_wrapped
             loaded = {"global_step": state.global_step, "state": _engine_state(engine)}
             loaded["steps"] = _optimizer_steps(engine)
+            loaded["weight_decay"] = sorted({g["weight_decay"] for g in engine.optimizer.optimizer.param_groups})
             if rank == 0:
                 torch.save(loaded, record / "loaded.pt")
 
