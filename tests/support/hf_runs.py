@@ -20,7 +20,7 @@ from tests.support.fixtures import cache_root
 from tests.support.hf_worker import HfSpec
 from ucp.harness.launch import free_port, launch
 
-__all__ = ["HfRun", "run_hf", "cached_run"]
+__all__ = ["HfRun", "run_hf", "cached_run", "ACCELERATE_WORKER"]
 
 _VERSION = "1"
 _ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +44,14 @@ class HfRun:
         return torch.load(self.record / f"rng_loaded_{rank}.pt", weights_only=True)["cpu"]
 
 
-def run_hf(spec: HfSpec, *, timeout: float = 600.0) -> HfRun:
-    """Run ``spec`` on ``spec.world`` local processes; raise RankFailure with the failing rank's log."""
+_TRAINER_WORKER = "tests.support.hf_worker"
+#: the worker of an Accelerate run (a Trainer run's is the default)
+ACCELERATE_WORKER = "tests.support.accel_worker"
+
+
+def run_hf(spec: HfSpec, *, timeout: float = 600.0, module: str = _TRAINER_WORKER) -> HfRun:
+    """Run ``spec`` on ``spec.world`` local processes with ``module`` (a Trainer run unless told);
+    raise RankFailure with the failing rank's log."""
     spec = replace(spec, port=spec.port or free_port())
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])),
@@ -56,7 +62,7 @@ def run_hf(spec: HfSpec, *, timeout: float = 600.0) -> HfRun:
         spec.world,
         spec.to_json(),
         port=spec.port,
-        module="tests.support.hf_worker",
+        module=module,
         timeout=timeout,
         log_dir=Path(spec.record) / "logs",
         env=env,
@@ -65,10 +71,11 @@ def run_hf(spec: HfSpec, *, timeout: float = 600.0) -> HfRun:
     return HfRun(spec)
 
 
-def cached_run(name: str, spec: HfSpec) -> HfRun:
-    """``spec`` run once into the fixture cache (its ``out``/``record`` are set here)."""
+def cached_run(name: str, spec: HfSpec, *, module: str = _TRAINER_WORKER) -> HfRun:
+    """``spec`` run once by ``module`` into the fixture cache (its ``out``/``record`` are set here)."""
     raw = replace(spec, out="", record="", port=0).to_json()
-    key = hashlib.sha1(f"{_VERSION}{raw}".encode()).hexdigest()[:16]
+    worker = "" if module == _TRAINER_WORKER else module  # Trainer runs keep their keys
+    key = hashlib.sha1(f"{_VERSION}{raw}{worker}".encode()).hexdigest()[:16]
     folder = cache_root() / f"hf-{name}-{key}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     spec = replace(spec, out=str(folder / "out"), record=str(folder / "record"))
@@ -77,6 +84,6 @@ def cached_run(name: str, spec: HfSpec) -> HfRun:
         if not (folder / "DONE").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
-            run_hf(spec)
+            run_hf(spec, module=module)
             (folder / "DONE").write_text("ok")
     return HfRun(spec)

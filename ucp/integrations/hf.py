@@ -1,10 +1,15 @@
-"""The live route for Hugging Face runs: Trainer loads a checkpoint of any world size
+"""The live route for Hugging Face runs: Trainer and Accelerate load a checkpoint of any world size
 through :func:`ucp.targets.engine.restore`, with no folder prepared beforehand.
 
 Trainer::
 
     from ucp.integrations.hf import resume_trainer
     resume_trainer(trainer, "out/checkpoint-500")          # instead of trainer.train(resume_from_checkpoint=...)
+
+Accelerate (after ``accelerator.prepare``)::
+
+    from ucp.integrations.hf import load_accelerate_state
+    load_accelerate_state(accelerator, "out/state")        # instead of accelerator.load_state(...)
 
 Nothing on disk changes and nothing is added to the DeepSpeed config, so the checkpoints the resumed run
 saves are ordinary ones at its own world size, which the next plain resume loads. Trainer's other files
@@ -24,7 +29,7 @@ from typing import Any
 from ucp.sources.hf import find_hf_folder
 from ucp.targets.engine import restore
 
-__all__ = ["ucp_loading", "resume_trainer"]
+__all__ = ["ucp_loading", "resume_trainer", "load_accelerate_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +73,24 @@ def resume_trainer(
     """``trainer.train(resume_from_checkpoint=checkpoint)`` at any world size; returns its TrainOutput."""
     with ucp_loading(source):
         return trainer.train(resume_from_checkpoint=str(checkpoint), **kwargs)
+
+
+def load_accelerate_state(accelerator: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """``accelerator.load_state(path)`` at any world size: each prepared DeepSpeed model loads its
+    tag (``pytorch_model``, ``pytorch_model_1``, ...) through ucp; Accelerate itself reads the rest
+    (schedulers, samplers, custom objects, the RNG file of this process when there is one)."""
+    engines = [m for m in accelerator._models if hasattr(m, "load_checkpoint") and hasattr(m, "global_steps")]
+
+    def through_ucp(engine: Any) -> Any:
+        def load(load_dir: str, tag: str | None = None, load_module_strict: bool = True, **_: Any) -> Any:
+            return load_dir, _restore_into(engine, load_dir, tag, load_module_strict)
+
+        return load
+
+    for engine in engines:  # an instance attribute shadows DeepSpeedEngine.load_checkpoint for this call only
+        engine.load_checkpoint = through_ucp(engine)
+    try:
+        accelerator.load_state(str(path), **kwargs)
+    finally:
+        for engine in engines:
+            del engine.load_checkpoint
