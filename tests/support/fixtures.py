@@ -49,7 +49,7 @@ class Built:
 def _key(spec: RunSpec) -> str:
     fields = asdict(replace(spec, save_dir=None, record=None, port=0))
     # fields added later: runs that leave them at their defaults keep their cached keys
-    for key, default in (("grad_accum_dtype", None), ("tp", 1)):
+    for key, default in (("grad_accum_dtype", None), ("tp", 1), ("exclude_frozen", False)):
         if fields.get(key) == default:
             del fields[key]
     if not fields["model"].get("glu"):

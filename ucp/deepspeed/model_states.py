@@ -24,6 +24,7 @@ __all__ = [
     "DS_MODEL_KEYS",
     "client_state",
     "engine_counters",
+    "excluded_frozen_note",
     "model_dtype",
     "model_extras",
     "module_buffers",
@@ -236,3 +237,19 @@ def zero3_frozen_fragment(tf: TorchFile, name: str, numel: int, dp: int, rank: i
     if fragment.numel() < end - start:
         raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}")
     return fragment
+
+
+def excluded_frozen_note(model_states: Mapping[str, Any], stage: int) -> list[str]:
+    """What to tell about a ZeRO-2/3 save with ``exclude_frozen_parameters=True`` (PEFT/LoRA runs): DeepSpeed
+    then writes ``frozen_param_shapes = None`` (an empty dict when the model has no frozen parameter), and
+    the frozen weights are nowhere in the checkpoint. At ZeRO-1 nothing in the files tells."""
+    if (
+        stage not in (2, 3)
+        or "frozen_param_shapes" not in model_states
+        or model_states["frozen_param_shapes"] is not None
+    ):
+        return []
+    return [
+        "saved with exclude_frozen_parameters: the model's frozen parameters (a PEFT/LoRA base) are not in this "
+        "checkpoint; a restored run keeps its own (load with load_module_strict=False, or ucp.restore strict=False)"
+    ]

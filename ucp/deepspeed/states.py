@@ -29,6 +29,7 @@ __all__ = [
     "optim_file_dict",
     "clip_grad",
     "config_for_stage",
+    "frozen_fields",
     "universal_optimizer_state",
     "universal_model_states",
 ]
@@ -177,6 +178,15 @@ def zero12_optim_block(
         "ds_version": ds_version,
         "param_slice_mappings": mappings,
     }
+
+
+def frozen_fields(shapes: Mapping[str, torch.Size], fragments: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """A ZeRO-2/3 model-states file's frozen parameters. None for both when there are none, as DeepSpeed
+    writes for ``exclude_frozen_parameters`` (PEFT/LoRA runs): its loader then keeps the new engine's own
+    frozen weights (the base model) instead of looking each one up and failing; an empty dict would not."""
+    if not shapes:
+        return {"frozen_param_shapes": None, "frozen_param_fragments": None}
+    return {"frozen_param_shapes": OrderedDict(shapes), "frozen_param_fragments": OrderedDict(fragments)}
 
 
 def optim_file_dict(block: Mapping[str, Any], ds_config: Mapping[str, Any], ds_version: str | None) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class LoadSpec:
     kind: str = "native"  # native | ds-universal | ucp (ucp.restore into the live engine)
     tag: str | None = None
     load_optimizer_states: bool = True
+    strict: bool = True  # load_module_strict / ucp.restore(strict=): False when frozen weights were excluded
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RunSpec:
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
     grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer
+    exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True), as PEFT/LoRA runs save
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)
     param_groups: int = 2  # 1: one group; 2: decay / no-decay with their own lr; 3: + a group for the head
     lr: float = 1e-2

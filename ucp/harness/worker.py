@@ -256,10 +256,15 @@ def main(argv: list[str]) -> None:
         if spec.load.kind == "ucp":
             import ucp
 
-            ucp.restore(engine, spec.load.path, load_optimizer_states=spec.load.load_optimizer_states)
+            ucp.restore(
+                engine, spec.load.path, load_optimizer_states=spec.load.load_optimizer_states, strict=spec.load.strict
+            )
         else:
             path, _ = engine.load_checkpoint(
-                spec.load.path, tag=spec.load.tag, load_optimizer_states=spec.load.load_optimizer_states
+                spec.load.path,
+                tag=spec.load.tag,
+                load_optimizer_states=spec.load.load_optimizer_states,
+                load_module_strict=spec.load.strict,
             )
             if path is None:
                 raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
@@ -282,7 +287,7 @@ def main(argv: list[str]) -> None:
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / torch.distributed.get_world_size())
     if spec.save_dir:
-        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
+        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag, exclude_frozen_parameters=spec.exclude_frozen)
     if spec.record:
         _record(engine, model, spec, losses)
 

@@ -32,6 +32,7 @@ from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.model_states import (
     check_model_states,
     engine_counters,
+    excluded_frozen_note,
     model_dtype,
     model_extras,
     module_buffers,
@@ -333,7 +334,7 @@ class Zero12Source(Reader):
                 raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
             self._frozen[pname] = value
             params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), None, True))
-        warnings = list(detection.warnings)
+        warnings = list(detection.warnings) + excluded_frozen_note(head, stage)
         if getattr(self, "_stage0", False):
             warnings.append(
                 "written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "

@@ -32,6 +32,7 @@ from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.model_states import (
     check_model_states,
     engine_counters,
+    excluded_frozen_note,
     model_dtype,
     model_extras,
     module_buffers,
@@ -193,7 +194,7 @@ class Zero3Source(Reader):
             params=params,
             tied=dict(tied),
             buffer_names=list(head.get("buffer_names") or []),
-            warnings=detection.warnings,
+            warnings=detection.warnings + excluded_frozen_note(head, 3),
         )
 
     def _check_scalers(self, blocks: list[Mapping[str, Any]]) -> None:

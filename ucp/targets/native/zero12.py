@@ -87,9 +87,8 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
         plan,
         extra={
             "param_shapes": [OrderedDict((n, torch.Size(facts.param(n).shape)) for n in group) for group in names],
-            "frozen_param_shapes": OrderedDict((n, torch.Size(t.shape)) for n, t in frozen.items()) if stage2 else None,
             "shared_params": dict(facts.tied),
-            "frozen_param_fragments": frozen if stage2 else None,
+            **ds_states.frozen_fields({n: torch.Size(t.shape) for n, t in frozen.items()} if stage2 else {}, frozen),
         },
     )
     states["module"] = module

@@ -71,9 +71,8 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
                 plan,
                 extra={
                     "param_shapes": param_shapes,
-                    "frozen_param_shapes": OrderedDict((m.name, torch.Size(m.shape)) for m in frozen),
                     "shared_params": dict(facts.tied),
-                    "frozen_param_fragments": fragments,
+                    **ds_states.frozen_fields({m.name: torch.Size(m.shape) for m in frozen}, fragments),
                 },
             )
             save_rank_file(states, tag_dir / zero3_model_file(rank, plan.mp_rank))
