@@ -21,7 +21,12 @@ def _dead_pid() -> int:
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """The files the caller wrote (the owner stamp every output gets is checked apart)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != atomic.OWNER_MARK
+    }
 
 
 def _siblings(out: Path) -> list[str]:
@@ -42,6 +47,44 @@ def test_output_appears_whole_with_no_leftovers(tmp_path: Path) -> None:
         (root / "sub" / "b").write_text("2")
     assert _tree(out) == {"a": b"1", "sub/b": b"2"}
     assert _siblings(out) == []
+
+
+def test_every_output_is_stamped_as_ucps_own_but_not_a_folder_staged_inside_another(tmp_path: Path) -> None:
+    """The stamp is how a later --overwrite knows ucp wrote the folder (ucp.io.guard); an output built
+    inside another one's staging folder (the HF target's native part) is part of that output."""
+    out = tmp_path / "out"
+    with staged_output(out) as root:
+        with staged_output(root / "inner") as inner:
+            (inner / "a").write_text("1")
+    assert atomic.owner_kind(out) == "output"
+    assert (out / "inner" / "a").read_text() == "1" and atomic.owner_kind(out / "inner") is None
+    first = (out / atomic.OWNER_MARK).read_bytes()
+    with staged_output(tmp_path / "again") as root:
+        pass
+    assert (tmp_path / "again" / atomic.OWNER_MARK).read_bytes() == first  # deterministic bytes
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"not json",
+        b'{"created_by": "someone", "kind": "output"}',
+        b"[1]",
+        b'{"created_by": "ucp 1"}' + b" " * 5000,
+    ],
+)
+def test_a_stamp_that_is_not_ucps_does_not_count(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / atomic.OWNER_MARK).write_bytes(content)
+    assert atomic.owner_kind(tmp_path) is None
+
+
+def test_a_symlinked_stamp_does_not_count(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    atomic.mark_owned(tmp_path / "real")
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / atomic.OWNER_MARK).symlink_to(tmp_path / "real" / atomic.OWNER_MARK)
+    assert atomic.owner_kind(tmp_path / "real") == "output" and atomic.owner_kind(tmp_path / "fake") is None
 
 
 def test_error_inside_leaves_no_output_and_no_leftovers(tmp_path: Path) -> None:

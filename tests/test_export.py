@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from ucp.cli import main
 from ucp.errors import ConfigError, OutputExistsError, UcpError
+from ucp.io.atomic import OWNER_MARK
 from ucp.ops.convert import to_universal
 from ucp.targets import export as export_mod
 from ucp.targets.export import export, parse_size, plan_shards
@@ -96,7 +97,7 @@ def test_export_shards_by_max_shard_size_with_an_hf_index(z3_bf16_dp2, bf16_univ
     written = export(bf16_universal, out, max_shard_size="1KB")
     shards, index_path = written[:-1], written[-1]
     assert index_path == out / "model.safetensors.index.json" and len(shards) >= 3
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
+    assert sorted(p.name for p in out.iterdir()) == sorted([OWNER_MARK] + [p.name for p in written])
     assert all(
         re.fullmatch(rf"model-{i + 1:05d}-of-{len(shards):05d}\.safetensors", p.name) for i, p in enumerate(shards)
     )
@@ -216,7 +217,7 @@ def test_export_cli_exit_codes(z3_bf16_dp2, bf16_universal, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("ucp: error:") and "already exists" in err and len(err.strip().splitlines()) == 1
     assert main(["export", str(bf16_universal), str(out), "--overwrite"]) == 0
-    assert [p.name for p in out.iterdir()] == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [OWNER_MARK, "model.safetensors"]
     assert main(["export", str(bf16_universal), str(tmp_path / "x"), "--max-shard-size", "lots"]) == 2
     assert "is not a size" in capsys.readouterr().err
 

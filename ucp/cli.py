@@ -1,19 +1,26 @@
 """The ``ucp`` command: argparse verbs mapped onto the Python API, nothing more.
 
 Expected failures (UcpError) print one line to stderr and exit non-zero; ``--debug`` keeps the
-traceback. Anything else is a bug and keeps its traceback.
+traceback. Anything else is a bug and keeps its traceback. Every verb that writes checks its output
+with ``ucp.io.guard`` first (never over an input, never over a folder ucp did not write, room on
+the disk) and runs inside ``ucp.io.signals.stop_on_signals`` (SIGTERM and SIGHUP act like Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from ucp.errors import UcpError
+from ucp.errors import Stopped, UcpError
+from ucp.io.guard import OutputPolicy, check_output, universal_bytes, weight_bytes, writing
+from ucp.io.signals import stop_on_signals
+from ucp.model.records import Facts, Reader
 
 __all__ = ["main", "build_parser"]
 
@@ -36,6 +43,31 @@ def _positive(text: str) -> int:
     return value
 
 
+def _policy(args: argparse.Namespace) -> OutputPolicy:
+    """What the user allowed for an existing OUT and the space check."""
+    if args.overwrite_foreign and not args.overwrite:
+        raise UcpError("--overwrite-foreign widens --overwrite to folders ucp did not write; pass both")
+    return OutputPolicy(overwrite=args.overwrite, foreign=args.overwrite_foreign, space_check=not args.no_space_check)
+
+
+@contextlib.contextmanager
+def _output(
+    args: argparse.Namespace, src: str, open_source: Callable[[], Reader], size: Callable[[Facts], int]
+) -> Iterator[Reader]:
+    """The one way a verb writes ``args.out`` from ``src``: OUT checked against the input and the
+    user's flags (ucp.io.guard.check_output) before the input is opened, then the write inside
+    ucp.io.guard.writing (space check from ``size`` of the input's facts; faults as one line)."""
+    policy = _policy(args)
+    check_output(args.out, {"source": src}, policy)
+    with open_source() as reader, writing({Path(args.out): size(reader.facts)}, policy):
+        yield reader
+
+
+def _weights(args: argparse.Namespace) -> Callable[[Facts], int]:
+    """The size estimate of an output holding the weights at ``--dtype`` (a lower bound of any restore)."""
+    return lambda facts: weight_bytes(facts, args.dtype)
+
+
 def _cmd_to_universal(args: argparse.Namespace) -> int:
     if args.distributed:
         if args.frozen:
@@ -43,51 +75,44 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
         from ucp.ops.distributed import to_universal_distributed
 
         to_universal_distributed(
-            args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers, overwrite=args.overwrite
+            args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers, policy=_policy(args)
         )
         return 0
-    from ucp.ops.convert import to_universal
-
-    if args.frozen:
-        return _to_universal_frozen(args)
-    manifest = to_universal(
-        args.src,
-        args.out,
-        tag=args.tag,
-        optimizer=args.optimizer,
-        workers=args.workers,
-        overwrite=args.overwrite,
-        fsync=args.fsync,
-    )
-    print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
-    return 0
-
-
-def _to_universal_frozen(args: argparse.Namespace) -> int:
-    """A DCP folder whose frozen parameters the user names (one rank's save cannot tell them from buffers)."""
-    from ucp.sources.dcp import DcpSource, is_dcp
     from ucp.universal.writer import write_universal
 
-    if not is_dcp(args.src):
-        raise UcpError(f"--frozen names frozen parameters of a DCP folder; {args.src} holds no .metadata")
-    with DcpSource(args.src, optimizer=args.optimizer, names={"frozen": args.frozen}) as reader:
+    with _output(args, args.src, lambda: _to_universal_source(args), universal_bytes) as reader:
         manifest = write_universal(reader, args.out, overwrite=args.overwrite, workers=args.workers, fsync=args.fsync)
     print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
     return 0
 
 
+def _to_universal_source(args: argparse.Namespace) -> Reader:
+    """The source; a DCP folder whose frozen parameters the user names (one rank's save cannot tell
+    them from buffers) with --frozen."""
+    from ucp.sources import open_reader
+
+    if not args.frozen:
+        return open_reader(args.src, tag=args.tag, optimizer=args.optimizer)
+    from ucp.sources.dcp import DcpSource, is_dcp
+
+    if not is_dcp(args.src):
+        raise UcpError(f"--frozen names frozen parameters of a DCP folder; {args.src} holds no .metadata")
+    return DcpSource(args.src, optimizer=args.optimizer, names={"frozen": args.frozen})
+
+
 def _cmd_restore_dcp(args: argparse.Namespace) -> int:
+    from ucp.sources import open_reader
     from ucp.targets.dcp import write_dcp
 
-    write_dcp(
-        args.universal,
-        args.out,
-        optimizer=args.optimizer or "torch-adamw",
-        tag=args.tag,
-        layout=args.dcp_layout or "torch",
-        overwrite=args.overwrite,
-        fsync=args.fsync,
-    )
+    with _output(args, args.universal, lambda: open_reader(args.universal, tag=args.tag), weight_bytes) as reader:
+        write_dcp(
+            reader,
+            args.out,
+            optimizer=args.optimizer or "torch-adamw",
+            layout=args.dcp_layout or "torch",
+            overwrite=args.overwrite,
+            fsync=args.fsync,
+        )
     layout = f", {args.dcp_layout} layout" if args.dcp_layout else ""
     print(
         f"wrote a torch.distributed.checkpoint folder ({args.optimizer or 'torch-adamw'}{layout}) to {args.out}",
@@ -107,16 +132,20 @@ def _native_options(args: argparse.Namespace, step: int | str, stage: int | None
         "sub_group_size": args.sub_group_size,
         "step": step,
         "tp": args.tp,
+        "offload": args.offload,
         "overwrite": args.overwrite,
         "workers": args.workers,
         "fsync": args.fsync,
     }
 
 
-def _cmd_restore_hf(args: argparse.Namespace, step: int | str) -> int:
+def _cmd_restore_hf(args: argparse.Namespace, step: int | str, tag: str) -> int:
+    from ucp.sources import open_reader
     from ucp.targets.hf import write_hf
 
-    result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
+    # write_hf opens the folder itself (it needs its files too); the reader here gives the size
+    with _output(args, args.universal, lambda: open_reader(args.universal, tag=tag), _weights(args)):
+        result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     print(
@@ -129,6 +158,7 @@ def _cmd_restore_hf(args: argparse.Namespace, step: int | str) -> int:
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
+    from ucp.sources import open_reader
     from ucp.targets.native import write_native
 
     if args.format == "dcp":
@@ -143,9 +173,11 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         step = int(step)
     from ucp.sources.hf import find_hf_folder
 
-    if find_hf_folder(args.universal) is not None:
-        return _cmd_restore_hf(args, step)
-    plan = write_native(args.universal, args.out, **_native_options(args, step, args.stage or 3))
+    hf = find_hf_folder(args.universal)
+    if hf is not None:
+        return _cmd_restore_hf(args, step, hf.tag)
+    with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
+        plan = write_native(reader, args.out, **_native_options(args, step, args.stage or 3))
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
@@ -181,17 +213,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from ucp.sources import open_reader
     from ucp.targets.export import export
 
-    written = export(
-        args.src,
-        args.out,
-        format=args.format,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        tag=args.tag,
-        overwrite=args.overwrite,
-    )
+    with _output(args, args.src, lambda: open_reader(args.src, tag=args.tag), _weights(args)) as reader:
+        written = export(
+            reader,
+            args.out,
+            format=args.format,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+        )
     print(f"wrote {len(written)} file(s) to {args.out}", file=sys.stderr)
     return 0
 
@@ -199,7 +232,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_migrate(args: argparse.Namespace) -> int:
     from ucp.migrate import run_migration
 
-    print(run_migration(args.config, dry_run=args.dry_run, overwrite=args.overwrite))
+    print(run_migration(args.config, dry_run=args.dry_run, policy=_policy(args)))
     return 0
 
 
@@ -207,6 +240,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from ucp.harness.demo import run_demo
 
     return run_demo(args.workdir, source_dp=args.source_dp, target_dp=args.target_dp)
+
+
+def _output_flags(p: argparse.ArgumentParser, *, fsync: bool = False) -> None:
+    """The flags of every verb that writes: what may be replaced, the space check, durability."""
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and ucp wrote it")
+    p.add_argument(
+        "--overwrite-foreign",
+        action="store_true",
+        help="with --overwrite: replace OUT even when ucp did not write it (never an input)",
+    )
+    p.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="write even when the file system seems to lack room for the output",
+    )
+    if fsync:
+        p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,8 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag folder to read (default: the one 'latest' names)")
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the source's optimizer, when detection cannot tell")
     p.add_argument("--workers", type=_positive, help="parallel workers (default: CPU count, at most 8)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
+    _output_flags(p, fsync=True)
     p.add_argument(
         "--frozen",
         nargs="+",
@@ -276,9 +325,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
     p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")
     p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
+    p.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its ZeRO-1/2 momentum "
+        "out by it (default: as the source did)",
+    )
     p.add_argument("--workers", type=_positive)
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
+    _output_flags(p, fsync=True)
     p.set_defaults(func=_cmd_restore)
 
     p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")
@@ -304,17 +359,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: the model's dtype")
     p.add_argument("--max-shard-size", default="5GB", help="shard above this size, e.g. 500MB, 5GB (default 5GB)")
     p.add_argument("--tag")
-    p.add_argument("--overwrite", action="store_true")
+    _output_flags(p)
     p.set_defaults(func=_cmd_export)
 
     p = verbs.add_parser("migrate", help="run a YAML migration (read, transform, restore, export)")
     p.add_argument("config", help="migration YAML")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    p.add_argument("--overwrite", action="store_true")
+    _output_flags(p)
     p.set_defaults(func=_cmd_migrate)
 
     p = verbs.add_parser("demo", help="train a tiny model with real DeepSpeed, convert, restore at another DP, compare")
-    p.add_argument("--workdir", default="ucp-demo", help="folder for the demo's checkpoints (default ./ucp-demo)")
+    p.add_argument(
+        "--workdir",
+        default="ucp-demo",
+        help="folder for the demo's checkpoints: new, empty, or one an earlier demo made (default ./ucp-demo)",
+    )
     p.add_argument("--source-dp", type=_positive, default=4)
     p.add_argument("--target-dp", type=_positive, default=2)
     p.set_defaults(func=_cmd_demo)
@@ -327,15 +386,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return args.func(args)
+        with stop_on_signals():
+            return args.func(args)
     except UcpError as err:
         if args.debug:
             raise
         print(f"ucp: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("ucp: interrupted; nothing was left half-written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, SIGHUP (ucp.errors.Stopped): staging already removed
+        name = err.name if isinstance(err, Stopped) else "Ctrl-C"
+        print(f"ucp: interrupted by {name}; nothing was left half-written", file=sys.stderr)
+        return err.exit_code if isinstance(err, Stopped) else 130
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "OutputExistsError",
+    "OutputOverlapError",
+    "WriteError",
     "StepConflictError",
+    "Stopped",
 ]
 
 
@@ -52,3 +55,27 @@ class ConfigError(UcpError):
 
 class OutputExistsError(UcpError):
     """The output path exists and ``overwrite`` was not given."""
+
+
+class OutputOverlapError(UcpError):
+    """OUT is, lies inside or holds one of the command's inputs: writing it could destroy the input."""
+
+
+class WriteError(UcpError):
+    """The output cannot be written here: no space, over quota, read-only, no permission, a failing disk."""
+
+    exit_code = 3
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so every staged output on the way
+    out removes its staging folder; the CLI exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, name: str) -> None:
+        super().__init__(name)
+        self.signum = signum
+        self.name = name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

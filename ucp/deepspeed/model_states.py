@@ -24,7 +24,8 @@ __all__ = [
     "DS_MODEL_KEYS",
     "client_state",
     "engine_counters",
-    "excluded_frozen_note",
+    "EXCLUDED_FROZEN_NOTE",
+    "frozen_excluded",
     "model_dtype",
     "model_extras",
     "module_buffers",
@@ -239,17 +240,15 @@ def zero3_frozen_fragment(tf: TorchFile, name: str, numel: int, dp: int, rank: i
     return fragment
 
 
-def excluded_frozen_note(model_states: Mapping[str, Any], stage: int) -> list[str]:
-    """What to tell about a ZeRO-2/3 save with ``exclude_frozen_parameters=True`` (PEFT/LoRA runs): DeepSpeed
-    then writes ``frozen_param_shapes = None`` (an empty dict when the model has no frozen parameter), and
-    the frozen weights are nowhere in the checkpoint. At ZeRO-1 nothing in the files tells."""
-    if (
-        stage not in (2, 3)
-        or "frozen_param_shapes" not in model_states
-        or model_states["frozen_param_shapes"] is not None
-    ):
-        return []
-    return [
-        "saved with exclude_frozen_parameters: the model's frozen parameters (a PEFT/LoRA base) are not in this "
-        "checkpoint; a restored run keeps its own (load with load_module_strict=False, or ucp.restore strict=False)"
-    ]
+#: what ``ucp inspect`` says of a checkpoint saved with ``exclude_frozen_parameters``
+EXCLUDED_FROZEN_NOTE = (
+    "saved with exclude_frozen_parameters: the model's frozen parameters (a PEFT/LoRA base) are not in this "
+    "checkpoint; a restored run keeps its own (load with load_module_strict=False, or ucp.restore strict=False)"
+)
+
+
+def frozen_excluded(model_states: Mapping[str, Any], stage: int) -> bool:
+    """Whether a ZeRO-2/3 save used ``exclude_frozen_parameters=True`` (PEFT/LoRA runs): DeepSpeed then writes
+    ``frozen_param_shapes = None`` (an empty dict when the model has no frozen parameter), and the frozen
+    weights are nowhere in the checkpoint. At ZeRO-1 nothing in the files tells."""
+    return stage in (2, 3) and "frozen_param_shapes" in model_states and model_states["frozen_param_shapes"] is None

@@ -180,11 +180,13 @@ def zero12_optim_block(
     }
 
 
-def frozen_fields(shapes: Mapping[str, torch.Size], fragments: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """A ZeRO-2/3 model-states file's frozen parameters. None for both when there are none, as DeepSpeed
-    writes for ``exclude_frozen_parameters`` (PEFT/LoRA runs): its loader then keeps the new engine's own
-    frozen weights (the base model) instead of looking each one up and failing; an empty dict would not."""
-    if not shapes:
+def frozen_fields(
+    shapes: Mapping[str, torch.Size], fragments: Mapping[str, torch.Tensor], *, excluded: bool
+) -> dict[str, Any]:
+    """A ZeRO-2/3 model-states file's frozen parameters. None for both when the source ``excluded`` them, as
+    DeepSpeed writes for ``exclude_frozen_parameters`` (PEFT/LoRA runs): its loader then keeps the new
+    engine's own frozen weights (the base model) instead of looking each one up and failing."""
+    if excluded and not shapes:
         return {"frozen_param_shapes": None, "frozen_param_fragments": None}
     return {"frozen_param_shapes": OrderedDict(shapes), "frozen_param_fragments": OrderedDict(fragments)}
 

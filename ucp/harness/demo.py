@@ -8,6 +8,7 @@ universal loader, step by step.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import time
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import torch
 
+from ucp.errors import UcpError
 from ucp.harness.launch import run_ranks
 from ucp.harness.spec import LoadSpec, RunSpec
+from ucp.io.atomic import OWNER_MARK, mark_owned, owner_kind
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "prepare_workdir"]
 
 logger = logging.getLogger(__name__)
 TOLERANCE = 1e-5
@@ -32,13 +35,43 @@ def _record(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+DEMO_KIND = "demo"
+
+
+def prepare_workdir(workdir: str | Path) -> Path:
+    """An empty folder for the demo: ``workdir`` created now, found empty, or made by an earlier demo
+    (its stamp says so) and emptied. Anything else is someone's folder, and is refused untouched."""
+    work = Path(workdir).absolute()
+    if not os.path.lexists(work):
+        try:
+            work.mkdir(parents=True)
+        except OSError as err:
+            raise UcpError(f"cannot create the demo folder {work}: {err.strerror}") from None
+    elif not work.is_dir() or work.is_symlink():
+        raise UcpError(f"{work} is not a folder; give --workdir a new or empty folder")
+    elif owner_kind(work) == DEMO_KIND:
+        for child in work.iterdir():
+            if child.name == OWNER_MARK:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    elif any(work.iterdir()):
+        raise UcpError(
+            f"{work} is not empty and no earlier ucp demo made it; the demo clears its folder, so give "
+            "--workdir a new or empty folder"
+        )
+    mark_owned(work, kind=DEMO_KIND)
+    return work
+
+
 def run_demo(workdir: str | Path, *, source_dp: int = 4, target_dp: int = 2, steps: int = 3) -> int:
-    """Run the demo in ``workdir``; 0 when ucp's resume matches the native one within 1e-5."""
+    """Run the demo in ``workdir`` (see :func:`prepare_workdir`); 0 when ucp's resume matches the
+    native one within 1e-5."""
     import ucp
 
-    work = Path(workdir).absolute()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = prepare_workdir(workdir)
     base = RunSpec(
         dp=source_dp,
         stage=3,

@@ -8,6 +8,9 @@ aside to ``.OUT.ucp-old-*``, which the next run puts back if a kill struck betwe
 
 Folders named ``*.ucp-partial-*`` are always garbage and may be deleted; ``*.ucp-old-*`` folders
 are always whole (they are renamed to a partial name before anything deletes them).
+
+Every published OUT carries an :data:`OWNER_MARK` file: how a later ``--overwrite`` knows that the
+folder it would replace is a previous output of ucp and not someone else's (``ucp.io.guard``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import logging
 import mmap
 import os
@@ -25,13 +29,28 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ucp.errors import OutputExistsError, UcpError
+from ucp.errors import OutputExistsError, UcpError, WriteError
+from ucp.model.version import VERSION
 
-__all__ = ["staged_output", "checksum", "fsync_tree", "PARTIAL_MARK", "OLD_MARK"]
+__all__ = [
+    "staged_output",
+    "checksum",
+    "fsync_tree",
+    "mark_owned",
+    "owner_kind",
+    "remove_own_partials",
+    "publish_new",
+    "PARTIAL_MARK",
+    "OLD_MARK",
+    "OWNER_MARK",
+]
 
 logger = logging.getLogger(__name__)
 PARTIAL_MARK = ".ucp-partial-"
 OLD_MARK = ".ucp-old-"
+#: the file in every folder ucp made: {"created_by": "ucp X", "kind": "output" | "demo"}
+OWNER_MARK = ".ucp-output"
+_MARK_LIMIT = 4096
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -71,6 +90,32 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+# -- who made a folder -----------------------------------------------------------------------
+def mark_owned(folder: Path, kind: str = "output") -> None:
+    """Stamp ``folder`` as ucp's (deterministic bytes: two runs write the same file)."""
+    text = json.dumps({"created_by": f"ucp {VERSION}", "kind": kind}, sort_keys=True) + "\n"
+    (folder / OWNER_MARK).write_text(text)
+
+
+def owner_kind(folder: Path) -> str | None:
+    """The kind named by ucp's stamp in ``folder``; None when it has none (or a symlink, or garbage)."""
+    mark = folder / OWNER_MARK
+    try:
+        fd = os.open(mark, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            raw = handle.read(_MARK_LIMIT + 1)
+        data = json.loads(raw) if len(raw) <= _MARK_LIMIT else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not str(data.get("created_by", "")).startswith("ucp "):
+        return None
+    kind = data.get("kind")
+    return kind if isinstance(kind, str) else None
+
+
 # -- renames ----------------------------------------------------------------------------------
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """Linux renameat2; False when this system or filesystem does not offer it (caller falls back)."""
@@ -89,8 +134,8 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(src), None, str(dst))
 
 
-def _publish_new(staging: Path, out: Path) -> None:
-    """staging -> out, failing (never replacing) if out appeared meanwhile."""
+def publish_new(staging: Path, out: Path) -> None:
+    """staging (a folder or a file) -> out, failing (never replacing) if out appeared meanwhile."""
     try:
         if _renameat2(staging, out, _RENAME_NOREPLACE):
             return
@@ -110,18 +155,19 @@ def _publish_over(staging: Path, out: Path, token: str) -> None:
     """Replace out with staging; at every instant out is the old whole folder or the new one."""
     if _renameat2(staging, out, _RENAME_EXCHANGE):
         # staging now holds the old folder, under a partial name: garbage from here on
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         return
     aside = out.parent / f".{out.name}{OLD_MARK}{token}-{os.getpid()}"
-    os.rename(out, aside)
     try:
+        os.rename(out, aside)
         os.rename(staging, out)
-    except BaseException:
-        os.rename(aside, out)
+    except BaseException:  # a failure or a signal between the two renames: the old OUT goes back
+        if os.path.lexists(aside) and not os.path.lexists(out):
+            os.rename(aside, out)
         raise
     doomed = out.parent / f".{out.name}{PARTIAL_MARK}old-{token}-{os.getpid()}"
     os.rename(aside, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    _remove(doomed)
 
 
 # -- leftovers of interrupted runs ------------------------------------------------------------
@@ -152,6 +198,14 @@ def _leftovers(out: Path) -> Iterator[tuple[Path, bool, int]]:
             yield out.parent / name, match.group(1) == "old", int(match.group(2))
 
 
+def remove_own_partials(out: str | os.PathLike) -> None:
+    """Remove this process's staging folders for OUT: the last word after a failure or a signal, for a
+    writer stopped between creating its staging folder and the code that would have removed it."""
+    for path, whole, pid in _leftovers(Path(out).absolute()):
+        if not whole and pid == os.getpid():
+            _remove(path)
+
+
 def _clear_stale(out: Path) -> None:
     """Remove partial folders of dead runs for out; put back an old OUT a dead run left aside."""
     for path, whole, pid in _leftovers(out):
@@ -180,16 +234,37 @@ def staged_output(
     """Yield a fresh staging folder beside ``out``; on clean exit it becomes ``out``, on error it goes.
 
     Call order: the caller fills the yielded folder (its metadata file last); on leaving the
-    ``with`` block ``check(staging)`` runs if given (raise to refuse the result), the tree is
-    fsynced when ``durable``, and only then is it renamed to ``out``.
+    ``with`` block the folder gets its :data:`OWNER_MARK` (unless it is built inside another
+    staging folder, whose output it is part of), ``check(staging)`` runs if given (raise to refuse
+    the result), the tree is fsynced when ``durable``, and only then is it renamed to ``out``. Any
+    exception, a signal's included (``ucp.io.signals``), removes the staging folder and any folder
+    made to hold OUT.
     """
     out = Path(out).absolute()
     if not out.name or out.name in (".", ".."):
         raise UcpError(f"{out} cannot be an output folder; name a folder to create")
+    made = _make_parents(out.parent)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        yield from _staged(out, overwrite, durable, check)
+    except BaseException:
+        for folder in made:  # the folders made for OUT go too, if nothing else has moved in
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p; returns the folders it made, deepest first."""
+    missing = [f for f in (folder, *folder.parents) if not f.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UcpError(f"cannot create {out.parent}: {err.strerror}") from None
+        raise WriteError(f"cannot create {folder}: {err.strerror}") from None
+    return missing
+
+
+def _staged(out: Path, overwrite: bool, durable: bool, check: Callable[[Path], None] | None) -> Iterator[Path]:
+    """staged_output once OUT's folder exists."""
     _clear_stale(out)
     if os.path.lexists(out):
         if not overwrite:
@@ -198,12 +273,14 @@ def staged_output(
             raise OutputExistsError(f"{out} exists and is not a folder; refusing to replace it")
     token = secrets.token_hex(4)
     staging = out.parent / f".{out.name}{PARTIAL_MARK}{token}-{os.getpid()}"
-    try:
-        staging.mkdir()
-    except OSError as err:
-        raise UcpError(f"cannot create {staging} beside {out}: {err.strerror}") from None
-    try:
+    try:  # mkdir inside: a signal just after it must not leave the folder behind
+        try:
+            staging.mkdir()
+        except OSError as err:
+            raise WriteError(f"cannot create {staging} beside {out}: {err.strerror}") from None
         yield staging
+        if PARTIAL_MARK not in out.parent.name:
+            mark_owned(staging)
         if check is not None:
             check(staging)
         if durable:
@@ -211,8 +288,22 @@ def staged_output(
         if os.path.lexists(out) and overwrite:
             _publish_over(staging, out, token)
         else:
-            _publish_new(staging, out)
+            publish_new(staging, out)
         _fsync_dir(out.parent)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         raise
+
+
+def _remove(folder: Path) -> None:
+    """rmtree that a signal cannot cut short: an interrupt (``ucp.io.signals``) while it runs is
+    held until the folder is gone, then raised."""
+    held: BaseException | None = None
+    while True:
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+            break
+        except KeyboardInterrupt as err:
+            held = held or err
+    if held is not None:
+        raise held

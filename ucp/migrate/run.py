@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ucp.errors import StepConflictError
-from ucp.migrate.issues import Issue, MigrationConfigError
+from ucp.io.guard import OutputPolicy, check_output, universal_bytes, weight_bytes, writing
+from ucp.migrate.issues import Issue, KeyPath, MigrationConfigError
 from ucp.migrate.plan import MigrationPlan, plan_with
 from ucp.migrate.yaml_file import read_config
 from ucp.model.records import Reader
@@ -102,23 +103,56 @@ def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: i
     return done
 
 
-def run_migration(config_path: str | os.PathLike, *, dry_run: bool = False, overwrite: bool = False) -> str:
+def _guarded_outputs(plan: MigrationPlan, config_path: Path, policy: OutputPolicy) -> dict[Path, int]:
+    """Every output through ucp.io.guard.check_output (never over the source or this config file,
+    never over a folder ucp did not write); returns each one's estimated size for the space check."""
+    config = plan.config
+    inputs: dict[str, Path] = {"source": config.source, "config file": config_path}
+
+    def size(at: KeyPath) -> int:
+        if at == ("universal",):
+            return universal_bytes(plan.facts)
+        dtype = config.target.dtype if at[0] == "target" and config.target is not None else None
+        if at[0] == "exports" and isinstance(at[1], int):
+            dtype = config.exports[at[1]].dtype
+        return weight_bytes(plan.facts, dtype)
+
+    sizes = {}
+    for at, path in config.outputs():
+        check_output(path, inputs, policy)
+        sizes[path] = size(at)
+    return sizes
+
+
+def run_migration(
+    config_path: str | os.PathLike,
+    *,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    policy: OutputPolicy | None = None,
+) -> str:
     """Load, check and plan a migration; then either describe it (``dry_run``) or run it. Returns the text to show.
 
     Every problem is reported at once: the config's own, and what the source shows about the
     parts of the config that are sound (a rename that collides, a drop that empties the model).
     Each output appears whole or not at all; should a late step fail, the earlier outputs stay
-    (complete) and a re-run needs ``overwrite``.
+    (complete) and a re-run needs ``overwrite``. ``policy`` (the CLI's flags) replaces ``overwrite``.
     """
+    policy = policy or OutputPolicy(overwrite=overwrite)
     config, issues = read_config(Path(config_path))
-    plan = plan_with(config, overwrite, issues)
+    plan = plan_with(config, policy.overwrite, issues)
     if dry_run:
         try:
             return plan.describe(dry_run=True)
         finally:
             plan.close()
-    for warning in plan.warnings:
-        logger.warning("%s", warning)
-    text = plan.describe(dry_run=False)
-    done = execute(plan, overwrite=overwrite)
+    try:
+        sizes = _guarded_outputs(plan, Path(config_path), policy)
+        for warning in plan.warnings:
+            logger.warning("%s", warning)
+        text = plan.describe(dry_run=False)
+        with writing(sizes, policy):
+            done = execute(plan, overwrite=policy.overwrite)
+    finally:
+        plan.close()  # execute closes it too; closing a reader twice is a no-op
     return "\n".join([text, *done])

@@ -136,6 +136,8 @@ class SourceInfo:
     global_samples: int | None = None
     iteration: int | None = None
     ds_config: dict[str, Any] = field(default_factory=dict)
+    #: saved with exclude_frozen_parameters: the frozen weights are not in it (a restore keeps the new run's)
+    frozen_excluded: bool = False
 
 
 @dataclass(frozen=True)

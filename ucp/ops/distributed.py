@@ -6,7 +6,10 @@ the output: it stages OUT, tells every rank where, gathers their manifest entrie
 result is the same, file for file, as a one-process run. OUT's parent must be a filesystem all
 ranks see.
 
-Call order: plan (pure, :func:`assign`) -> rank 0 stages -> all write -> gather -> rank 0 finishes.
+Call order: plan (pure, :func:`assign`) -> rank 0 checks OUT (ucp.io.guard) and stages it -> all
+write -> gather -> rank 0 finishes. Each step ends with every rank learning whether any rank failed
+or was stopped (:func:`_together`), so one rank's failure, signal or death stops them all and
+rank 0 removes the staging folder: OUT appears whole on every rank or not at all.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from ucp.errors import UcpError
+from ucp.errors import UcpError, WriteError
 from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, check_output, check_space, fault_message, universal_bytes
 from ucp.io.pool import default_workers
-from ucp.model.records import ParamMeta
+from ucp.model.records import ParamMeta, Reader
 from ucp.sources import open_reader
 from ucp.universal.manifest import ParamEntry
 from ucp.universal.writer import finish_universal, write_params
@@ -29,6 +34,7 @@ from ucp.universal.writer import finish_universal, write_params
 __all__ = ["assign", "to_universal_distributed"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def assign(metas: Sequence[ParamMeta], world: int) -> list[list[int]]:
@@ -62,8 +68,14 @@ def to_universal_distributed(
     optimizer: str | None = None,
     workers: int | None = None,
     overwrite: bool = False,
+    policy: OutputPolicy | None = None,
 ) -> dict[str, Any] | None:
-    """Convert with every torch.distributed rank taking a share; rank 0 returns the manifest."""
+    """Convert with every torch.distributed rank taking a share; rank 0 returns the manifest.
+
+    ``policy`` (the CLI's flags; else ``overwrite`` alone) is applied on rank 0 by ucp.io.guard
+    before it stages OUT. Any rank's failure or signal stops every rank: all raise, rank 0 removes
+    the staging folder, and no OUT appears.
+    """
     dist, rank, world, started = _init()
     try:
         return _run(
@@ -75,20 +87,56 @@ def to_universal_distributed(
             tag=tag,
             optimizer=optimizer,
             workers=workers or default_workers(),
-            overwrite=overwrite,
+            policy=policy or OutputPolicy(overwrite=overwrite),
         )
     finally:
         if started:
             dist.destroy_process_group()
 
 
-def _agree(dist: Any, error: str | None) -> None:
-    """Every rank learns whether any rank failed; all raise the first failure together."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    for rank, message in enumerate(errors):
-        if message is not None:
-            raise UcpError(message if message.startswith("rank ") else f"rank {rank}: {message}")
+def _collective(call: Callable[[], Any]) -> Any:
+    """A collective call; a peer that died (gloo sees its connection close) becomes one line."""
+    try:
+        return call()
+    except RuntimeError as err:
+        # gloo's text: "[.../pair.cc:553] Connection closed by peer [addr]:port. This is typically ..."
+        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip().splitlines() or [""])[0]).split(". ")[0]
+        first = first[:160] or type(err).__name__
+        raise UcpError(
+            f"lost contact with another rank, which failed or was stopped ({first}); OUT was not written"
+        ) from None
+
+
+def _together(dist: Any, out: Path, step: Callable[[], _T]) -> _T:
+    """This rank's part of one step; then every rank learns whether any failed, and all leave together.
+
+    A rank that failed raises its own exception (a signal keeps its exit code, a bug its traceback);
+    the others raise one UcpError naming the first rank that failed, with that rank's exit code.
+    """
+    result: Any = None
+    own: BaseException | None = None
+    report: tuple[str, int] | None = None
+    try:
+        result = step()
+    except KeyboardInterrupt as err:  # SIGTERM, SIGHUP, Ctrl-C: ucp.errors.Stopped
+        own, report = err, (f"stopped by {getattr(err, 'name', 'Ctrl-C')}", getattr(err, "exit_code", 130))
+    except UcpError as err:
+        own, report = err, (str(err), err.exit_code)
+    except Exception as err:
+        fault = fault_message(err, {out: 0})
+        own = WriteError(fault) if fault is not None else err
+        report = (fault or f"failed with {type(err).__name__}: {err}", getattr(own, "exit_code", 1))
+    reports: list[tuple[str, int] | None] = [None] * dist.get_world_size()
+    _collective(lambda: dist.all_gather_object(reports, report))
+    failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+    if not failed:
+        return result
+    if own is not None:
+        raise own
+    rank, (message, code) = failed[0]
+    error = UcpError(message if message.startswith("rank ") else f"rank {rank}: {message}")
+    error.exit_code = code
+    raise error
 
 
 def _run(
@@ -101,56 +149,41 @@ def _run(
     tag: str | None,
     optimizer: str | None,
     workers: int,
-    overwrite: bool,
+    policy: OutputPolicy,
 ) -> dict[str, Any] | None:
-    reader = None
+    reader: Reader | None = None
     try:
-        error = None
-        try:
-            reader = open_reader(src, tag=tag, optimizer=optimizer)
-        except UcpError as err:
-            error = str(err)
-        _agree(dist, error)
-        assert reader is not None
+        reader = _together(dist, out, lambda: open_reader(src, tag=tag, optimizer=optimizer))
         metas = reader.facts.params
         mine = [metas[i] for i in assign(metas, world)[rank]]
-        if rank == 0:
-            with contextlib.ExitStack() as stack:
-                try:
-                    root = stack.enter_context(staged_output(out, overwrite=overwrite))
-                    (root / "zero").mkdir()
-                except BaseException:
-                    dist.broadcast_object_list([None], src=0)  # release the other ranks, then fail
-                    raise
-                box: list[Any] = [str(root)]
-                dist.broadcast_object_list(box, src=0)
-                entries = _write_share(dist, reader, root, mine, workers)
-                gathered: list[list[ParamEntry] | None] = [None] * world
-                dist.gather_object(entries, gathered, dst=0)
+        with contextlib.ExitStack() as stack:
+
+            def stage() -> str | None:
+                """Rank 0 alone checks OUT (ucp.io.guard) and stages it; the others learn the outcome."""
+                if rank != 0 or reader is None:
+                    return None
+                check_output(out, {"source": src}, policy)
+                if policy.space_check:
+                    check_space({out: universal_bytes(reader.facts)})
+                root = stack.enter_context(staged_output(out, overwrite=policy.overwrite))
+                (root / "zero").mkdir()
+                return str(root)
+
+            box: list[Any] = [_together(dist, out, stage)]
+            _collective(lambda: dist.broadcast_object_list(box, src=0))
+            root = Path(box[0])
+            entries = _together(dist, out, lambda: write_params(reader, root, mine, workers))
+            gathered: list[list[ParamEntry] | None] = [None] * world if rank == 0 else []
+            _collective(lambda: dist.gather_object(entries, gathered if rank == 0 else None, dst=0))
+
+            def finish() -> dict[str, Any] | None:
+                if rank != 0 or reader is None:
+                    return None
                 by_name = {e.name: e for share in gathered for e in (share or [])}
                 ordered = [by_name[m.name] for m in metas]
-                manifest = finish_universal(root, reader.facts, ordered, reader.extras(), reader.buffers())
-            dist.barrier()
-            return manifest
-        staged: list[Any] = [None]
-        dist.broadcast_object_list(staged, src=0)
-        if staged[0] is None:
-            raise UcpError("rank 0 could not stage the output")
-        entries = _write_share(dist, reader, Path(staged[0]), mine, workers)
-        dist.gather_object(entries, None, dst=0)
-        dist.barrier()
-        return None
+                return finish_universal(root, reader.facts, ordered, reader.extras(), reader.buffers())
+
+            return _together(dist, out, finish)  # rank 0 publishes OUT on leaving the stack
     finally:
         if reader is not None:
             reader.close()
-
-
-def _write_share(dist: Any, reader: Any, root: Path, mine: list[ParamMeta], workers: int) -> list[ParamEntry]:
-    error = None
-    entries: list[ParamEntry] = []
-    try:
-        entries = write_params(reader, root, mine, workers)
-    except UcpError as err:
-        error = str(err)
-    _agree(dist, error)
-    return entries

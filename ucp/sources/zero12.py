@@ -30,9 +30,10 @@ from ucp.deepspeed.fields import (
 )
 from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.model_states import (
+    EXCLUDED_FROZEN_NOTE,
     check_model_states,
     engine_counters,
-    excluded_frozen_note,
+    frozen_excluded,
     model_dtype,
     model_extras,
     module_buffers,
@@ -334,7 +335,8 @@ class Zero12Source(Reader):
                 raise InputError(f"parameter {pname!r} is listed both as optimized and as frozen")
             self._frozen[pname] = value
             params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), None, True))
-        warnings = list(detection.warnings) + excluded_frozen_note(head, stage)
+        excluded = frozen_excluded(head, stage)
+        warnings = list(detection.warnings) + ([EXCLUDED_FROZEN_NOTE] if excluded else [])
         if getattr(self, "_stage0", False):
             warnings.append(
                 "written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
@@ -350,6 +352,7 @@ class Zero12Source(Reader):
             tag=self.files.tag,
             sub_group_size=None,
             ds_config=jsonable(ds_config),
+            frozen_excluded=excluded,
             **engine_counters(head),
         )
         return Facts(

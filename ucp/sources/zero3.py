@@ -30,9 +30,10 @@ from ucp.deepspeed.fields import (
 )
 from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.model_states import (
+    EXCLUDED_FROZEN_NOTE,
     check_model_states,
     engine_counters,
-    excluded_frozen_note,
+    frozen_excluded,
     model_dtype,
     model_extras,
     module_buffers,
@@ -194,7 +195,7 @@ class Zero3Source(Reader):
             params=params,
             tied=dict(tied),
             buffer_names=list(head.get("buffer_names") or []),
-            warnings=detection.warnings + excluded_frozen_note(head, 3),
+            warnings=detection.warnings + ([EXCLUDED_FROZEN_NOTE] if frozen_excluded(head, 3) else []),
         )
 
     def _check_scalers(self, blocks: list[Mapping[str, Any]]) -> None:
@@ -372,6 +373,7 @@ class Zero3Source(Reader):
             tag=self.files.tag,
             sub_group_size=sub_group_size(ds_config),
             ds_config=jsonable(ds_config),
+            frozen_excluded=frozen_excluded(head, 3),
             **engine_counters(head),
         )
 

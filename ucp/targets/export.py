@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
-from ucp.io.atomic import PARTIAL_MARK, staged_output
+from ucp.io.atomic import PARTIAL_MARK, publish_new, staged_output
 from ucp.io.pool import default_workers, parallel_map
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import DTYPES, Reader, torch_dtype
@@ -292,7 +292,10 @@ class _staged:
                 staged = self._stage / self.file_name
                 with open(staged, "rb") as handle:
                     os.fsync(handle.fileno())
-                os.replace(staged, self.out)
+                if self.overwrite:
+                    os.replace(staged, self.out)
+                else:  # never over a file another run published meanwhile
+                    publish_new(staged, self.out)
         finally:
             shutil.rmtree(self._stage, ignore_errors=True)
         return False

@@ -1,4 +1,12 @@
-"""Reading a universal directory: lazily, one parameter at a time, every file checked against ucp.json."""
+"""Reading a universal directory: lazily, one parameter at a time, every file checked against ucp.json.
+
+The directory is untrusted input. ``ucp.json`` is read up to :data:`MAX_MANIFEST_BYTES` and
+:data:`MAX_MANIFEST_DEPTH` levels, every field is checked (``manifest.check_manifest``), and a
+reader that verifies (restore, export, verify) checks the manifest's claims against the files
+when it opens: every file present as a plain file of the size the manifest gives, large enough
+for the shape it claims. So a lying manifest is refused before any output is staged, and no
+target sizes a buffer from a shape the files do not back.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import torch
@@ -31,7 +40,13 @@ from ucp.universal.manifest import (
     state_file,
 )
 
-__all__ = ["UniversalReader", "open_universal", "is_universal"]
+__all__ = ["UniversalReader", "open_universal", "is_universal", "MAX_MANIFEST_BYTES", "MAX_MANIFEST_DEPTH"]
+
+#: about half a million parameters' entries; a bigger ucp.json is damage, not a model
+MAX_MANIFEST_BYTES = 256 << 20
+#: ucp writes about 6 levels (the DeepSpeed config inside ``source`` is the deepest part)
+MAX_MANIFEST_DEPTH = 32
+_FP32_BYTES = 4
 
 
 def is_universal(path: str | os.PathLike) -> bool:
@@ -48,12 +63,7 @@ class UniversalReader(Reader):
         self.path = path
         self.verify = verify
         manifest_path = path / MANIFEST
-        try:
-            raw = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise InputError(f"{path} is not a universal directory: {MANIFEST} is missing") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CorruptFileError(f"{manifest_path} is not valid JSON: {err}") from None
+        raw = _read_manifest(manifest_path)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise InputError(f"{manifest_path} is not a ucp manifest")
         version = raw.get("format_version")
@@ -76,6 +86,37 @@ class UniversalReader(Reader):
             folder = (root / entry.folder).resolve()
             if folder.parent != root:
                 raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
+        if verify:
+            self._check_claims(entries)
+
+    def _check_claims(self, entries: list[ParamEntry]) -> None:
+        """What the manifest says about each file, against the file: there, plain, the size given,
+        and (for a tensor) at least as many bytes as its claimed shape needs. One stat per file."""
+        for entry in entries:
+            tensors = {FP32_FILE} | {state_file(k) for k in self._keys(entry, True)}
+            numel = entry.meta().numel
+            for key, claim in entry.files.items():
+                file = self.file_path(entry.name, key)
+                self._check_file(file, claim)
+                if key in tensors and claim.bytes < numel * _FP32_BYTES:
+                    raise CorruptFileError(
+                        f"{file} has {claim.bytes:,} bytes; {MANIFEST} says it holds {entry.name}'s "
+                        f"{numel:,} float32 values (shape {tuple(entry.shape)}): the manifest lies or the file is cut"
+                    )
+        for key, claim in self._files.items():
+            self._check_file(self.path / key, claim)
+
+    def _check_file(self, file: Path, claim: FileEntry) -> None:
+        try:
+            st = os.lstat(file)
+        except OSError:
+            raise CorruptFileError(f"{file} is missing from the universal directory; {MANIFEST} lists it") from None
+        if not S_ISREG(st.st_mode):
+            raise CorruptFileError(f"{file} is not a plain file; a universal directory holds only plain files")
+        if st.st_size != claim.bytes:
+            raise ChecksumError(
+                f"{file} has {st.st_size:,} bytes; {MANIFEST} says {claim.bytes:,}: the file changed or is corrupt"
+            )
 
     def file_path(self, name: str, key: str) -> Path:
         return self.path / "zero" / self._entries[name].folder / key
@@ -238,6 +279,47 @@ class UniversalReader(Reader):
 
     def param_steps(self) -> dict[str, int | None]:
         return {e.name: e.step for e in self._entries.values()}
+
+
+def _read_manifest(file: Path) -> Any:
+    """ucp.json parsed, within MAX_MANIFEST_BYTES and MAX_MANIFEST_DEPTH."""
+    try:
+        with open(file, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptFileError(
+                    f"{file} has {size:,} bytes; ucp reads manifests up to {MAX_MANIFEST_BYTES:,} bytes"
+                )
+            text = handle.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise InputError(f"{file.parent} is not a universal directory: {MANIFEST} is missing") from None
+    except IsADirectoryError:
+        raise CorruptFileError(f"{file} is a folder, not a manifest") from None
+    except OSError as err:
+        raise InputError(f"cannot read {file}: {err.strerror}") from None
+    try:
+        raw = json.loads(text)
+    except RecursionError:  # json's C scanner recurses once per level
+        raise CorruptFileError(f"{file} is nested more than {MAX_MANIFEST_DEPTH} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptFileError(f"{file} is not valid JSON: {err}") from None
+    if _depth(raw) > MAX_MANIFEST_DEPTH:
+        raise CorruptFileError(f"{file} is nested more than {MAX_MANIFEST_DEPTH} levels deep")
+    return raw
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (iteratively: the value may be as deep as json allowed)."""
+    deepest = 0
+    todo = [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        deepest = max(deepest, level)
+        if level > MAX_MANIFEST_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _stamp(stat: os.stat_result) -> tuple[int, ...]:

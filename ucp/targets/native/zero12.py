@@ -82,13 +82,20 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
         module[alias] = module[owner]
     module.update(reader.buffers())
     stage2 = plan.stage == 2
+    shapes = {n: torch.Size(t.shape) for n, t in frozen.items()}
+    frozen_states = (
+        ds_states.frozen_fields(shapes, frozen, excluded=facts.info.frozen_excluded)
+        if stage2
+        else {"frozen_param_shapes": None, "frozen_param_fragments": None}  # stage 1: frozen weights in the module
+    )
     states = model_states(
         reader,
         plan,
         extra={
             "param_shapes": [OrderedDict((n, torch.Size(facts.param(n).shape)) for n in group) for group in names],
+            "frozen_param_shapes": frozen_states["frozen_param_shapes"],
             "shared_params": dict(facts.tied),
-            **ds_states.frozen_fields({n: torch.Size(t.shape) for n, t in frozen.items()} if stage2 else {}, frozen),
+            "frozen_param_fragments": frozen_states["frozen_param_fragments"],
         },
     )
     states["module"] = module

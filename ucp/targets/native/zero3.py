@@ -66,13 +66,17 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
                 fragment = torch.zeros(zero3_partition_size(meta.numel, dp), dtype=lp)
                 fragment[: end - start].copy_(frozen_full[meta.name][start:end])
                 fragments[meta.name] = fragment
+            frozen_states = ds_states.frozen_fields(
+                {m.name: torch.Size(m.shape) for m in frozen}, fragments, excluded=facts.info.frozen_excluded
+            )
             states = model_states(
                 reader,
                 plan,
                 extra={
                     "param_shapes": param_shapes,
+                    "frozen_param_shapes": frozen_states["frozen_param_shapes"],
                     "shared_params": dict(facts.tied),
-                    **ds_states.frozen_fields({m.name: torch.Size(m.shape) for m in frozen}, fragments),
+                    "frozen_param_fragments": frozen_states["frozen_param_fragments"],
                 },
             )
             save_rank_file(states, tag_dir / zero3_model_file(rank, plan.mp_rank))

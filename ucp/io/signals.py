@@ -1,0 +1,55 @@
+"""SIGTERM, SIGHUP and Ctrl-C stop a command the same way: an exception in the main thread.
+
+The exception (:class:`ucp.errors.Stopped`, a KeyboardInterrupt) unwinds through every
+``with staged_output(...)``, which removes its staging folder; the CLI then prints one line and
+exits with 128 + the signal's number. A signal that arrives while that clean-up runs is noted and
+ignored, so it cannot cut the clean-up short. Installed once, by the CLI's entry point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+from ucp.errors import Stopped
+
+__all__ = ["stop_on_signals", "STOP_SIGNALS"]
+
+logger = logging.getLogger(__name__)
+
+#: the signals that stop a command cleanly (SIGKILL cannot be caught: see staged_output for why it is safe too)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Within the block the first of ``signums`` raises :class:`Stopped`; later ones are ignored.
+
+    The previous handlers come back on leaving. Outside the main thread (where Python cannot set
+    handlers) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    first: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if first:  # already stopping: let the clean-up finish
+            logger.info("ignoring %s while cleaning up", signal.Signals(signum).name)
+            return
+        first.append(signum)
+        raise Stopped(signum, signal.Signals(signum).name)
+
+    previous: dict[int, Any] = {}
+    try:
+        for signum in signums:
+            previous[signum] = signal.signal(signum, handler)
+        yield
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
