@@ -202,3 +202,30 @@ def test_live_helper_resumes_any_world_size_and_its_save_resumes_natively(
     more = _resume(hf_source, again, 3, tmp_path / "again", max_steps=SAVED_AT + 4)
     _assert_state_equal(more.loaded()["state"], final["state"])
     assert more.final()["global_step"] == SAVED_AT + 4 and set(more.final()["steps"]) == {float(SAVED_AT + 4)}
+
+
+@pytest.mark.slow
+def test_migration_yaml_writes_the_same_whole_folder_as_restore(hf_source: dict[str, Any], tmp_path: Path) -> None:
+    """`ucp migrate` with a Trainer folder as its source: the folder ucp restore writes (proved by the resumes
+    above), its stage kept though the YAML names none; the DeepSpeed state read back equal."""
+    from ucp.migrate import run_migration
+    from ucp.sources import open_reader
+
+    ckpt: Path = hf_source["ckpt"]
+    config = tmp_path / "m.yaml"
+    config.write_text(f"source: {ckpt}\ntarget:\n  dp: 3\n  output: {tmp_path / 'migrated'}\n")
+    print(run_migration(config))
+    restored = write_hf(ckpt, tmp_path / "restored", dp=3).out
+    migrated = tmp_path / "migrated"
+    names = sorted(str(p.relative_to(restored)) for p in restored.rglob("*") if p.is_file())
+    assert names == sorted(str(p.relative_to(migrated)) for p in migrated.rglob("*") if p.is_file())
+    for name in names:
+        if not name.startswith(f"global_step{SAVED_AT}/") and name != ".ucp-output":
+            assert (migrated / name).read_bytes() == (restored / name).read_bytes(), name
+    with open_reader(restored) as want, open_reader(migrated) as got:
+        assert got.facts.info.zero_stage == want.facts.info.zero_stage == hf_source["stage"]
+        assert got.facts.info.dp_world_size == 3
+        for meta in want.facts.params:
+            a, b = want.read(meta.name), got.read(meta.name)
+            assert torch.equal(a.fp32, b.fp32) and a.optim.keys() == b.optim.keys(), meta.name
+            assert all(torch.equal(a.optim[k], b.optim[k]) for k in a.optim), meta.name

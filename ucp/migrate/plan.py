@@ -13,6 +13,7 @@ from ucp.migrate.issues import Issue, KeyPath, config_error, raise_issues, show_
 from ucp.migrate.schema import EXPORT_SUFFIXES, MigrationConfig, ResetConfig, TargetConfig, TensorParallelConfig
 from ucp.model import flavours
 from ucp.model.records import DTYPES, Facts, Reader
+from ucp.sources.hf import find_hf_folder
 from ucp.transforms import TransformedReader, TransformPlan, plan_transforms
 
 
@@ -29,6 +30,8 @@ class MigrationPlan:
     dcp: Any | None = None  # ucp.targets.dcp.DcpPlan, for target.format: dcp
     #: each trained parameter's step in a dcp target (torch keeps one per parameter; resets restart some)
     dcp_steps: dict[str, int] = field(default_factory=dict)
+    #: the source is a Hugging Face Trainer/Accelerate folder: a native target is written as a whole one
+    hf: Any | None = None  # ucp.sources.hf.HfFolder
 
     @property
     def facts(self) -> Facts:
@@ -85,12 +88,13 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
                     f"are removed; the new optimizer must have {kept} param group(s)",
                 )
             )
-        native = dcp = None
+        native = dcp = hf = None
         if isinstance(config.target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
             if config.target.format == "dcp":
                 dcp = plan_dcp_target(config.target, reader, tplan, _param_steps(reader, tplan), issues)
             else:
-                native = _plan_target(config, config.target, reader, tplan, issues)
+                hf = find_hf_folder(config.source)
+                native = _plan_target(config, config.target, reader, tplan, issues, hf)
         if config.exports and not broken & {"exports", "transforms"} and not tplan.problems:
             _check_exports(config, reader, tplan, issues)
         raise_issues(issues, origin, exists=exists)
@@ -98,7 +102,7 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
         reader.close()
         raise
     dcp_steps = _param_steps(reader, tplan) if dcp is not None else {}
-    return MigrationPlan(config, reader, tplan, native, [origin.where(w) for w in warnings], dcp, dcp_steps)
+    return MigrationPlan(config, reader, tplan, native, [origin.where(w) for w in warnings], dcp, dcp_steps, hf)
 
 
 def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan, issues: list[Issue]) -> None:
@@ -190,8 +194,15 @@ def _output_issues(config: MigrationConfig, *, overwrite: bool) -> tuple[list[Is
 
 
 def _plan_target(
-    config: MigrationConfig, target: TargetConfig, reader: Reader, tplan: TransformPlan, issues: list[Issue]
+    config: MigrationConfig,
+    target: TargetConfig,
+    reader: Reader,
+    tplan: TransformPlan,
+    issues: list[Issue],
+    hf: Any | None = None,
 ) -> Any:
+    """The native target's plan; for a Hugging Face folder ``hf`` its stage and tag default to the folder's."""
+    from ucp.targets.hf import hf_options
     from ucp.targets.native import plan_native
 
     facts = tplan.facts
@@ -215,7 +226,8 @@ def _plan_target(
         return None
     step: str | int = target.step
     try:
-        plan = plan_native(facts, target.options())
+        options = target.options() if hf is None else hf_options(facts, hf, None, target.option_fields())
+        plan = plan_native(facts, options)
     except ConfigError as err:
         issues.append(Issue(("target",), str(err)))
         return None
@@ -364,8 +376,9 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
             str(target_step), f"set to {target_step}"
         )
         tp = f" tp={native.tp}" if native.tp > 1 else ""
+        kind = "native" if plan.hf is None else f"a whole {plan.hf.kind} folder with a"
         out.append(
-            f"write      {config.target.output}: native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
+            f"write      {config.target.output}: {kind} ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"
         )
         out += [f"             note: {note}" for note in native.notes]

@@ -58,6 +58,23 @@ def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool) -> str:
     return f"wrote a torch.distributed.checkpoint folder ({optimizer}, {target.layout} layout) to {target.output}"
 
 
+def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
+    """A Hugging Face source gets a whole folder of its kind: the DeepSpeed files, its other files, RNG files."""
+    from ucp.targets.hf import write_hf_plan
+
+    target = plan.config.target
+    if target is None or plan.native is None or plan.hf is None:
+        raise ValueError("the plan has no Hugging Face target")
+    result = write_hf_plan(plan.hf, reader, plan.native, target.output, overwrite=overwrite, workers=workers)
+    for note in result.notes:
+        logger.warning("%s", note)
+    kind = "Trainer" if result.folder.kind == "trainer" else "Accelerate"
+    return (
+        f"wrote a {kind} folder for {result.world} process(es) (ZeRO-{result.plan.stage}, tag {result.plan.tag}, "
+        f"{len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {target.output}"
+    )
+
+
 def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
     from ucp.targets.native import write_plan
 
@@ -66,6 +83,8 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
         return _write_dcp(plan, reader, overwrite=overwrite)
     if target is None or plan.native is None:
         raise ValueError("the plan has no target")
+    if plan.hf is not None:
+        return _write_hf(plan, reader, overwrite=overwrite, workers=workers)
     try:
         native = write_plan(reader, plan.native, target.output, overwrite=overwrite, workers=workers)
     except StepConflictError as err:

@@ -160,7 +160,7 @@ _ALL_OPTIMIZERS = tuple(dict.fromkeys((*flavours.FLAVOURS, *DCP_OPTIMIZERS)))
 #: TargetConfig fields that describe a native DeepSpeed layout, with the value that means "not given"
 _NATIVE_ONLY = {
     "dp": None,
-    "stage": 3,
+    "stage": None,
     "dtype": None,
     "step": "keep",
     "tag": None,
@@ -179,7 +179,7 @@ class TargetConfig(Node):
     dp: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)  # deepspeed: required
     format: str = checked(_one_of(TARGET_FORMATS), default="deepspeed")
     layout: str = checked(_one_of(DCP_LAYOUTS), default="torch")  # dcp: get_state_dict's, or torchtitan's
-    stage: int = checked(_one_of((1, 2, 3)), default=3)
+    stage: int | None = checked(_one_of((1, 2, 3)), default=None)  # None: 3 (a Hugging Face folder: its own)
     optimizer: str | None = checked(_one_of(_ALL_OPTIMIZERS), default=None)  # None: the source's (dcp: torch-adamw)
     dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the source's
     step: str | int = checked(_step_value, default="keep")
@@ -213,9 +213,13 @@ class TargetConfig(Node):
                     "and DCP reshards on load at any world size; remove it",
                 )
 
+    def option_fields(self) -> dict[str, Any]:
+        """The RestoreOptions fields as given (None: not given)."""
+        return {name: getattr(self, name) for name in RestoreOptions.field_names()}
+
     def options(self) -> RestoreOptions:
         """The same choices as the CLI's and the API's: one RestoreOptions, planned once."""
-        return RestoreOptions(**{name: getattr(self, name) for name in RestoreOptions.field_names()})
+        return RestoreOptions(**{**self.option_fields(), "stage": 3 if self.stage is None else self.stage})
 
 
 @dataclass

@@ -20,12 +20,12 @@ from ucp.deepspeed.layout import LATEST
 from ucp.errors import InputError, UcpError
 from ucp.io.atomic import staged_output
 from ucp.model.options import RestoreOptions
-from ucp.model.records import Facts
+from ucp.model.records import Facts, Reader
 from ucp.sources import open_reader
 from ucp.sources.hf import HfFolder, batch_advice, find_hf_folder, rng_plan
 from ucp.targets.native import NativePlan, plan_native, write_plan
 
-__all__ = ["HfResult", "write_hf", "check_out_path"]
+__all__ = ["hf_options", "write_hf_plan", "HfResult", "write_hf", "check_out_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ def check_out_path(src: Path, out: Path) -> None:
         )
 
 
-def _options(facts: Facts, folder: HfFolder, options: RestoreOptions | None, fields: dict[str, Any]) -> RestoreOptions:
+def hf_options(
+    facts: Facts, folder: HfFolder, options: RestoreOptions | None, fields: dict[str, Any]
+) -> RestoreOptions:
     """The new run keeps the source's stage and tag name unless told otherwise."""
     fields = {k: v for k, v in fields.items() if v is not None}
     fields.setdefault("stage", facts.info.zero_stage)
@@ -132,19 +134,36 @@ def write_hf(
         raise InputError(f"{src} is not a Hugging Face Trainer or Accelerate checkpoint folder")
     check_out_path(src, out)
     with open_reader(src, tag=folder.tag) as reader:
-        opts = _options(reader.facts, folder, options, fields)
-        plan = plan_native(reader.facts, opts)
-        world = opts.dp * opts.tp
-        rng = rng_plan(folder, world)
-        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
-            _fill(root, folder, reader, plan, rng, workers)
-        result = HfResult(folder, plan, out, world, rng, list(plan.notes))
-        result.notes += _rng_notes(folder, world, rng)
-        batch = _batch_note(reader.facts, opts.dp)
-        if batch:
-            result.notes.append(batch)
-        if folder.skipped:
-            result.notes.append(f"not carried: {', '.join(folder.skipped)} (shards of another tag, for the old size)")
+        opts = hf_options(reader.facts, folder, options, fields)
+        return write_hf_plan(
+            folder, reader, plan_native(reader.facts, opts), out, overwrite=overwrite, workers=workers, fsync=fsync
+        )
+
+
+def write_hf_plan(
+    folder: HfFolder,
+    reader: Reader,
+    plan: NativePlan,
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    fsync: bool = False,
+) -> HfResult:
+    """:func:`write_hf` for a planned write from any reader of the folder's checkpoint (``ucp migrate``
+    hands its transformed source here): the DeepSpeed files by ``plan``, every other file of ``folder``."""
+    out = Path(out)
+    world = plan.dp * plan.tp
+    rng = rng_plan(folder, world)
+    with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+        _fill(root, folder, reader, plan, rng, workers)
+    result = HfResult(folder, plan, out, world, rng, list(plan.notes))
+    result.notes += _rng_notes(folder, world, rng)
+    batch = _batch_note(reader.facts, plan.dp)
+    if batch:
+        result.notes.append(batch)
+    if folder.skipped:
+        result.notes.append(f"not carried: {', '.join(folder.skipped)} (shards of another tag, for the old size)")
     for note in result.notes:
         logger.info("%s", note)
     return result
