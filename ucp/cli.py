@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,6 +32,16 @@ DCP_OPTIMIZER_NAMES = (
     "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
     "torch-adagrad",
 )  # fmt: skip
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -212,6 +223,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from ucp.ops.diff import diff
+
+    report = diff(args.a, args.b, atol=args.atol, tag_a=args.tag_a, tag_b=args.tag_b)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        for line in report.lines():
+            print(line)
+    return 0 if report.equal else 1
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from ucp.sources import open_reader
     from ucp.targets.export import export
@@ -351,6 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="MODULE:CALLABLE building the model whose names/shapes/order to check")
     p.add_argument("--tag")
     p.set_defaults(func=_cmd_verify)
+
+    p = verbs.add_parser(
+        "diff", help="compare two checkpoints of any format, parameter by parameter and state key by state key"
+    )
+    p.add_argument("a", help="checkpoint A (DeepSpeed ZeRO at any DP/TP, universal, DCP, Hugging Face folder)")
+    p.add_argument("b", help="checkpoint B, any format too")
+    p.add_argument(
+        "--atol", type=_non_negative, default=0.0, help="largest difference counted as equal (default 0: bit for bit)"
+    )
+    p.add_argument("--tag-a", help="DeepSpeed tag to read in A (default: latest)")
+    p.add_argument("--tag-b", help="DeepSpeed tag to read in B (default: latest)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_diff)
 
     p = verbs.add_parser("export", help="consolidated weights (safetensors or torch)")
     p.add_argument("src", help="universal directory or DeepSpeed checkpoint")
