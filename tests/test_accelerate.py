@@ -8,32 +8,28 @@ native resumes at 2 processes are cached on disk; every resume from ucp's output
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")  # the model is a tiny Llama
 
-from tests.support.hf_runs import ACCELERATE_WORKER, HfRun, cached_run, run_hf  # noqa: E402
+from tests.support.hf_runs import (  # noqa: E402
+    ACCELERATE_WORKER,
+    BATCH,
+    LOSS_TOL,
+    SAVED_AT,
+    HfRun,
+    assert_state_equal,
+    cached_run,
+    run_hf,
+    tree_digest,
+)
 from tests.support.hf_worker import HfSpec  # noqa: E402
 from ucp.targets.hf import write_hf  # noqa: E402
-
-#: bf16 sums run in another order at another world size (the Trainer runs measured at most 9e-5)
-LOSS_TOL = 5e-4
-SAVED_AT = 4
-#: per world size, the per-device batch and accumulation that keep the global batch (2 x 3 x 2 = 12)
-BATCH = {1: (2, 6), 2: (2, 3), 3: (2, 2)}
-
-
-def _digest(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["zero3", "zero2"])
@@ -54,18 +50,11 @@ def _run(src: dict[str, Any], world: int, work: Path, **fields: Any) -> HfRun:
     return run_hf(replace(spec, record=str(work / "record"), **fields), module=ACCELERATE_WORKER)
 
 
-def _assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got.keys() == want.keys() and want
-    for name, tensors in want.items():
-        for key, value in tensors.items():
-            assert torch.equal(got[name][key], value), f"{name} {key} differs"
-
-
 def _assert_resumed_like_native(run: HfRun, native: HfRun) -> None:
     loaded, ref = run.loaded(), native.loaded()
     assert loaded["global_step"] == ref["global_step"] == SAVED_AT
     assert set(loaded["steps"]) == {float(SAVED_AT)}
-    _assert_state_equal(loaded["state"], ref["state"])
+    assert_state_equal(loaded["state"], ref["state"])
     final, ref_final = run.final(), native.final()
     assert final["global_step"] == SAVED_AT + 3 and set(final["steps"]) == {float(SAVED_AT + 3)}
     for step in range(SAVED_AT + 1, SAVED_AT + 4):
@@ -78,10 +67,10 @@ def test_accelerate_loads_ucps_folder_at_a_new_world_size(accel_source: dict[str
     if world == 1 and accel_source["stage"] == 2:
         pytest.skip("one process is shown at ZeRO-3; ZeRO-2 goes through the same folder writer")
     state: Path = accel_source["state"]
-    before = _digest(state)
+    before = tree_digest(state)
     new = tmp_path / "state"
     result = write_hf(state, new, dp=world)
-    assert _digest(state) == before, "the source folder changed"
+    assert tree_digest(state) == before, "the source folder changed"
     assert result.folder.kind == "accelerate"
     assert sorted(p.name for p in new.glob("random_states_*.pkl")) == [f"random_states_{r}.pkl" for r in range(world)]
     assert (new / "scheduler.bin").read_bytes() == (state / "scheduler.bin").read_bytes()
@@ -99,7 +88,7 @@ def test_live_accelerate_load_at_a_new_world_size_and_its_save_resumes_natively(
     _assert_resumed_like_native(live, accel_source["native"])
     # the live run saved an ordinary state at 3 processes, which a plain load_state reads as saved
     again = _run(accel_source, 3, tmp_path / "again", resume=str(live.out / "state-again"), max_steps=SAVED_AT + 3)
-    _assert_state_equal(again.loaded()["state"], live.final()["state"])
+    assert_state_equal(again.loaded()["state"], live.final()["state"])
 
 
 @pytest.mark.slow

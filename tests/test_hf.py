@@ -8,7 +8,6 @@ torch AdamW with weight decay (two param groups). Save runs and the native resum
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -23,23 +22,20 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer runs on it
 
-from tests.support.hf_runs import HfRun, cached_run, run_hf  # noqa: E402
+from tests.support.hf_runs import (  # noqa: E402
+    BATCH,
+    LOSS_TOL,
+    SAVED_AT,
+    HfRun,
+    assert_state_equal,
+    cached_run,
+    run_hf,
+    tree_digest,
+)
 from tests.support.hf_worker import HfSpec  # noqa: E402
 from ucp.errors import InputError, UcpError  # noqa: E402
 from ucp.sources.hf import batch_advice, find_hf_folder, rng_plan  # noqa: E402
 from ucp.targets.hf import write_hf  # noqa: E402
-
-#: bf16 sums run in another order at another world size; measured at most 9e-5 here (losses near 4.12)
-LOSS_TOL = 5e-4
-SAVED_AT = 4
-#: per new world size, the per-device batch and accumulation that keep the global batch (2 x 3 x 2 = 12)
-BATCH = {1: (2, 6), 2: (2, 3), 3: (2, 2)}
-
-
-def _tree_digest(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["zero3", "zero2"])
@@ -58,23 +54,16 @@ def _resume(src: dict[str, Any], folder: Path, world: int, work: Path, **extra: 
     return run_hf(replace(spec, out=str(work / "out"), record=str(work / "record"), **extra))
 
 
-def _assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got.keys() == want.keys()
-    for name, tensors in want.items():
-        for key, value in tensors.items():
-            assert torch.equal(got[name][key], value), f"{name} {key} differs"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
 def test_trainer_resumes_from_ucp_folder_at_new_world_size(
     hf_source: dict[str, Any], world: int, tmp_path: Path
 ) -> None:
     ckpt: Path = hf_source["ckpt"]
-    before = _tree_digest(ckpt)
+    before = tree_digest(ckpt)
     new = tmp_path / f"checkpoint-{SAVED_AT}"
     result = write_hf(ckpt, new, dp=world)
-    assert _tree_digest(ckpt) == before, "the source folder changed"
+    assert tree_digest(ckpt) == before, "the source folder changed"
     run = _resume(hf_source, new, world, tmp_path / "run")
     native: HfRun = hf_source["native"]
 
@@ -82,7 +71,7 @@ def test_trainer_resumes_from_ucp_folder_at_new_world_size(
     loaded, ref = run.loaded(), native.loaded()
     assert loaded["global_step"] == ref["global_step"] == SAVED_AT
     assert set(loaded["steps"]) == {float(SAVED_AT)}
-    _assert_state_equal(loaded["state"], ref["state"])
+    assert_state_equal(loaded["state"], ref["state"])
 
     # every new process found an RNG file: it loaded old process r mod 2's state
     for rank in range(world):
@@ -114,7 +103,7 @@ def test_restored_folder_copies_every_source_file_unchanged(hf_source: dict[str,
 @pytest.mark.slow
 def test_restore_refuses_an_output_overlapping_the_source(hf_source: dict[str, Any], tmp_path: Path) -> None:
     ckpt: Path = hf_source["ckpt"]
-    before = _tree_digest(ckpt)
+    before = tree_digest(ckpt)
     for out in (ckpt, ckpt / "inner", ckpt.parent):
         with pytest.raises(UcpError, match="overlaps the source"):
             write_hf(ckpt, out, dp=3, overwrite=True)
@@ -125,7 +114,7 @@ def test_restore_refuses_an_output_overlapping_the_source(hf_source: dict[str, A
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "overlaps the source" in proc.stderr
-    assert _tree_digest(ckpt) == before
+    assert tree_digest(ckpt) == before
 
 
 @pytest.mark.slow
@@ -190,7 +179,7 @@ def test_live_helper_resumes_any_world_size_and_its_save_resumes_natively(
         pytest.skip("one live run (ZeRO-3) keeps the suite short; ZeRO-2 goes through the same engine restore")
     native: HfRun = hf_source["native"]
     live = _resume(hf_source, hf_source["ckpt"], 3, tmp_path / "live", resume=None, live_from=str(hf_source["ckpt"]))
-    _assert_state_equal(live.loaded()["state"], native.loaded()["state"])
+    assert_state_equal(live.loaded()["state"], native.loaded()["state"])
     final = live.final()
     assert final["global_step"] == SAVED_AT + 3 and set(final["steps"]) == {float(SAVED_AT + 3)}
     for step in range(SAVED_AT + 1, SAVED_AT + 4):
@@ -200,7 +189,7 @@ def test_live_helper_resumes_any_world_size_and_its_save_resumes_natively(
     again = live.out / f"checkpoint-{SAVED_AT + 3}"
     assert find_hf_folder(again) is not None and find_hf_folder(again).old_world == 3
     more = _resume(hf_source, again, 3, tmp_path / "again", max_steps=SAVED_AT + 4)
-    _assert_state_equal(more.loaded()["state"], final["state"])
+    assert_state_equal(more.loaded()["state"], final["state"])
     assert more.final()["global_step"] == SAVED_AT + 4 and set(more.final()["steps"]) == {float(SAVED_AT + 4)}
 
 

@@ -20,9 +20,42 @@ from tests.support.fixtures import cache_root
 from tests.support.hf_worker import HfSpec
 from ucp.harness.launch import free_port, launch
 
-__all__ = ["HfRun", "run_hf", "cached_run", "ACCELERATE_WORKER"]
+__all__ = [
+    "HfRun",
+    "run_hf",
+    "cached_run",
+    "ACCELERATE_WORKER",
+    "LOSS_TOL",
+    "SAVED_AT",
+    "BATCH",
+    "tree_digest",
+    "assert_state_equal",
+]
 
 _VERSION = "1"
+#: bf16 sums run in another order at another world size; measured at most 9e-5 here (losses near 4.12)
+LOSS_TOL = 5e-4
+#: the optimizer step the save runs checkpoint at
+SAVED_AT = 4
+#: per world size, the per-device batch and accumulation that keep the global batch (2 x 3 x 2 = 12)
+BATCH = {1: (2, 6), 2: (2, 3), 3: (2, 2)}
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file below ``root``: a folder ucp only reads must come out the same."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Two records' per-parameter tensors (fp32 and moments) bit for bit."""
+    assert got.keys() == want.keys() and want
+    for name, tensors in want.items():
+        for key, value in tensors.items():
+            assert torch.equal(got[name][key], value), f"{name} {key} differs"
+
+
 _ROOT = Path(__file__).resolve().parents[2]
 
 
