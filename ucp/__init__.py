@@ -7,12 +7,33 @@ stock DeepSpeed loads. Importing ucp never imports deepspeed.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from ucp.errors import UcpError  # noqa: E402
-from ucp.ops.convert import load_optimizer_moments, to_universal
-from ucp.sources import open_reader  # noqa: E402
-from ucp.universal.reader import open_universal
+
+if TYPE_CHECKING:
+    from ucp.ops.convert import load_optimizer_moments, to_universal
+    from ucp.sources import open_reader
+    from ucp.universal.reader import open_universal
+
+#: the API's readers and converters, imported on first use: ``import ucp`` (and the CLI's start) stays free of torch
+_LAZY = {
+    "to_universal": "ucp.ops.convert",
+    "load_optimizer_moments": "ucp.ops.convert",
+    "open_reader": "ucp.sources",
+    "open_universal": "ucp.universal.reader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ucp' has no attribute {name!r}")
 
 
 def restore(engine, universal_dir, **kwargs):  # type: ignore[no-untyped-def]

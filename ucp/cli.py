@@ -13,20 +13,28 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ucp import __version__
 from ucp.errors import Stopped, UcpError
-from ucp.io.guard import OutputPolicy, check_output, universal_bytes, weight_bytes, writing
 from ucp.io.signals import stop_on_signals
-from ucp.model.records import Facts, Reader
+
+if TYPE_CHECKING:  # the CLI imports torch only once a verb runs: --help, --version and Ctrl-C stay quick
+    from ucp.io.guard import OutputPolicy
+    from ucp.model.records import Facts, Reader
 
 __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("ucp")
-FLAVOUR_NAMES = ("torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam")
+#: every optimizer flavour (ucp.model.flavours.FLAVOURS; spelled here so that --help needs no torch, kept equal by a test)
+FLAVOUR_NAMES = (
+    "torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam", "torch-sgd", "torch-rmsprop", "torch-nadam",
+    "torch-radam", "torch-adamax", "torch-adagrad", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
+)  # fmt: skip
 #: optimizers a DCP output can be written for (ucp.targets.dcp.DCP_OPTIMIZERS)
 DCP_OPTIMIZER_NAMES = (
     "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
@@ -56,6 +64,8 @@ def _positive(text: str) -> int:
 
 def _policy(args: argparse.Namespace) -> OutputPolicy:
     """What the user allowed for an existing OUT and the space check."""
+    from ucp.io.guard import OutputPolicy
+
     if args.overwrite_foreign and not args.overwrite:
         raise UcpError("--overwrite-foreign widens --overwrite to folders ucp did not write; pass both")
     return OutputPolicy(overwrite=args.overwrite, foreign=args.overwrite_foreign, space_check=not args.no_space_check)
@@ -68,6 +78,8 @@ def _output(
     """The one way a verb writes ``args.out`` from ``src``: OUT checked against the input and the
     user's flags (ucp.io.guard.check_output) before the input is opened, then the write inside
     ucp.io.guard.writing (space check from ``size`` of the input's facts; faults as one line)."""
+    from ucp.io.guard import check_output, writing
+
     policy = _policy(args)
     check_output(args.out, {"source": src}, policy)
     with open_source() as reader, writing({Path(args.out): size(reader.facts)}, policy):
@@ -76,7 +88,16 @@ def _output(
 
 def _weights(args: argparse.Namespace) -> Callable[[Facts], int]:
     """The size estimate of an output holding the weights at ``--dtype`` (a lower bound of any restore)."""
-    return lambda facts: weight_bytes(facts, args.dtype)
+    from ucp.io.guard import weight_bytes
+
+    return lambda facts: weight_bytes(facts, getattr(args, "dtype", None))
+
+
+def _universal_size(facts: Facts) -> int:
+    """The size estimate of a universal directory of ``facts``."""
+    from ucp.io.guard import universal_bytes
+
+    return universal_bytes(facts)
 
 
 def _cmd_to_universal(args: argparse.Namespace) -> int:
@@ -91,7 +112,7 @@ def _cmd_to_universal(args: argparse.Namespace) -> int:
         return 0
     from ucp.universal.writer import write_universal
 
-    with _output(args, args.src, lambda: _to_universal_source(args), universal_bytes) as reader:
+    with _output(args, args.src, lambda: _to_universal_source(args), _universal_size) as reader:
         manifest = write_universal(reader, args.out, overwrite=args.overwrite, workers=args.workers, fsync=args.fsync)
     print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
     return 0
@@ -115,7 +136,7 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
     from ucp.sources import open_reader
     from ucp.targets.dcp import write_dcp
 
-    with _output(args, args.universal, lambda: open_reader(args.universal, tag=args.tag), weight_bytes) as reader:
+    with _output(args, args.universal, lambda: open_reader(args.universal, tag=args.tag), _weights(args)) as reader:
         write_dcp(
             reader,
             args.out,
@@ -283,7 +304,10 @@ def _output_flags(p: argparse.ArgumentParser, *, fsync: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints for DeepSpeed ZeRO.")
+    parser = argparse.ArgumentParser(
+        prog="ucp", description="Universal checkpoints for DeepSpeed ZeRO.", allow_abbrev=False
+    )
+    parser.add_argument("--version", action="version", version=f"ucp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -355,15 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its ZeRO-1/2 momentum "
         "out by it (default: as the source did)",
     )
-    p.add_argument("--workers", type=_positive)
+    p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
     _output_flags(p, fsync=True)
     p.set_defaults(func=_cmd_restore)
 
     p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")
-    p.add_argument("path")
+    p.add_argument("path", help="DeepSpeed checkpoint, universal directory, DCP or Hugging Face folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tag")
-    p.add_argument("--optimizer", choices=FLAVOUR_NAMES)
+    p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
+    p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the optimizer flavour, when detection cannot tell")
     p.set_defaults(func=_cmd_inspect)
 
     p = verbs.add_parser(
@@ -372,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="DeepSpeed checkpoint (or universal directory with --model)")
     p.add_argument("universal", nargs="?", help="universal directory to compare bit for bit")
     p.add_argument("--model", help="MODULE:CALLABLE building the model whose names/shapes/order to check")
-    p.add_argument("--tag")
+    p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
     p.set_defaults(func=_cmd_verify)
 
     p = verbs.add_parser(
@@ -391,10 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("export", help="consolidated weights (safetensors or torch)")
     p.add_argument("src", help="universal directory or DeepSpeed checkpoint")
     p.add_argument("out", help="output file (model.safetensors / pytorch_model.bin) or folder when sharded")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument(
+        "--format", choices=("safetensors", "torch"), default="safetensors", help="file format (default safetensors)"
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: the model's dtype")
     p.add_argument("--max-shard-size", default="5GB", help="shard above this size, e.g. 500MB, 5GB (default 5GB)")
-    p.add_argument("--tag")
+    p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
     _output_flags(p)
     p.set_defaults(func=_cmd_export)
 
@@ -410,9 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="ucp-demo",
         help="folder for the demo's checkpoints: new, empty, or one an earlier demo made (default ./ucp-demo)",
     )
-    p.add_argument("--source-dp", type=_positive, default=4)
-    p.add_argument("--target-dp", type=_positive, default=2)
+    p.add_argument("--source-dp", type=_positive, default=4, help="DP size of the training run saved (default 4)")
+    p.add_argument("--target-dp", type=_positive, default=2, help="DP size the run resumes at (default 2)")
     p.set_defaults(func=_cmd_demo)
+    for sub in verbs.choices.values():  # "--over" must not pass for --overwrite
+        sub.allow_abbrev = False
     return parser
 
 
@@ -429,6 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ucp: error: {err}", file=sys.stderr)
         return err.exit_code
+    except BrokenPipeError:  # `ucp inspect CKPT | head`: the reader left; say nothing more, as `cat` would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush of stdout must not fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe closed
     except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, SIGHUP (ucp.errors.Stopped): staging already removed
         name = err.name if isinstance(err, Stopped) else "Ctrl-C"
         print(f"ucp: interrupted by {name}; nothing was left half-written", file=sys.stderr)

@@ -1,0 +1,69 @@
+"""The CLI as people script it: --version, no abbreviated options, help for every option, the optimizer names
+it takes, a closed pipe and an early Ctrl-C ending without a traceback, and a start that does not wait for torch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ucp
+from ucp.cli import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, build_parser
+from ucp.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _ucp(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ucp", *args], env=ENV, text=True, **kwargs)
+
+
+def test_version_and_no_abbreviated_options(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"ucp {ucp.__version__}"
+    with pytest.raises(SystemExit) as done:
+        cli(["restore", "a", "b", "--dp", "2", "--over"])
+    assert done.value.code == 2 and "unrecognized arguments: --over" in capsys.readouterr().err
+
+
+def test_every_option_has_help_and_the_optimizer_names_are_the_registrys():
+    from ucp.model.flavours import FLAVOURS
+    from ucp.targets.dcp import DCP_OPTIMIZERS
+
+    assert FLAVOUR_NAMES == tuple(FLAVOURS) and set(DCP_OPTIMIZER_NAMES) == set(DCP_OPTIMIZERS)
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in verbs.choices.items():
+        missing = [a.option_strings or a.dest for a in sub._actions if not a.help]
+        assert not missing, (name, missing)
+
+
+def test_the_cli_starts_without_importing_torch():
+    code = "import sys, ucp.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], env=ENV, check=True, timeout=60)
+
+
+def test_a_pipe_closed_early_ends_without_a_traceback(z3_bf16_dp2):
+    proc = _ucp("inspect", str(z3_bf16_dp2.path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # `| head -1`
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and first.strip() and "Traceback" not in err, err
+
+
+def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path):
+    proc = _ucp("to-universal", str(z3_bf16_dp2.path), str(tmp_path / "u"), stderr=subprocess.PIPE)
+    time.sleep(0.3)  # while the verb still imports torch
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "u").exists()
