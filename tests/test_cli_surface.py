@@ -4,6 +4,7 @@ it takes, a closed pipe and an early Ctrl-C ending without a traceback, and a st
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -53,10 +54,9 @@ def test_the_cli_starts_without_importing_torch():
 
 def test_a_pipe_closed_early_ends_without_a_traceback(z3_bf16_dp2):
     proc = _ucp("inspect", str(z3_bf16_dp2.path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    first = proc.stdout.readline()
-    proc.stdout.close()  # `| head -1`
+    proc.stdout.close()  # `| head -0`: gone before ucp writes (a reader leaving later may find it all written)
     err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 141 and first.strip() and "Traceback" not in err, err
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and err == "", err
 
 
 def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path):
@@ -67,3 +67,27 @@ def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path):
     assert proc.wait(timeout=120) == 130, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("mode", ["text", "json", "quiet"])
+def test_results_go_to_stdout_as_one_line_one_json_object_or_nothing(z3_bf16_dp2, tmp_path, capsys, mode):
+    flags = {"text": [], "json": ["--json"], "quiet": []}[mode]
+    top = ["--quiet"] if mode == "quiet" else []
+    runs = [
+        ["to-universal", str(z3_bf16_dp2.path), str(tmp_path / "u")],
+        ["restore", str(tmp_path / "u"), str(tmp_path / "n"), "--dp", "3"],
+        ["restore", str(tmp_path / "u"), str(tmp_path / "d"), "--format", "dcp"],
+        ["export", str(tmp_path / "u"), str(tmp_path / "model.safetensors")],
+    ]
+    for argv in runs:
+        assert cli(top + argv + flags) == 0, argv
+        out, err = capsys.readouterr()
+        if mode == "quiet":
+            assert out == "" and err == "", (argv, out, err)
+        elif mode == "json":
+            result = json.loads(out)
+            assert result["verb"] == argv[0] and Path(result["out"]) == Path(argv[2]) and result["summary"], result
+            assert err == "", err
+        else:
+            assert len(out.splitlines()) == 1 and out.startswith("wrote "), out
+            assert all(line.startswith("note: ") for line in err.splitlines()), err

@@ -228,6 +228,7 @@ def test_verify_and_export_work_on_a_dcp_folder(which, dcp_folders, universals, 
 
     folder, u = dcp_folders[which], tmp_path / "u"
     assert cli(["to-universal", str(folder), str(u)]) == 0
+    assert capsys.readouterr().out.startswith("wrote 13 parameters")
     assert cli(["verify", str(folder), str(u)]) == 0
     assert capsys.readouterr().out.startswith("OK: 13 parameters")
     other = universals("z3-fp32-dp3-adamw") if which == "fsdp2" else u.parent / "other"

@@ -211,7 +211,7 @@ def test_plan_shards_fills_in_order_and_isolates_oversized_tensors(sizes, limit,
 def test_export_cli_exit_codes(z3_bf16_dp2, bf16_universal, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", str(bf16_universal), str(out), "--dtype", "fp32", "--max-shard-size", "2KB"]) == 0
-    assert "file(s) to" in capsys.readouterr().err
+    assert "file(s) to" in capsys.readouterr().out  # the result on stdout
     assert (out / "model.safetensors.index.json").is_file()
     assert main(["export", str(bf16_universal), str(out)]) == 2
     err = capsys.readouterr().err

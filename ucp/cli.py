@@ -100,22 +100,38 @@ def _universal_size(facts: Facts) -> int:
     return universal_bytes(facts)
 
 
+def _done(args: argparse.Namespace, summary: str, notes: Sequence[str] = (), **data: Any) -> int:
+    """A writing verb's result: the summary line on stdout (notes on stderr), or with --json one object
+    on stdout (``summary``, ``notes``, ``out`` and the verb's own fields); --quiet prints nothing."""
+    if getattr(args, "json", False):
+        print(json.dumps({"verb": args.verb, "out": str(args.out), "summary": summary, "notes": list(notes), **data}))
+    elif not args.quiet:
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        print(summary)
+    return 0
+
+
 def _cmd_to_universal(args: argparse.Namespace) -> int:
     if args.distributed:
         if args.frozen:
             raise UcpError("--frozen is not supported with --distributed; convert the DCP folder in one process")
         from ucp.ops.distributed import to_universal_distributed
 
-        to_universal_distributed(
+        manifest = to_universal_distributed(
             args.src, args.out, tag=args.tag, optimizer=args.optimizer, workers=args.workers, policy=_policy(args)
         )
-        return 0
-    from ucp.universal.writer import write_universal
+        if manifest is None:  # ranks other than 0 report nothing
+            return 0
+    else:
+        from ucp.universal.writer import write_universal
 
-    with _output(args, args.src, lambda: _to_universal_source(args), _universal_size) as reader:
-        manifest = write_universal(reader, args.out, overwrite=args.overwrite, workers=args.workers, fsync=args.fsync)
-    print(f"wrote {len(manifest['params'])} parameters to {args.out}", file=sys.stderr)
-    return 0
+        with _output(args, args.src, lambda: _to_universal_source(args), _universal_size) as reader:
+            manifest = write_universal(
+                reader, args.out, overwrite=args.overwrite, workers=args.workers, fsync=args.fsync
+            )
+    count = len(manifest["params"])
+    return _done(args, f"wrote {count} parameters to {args.out}", manifest.get("warnings", []), parameters=count)
 
 
 def _to_universal_source(args: argparse.Namespace) -> Reader:
@@ -146,11 +162,9 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
             fsync=args.fsync,
         )
     layout = f", {args.dcp_layout} layout" if args.dcp_layout else ""
-    print(
-        f"wrote a torch.distributed.checkpoint folder ({args.optimizer or 'torch-adamw'}{layout}) to {args.out}",
-        file=sys.stderr,
-    )
-    return 0
+    optimizer = args.optimizer or "torch-adamw"
+    summary = f"wrote a torch.distributed.checkpoint folder ({optimizer}{layout}) to {args.out}"
+    return _done(args, summary, format="dcp", optimizer=optimizer, layout=args.dcp_layout or "torch")
 
 
 def _native_options(args: argparse.Namespace, step: int | str, stage: int | None) -> dict[str, Any]:
@@ -178,15 +192,22 @@ def _cmd_restore_hf(args: argparse.Namespace, step: int | str, tag: str) -> int:
     # write_hf opens the folder itself (it needs its files too); the reader here gives the size
     with _output(args, args.universal, lambda: open_reader(args.universal, tag=tag), _weights(args)):
         result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
-    for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(
+    summary = (
         f"wrote {'a Trainer' if result.folder.kind == 'trainer' else 'an Accelerate'} folder for "
         f"{result.world} process{'es' if result.world > 1 else ''} (ZeRO-{result.plan.stage}, tag "
-        f"{result.plan.tag}, {len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {args.out}",
-        file=sys.stderr,
+        f"{result.plan.tag}, {len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {args.out}"
     )
-    return 0
+    return _done(
+        args,
+        summary,
+        result.notes,
+        format=result.folder.kind,
+        processes=result.world,
+        stage=result.plan.stage,
+        tag=result.plan.tag,
+        files_copied=list(result.folder.files),
+        rng_files=[new for _, new in result.rng],
+    )
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
@@ -210,15 +231,23 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         return _cmd_restore_hf(args, step, hf.tag)
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
         plan = write_native(reader, args.out, **_native_options(args, step, args.stage or 3))
-    for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
-    print(
+    summary = (
         f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
-        f"{args.out}/{plan.tag}",
-        file=sys.stderr,
+        f"{args.out}/{plan.tag}"
     )
-    return 0
+    return _done(
+        args,
+        summary,
+        plan.notes,
+        format="deepspeed",
+        stage=plan.stage,
+        dp=plan.dp,
+        tp=plan.tp,
+        optimizer=plan.flavour.name,
+        dtype=plan.dtype,
+        tag=plan.tag,
+    )
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -269,14 +298,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
         )
-    print(f"wrote {len(written)} file(s) to {args.out}", file=sys.stderr)
-    return 0
+    return _done(args, f"wrote {len(written)} file(s) to {args.out}", files=[str(p) for p in written])
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
     from ucp.migrate import run_migration
 
-    print(run_migration(args.config, dry_run=args.dry_run, policy=_policy(args)))
+    text = run_migration(args.config, dry_run=args.dry_run, policy=_policy(args))
+    if args.json:
+        print(json.dumps({"verb": "migrate", "dry_run": args.dry_run, "lines": text.splitlines()}))
+    elif not args.quiet:
+        print(text)
     return 0
 
 
@@ -301,6 +333,7 @@ def _output_flags(p: argparse.ArgumentParser, *, fsync: bool = False) -> None:
     )
     if fsync:
         p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ucp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (no result line, notes or progress bars)"
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO or DCP checkpoint -> universal directory")
@@ -448,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    if args.quiet and not (args.debug or args.verbose):
+        level = logging.ERROR
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         with stop_on_signals():

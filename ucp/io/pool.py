@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,8 @@ def _progress(total: int, desc: str) -> Any:
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit="param", disable=None, leave=False)
+        quiet = logging.getLogger("ucp").getEffectiveLevel() > logging.WARNING  # ucp --quiet
+        return tqdm(total=total, desc=desc, unit="param", disable=True if quiet else None, leave=False)
     except ImportError:  # tqdm is optional
 
         class _Null:

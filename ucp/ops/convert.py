@@ -38,7 +38,7 @@ def to_universal(
         manifest = write_universal(reader, out, overwrite=overwrite, workers=workers, fsync=fsync)
     finally:
         reader.close()
-    logger.info("wrote %d parameters to %s", len(manifest["params"]), out)
+    logger.debug("wrote %d parameters to %s", len(manifest["params"]), out)
     return manifest
 
 

@@ -280,5 +280,5 @@ def write_dcp(
             reader.close()
     for note in plan.notes:
         logger.warning("%s", note)
-    logger.info("wrote a DCP checkpoint (%s) to %s", optimizer, out)
+    logger.debug("wrote a DCP checkpoint (%s) to %s", optimizer, out)
     return plan

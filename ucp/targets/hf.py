@@ -165,5 +165,5 @@ def write_hf_plan(
     if folder.skipped:
         result.notes.append(f"not carried: {', '.join(folder.skipped)} (shards of another tag, for the old size)")
     for note in result.notes:
-        logger.info("%s", note)
+        logger.debug("%s", note)
     return result

@@ -126,4 +126,4 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) 
             ds_states.optim_file_dict(block, config, facts.info.ds_version),
             tag_dir / optim_file(r, plan.mp_rank, bf16=plan.dtype == "bf16"),
         )
-    logger.info("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, dp, tag_dir)
+    logger.debug("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, dp, tag_dir)

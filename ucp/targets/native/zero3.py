@@ -98,4 +98,4 @@ def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -
             )
             del buffers, block  # this rank's buffers go before the next pass allocates its own
         del ranks
-    logger.info("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, tag_dir)
+    logger.debug("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, tag_dir)
