@@ -91,3 +91,19 @@ def test_results_go_to_stdout_as_one_line_one_json_object_or_nothing(z3_bf16_dp2
         else:
             assert len(out.splitlines()) == 1 and out.startswith("wrote "), out
             assert all(line.startswith("note: ") for line in err.splitlines()), err
+
+
+@pytest.mark.parametrize(
+    ("dp", "advice"),
+    [
+        (2, None),
+        (4, "to keep 12 set train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1"),
+        (5, "no setting keeps 12 at 5 processes"),
+    ],
+)
+def test_a_restore_at_another_dp_says_which_batch_settings_keep_the_global_batch(
+    z3_bf16_dp2, tmp_path, capsys, dp, advice
+):
+    assert cli(["restore", str(z3_bf16_dp2.path), str(tmp_path / "n"), "--dp", str(dp), "--json"]) == 0
+    notes = [n for n in json.loads(capsys.readouterr().out)["notes"] if "global batch" in n]
+    assert notes == [] if advice is None else len(notes) == 1 and advice in notes[0], notes

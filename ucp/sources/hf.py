@@ -23,6 +23,7 @@ from typing import Any
 
 from ucp.deepspeed.layout import LATEST, read_latest
 from ucp.errors import InputError
+from ucp.model.batch import global_batch_advice
 
 __all__ = [
     "HfFolder",
@@ -166,30 +167,17 @@ def rng_plan(folder: HfFolder, world: int) -> list[tuple[str, str]]:
     return [(folder.rng_files[r % len(folder.rng_files)], name) for r, name in enumerate(new)]
 
 
-def _procs(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
-
-
-def _pairs(per_rank: int) -> list[tuple[int, int]]:
-    return [(b, per_rank // b) for b in range(1, per_rank + 1) if per_rank % b == 0]
-
-
 def batch_advice(micro: int, accum: int, old_dp: int, new_dp: int) -> str | None:
-    """What keeps the global batch ``micro * accum * old_dp`` at ``new_dp`` processes; None when nothing changes.
+    """What keeps the global batch at ``new_dp`` processes, in Trainer's flags; None when nothing changes.
 
     Trainer places the data from ``global_step`` alone, so a different global batch silently
     changes which samples the resumed run sees.
     """
-    total = micro * accum * old_dp
-    if micro * accum * new_dp == total:
-        return None
-    head = (
-        f"the global batch was {total} ({micro} per device x {accum} accumulation x {_procs(old_dp)}); "
-        f"at {_procs(new_dp)} the same settings give {micro * accum * new_dp}"
+    return global_batch_advice(
+        micro,
+        accum,
+        old_dp,
+        new_dp,
+        spell=lambda b, a: f"--per_device_train_batch_size {b} --gradient_accumulation_steps {a}",
+        verb="pass",
     )
-    if total % new_dp:
-        return f"{head}, and no setting keeps {total} at {_procs(new_dp)} (it is not a multiple of {new_dp})"
-    per_rank = total // new_dp
-    options = sorted(_pairs(per_rank), key=lambda p: (abs(p[0] - micro), -p[0]))
-    text = ", or ".join(f"--per_device_train_batch_size {b} --gradient_accumulation_steps {a}" for b, a in options[:2])
-    return f"{head}; to keep {total} pass {text}"

@@ -136,7 +136,13 @@ def write_hf(
     with open_reader(src, tag=folder.tag) as reader:
         opts = hf_options(reader.facts, folder, options, fields)
         return write_hf_plan(
-            folder, reader, plan_native(reader.facts, opts), out, overwrite=overwrite, workers=workers, fsync=fsync
+            folder,
+            reader,
+            plan_native(reader.facts, opts, batch_note=False),
+            out,
+            overwrite=overwrite,
+            workers=workers,
+            fsync=fsync,
         )
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ucp.errors import ConfigError
 from ucp.model import flavours
+from ucp.model.batch import global_batch_advice
 from ucp.model.detect import offloads_optimizer
 from ucp.model.options import RestoreOptions
 from ucp.model.partition import Zero3Layout, zero3_layout
@@ -44,8 +45,10 @@ class NativePlan:
         return [self.flavour.zero12_whole_keys(g.raw, offload=self.offload) for g in facts.groups]
 
 
-def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
-    """Check the options against the checkpoint and fix every choice of the write."""
+def plan_native(facts: Facts, options: RestoreOptions, *, batch_note: bool = True) -> NativePlan:
+    """Check the options against the checkpoint and fix every choice of the write; ``batch_note``: say
+    which DeepSpeed batch settings keep the global batch at the new DP size (a Hugging Face folder's
+    writer says it in Trainer's flags instead)."""
     problems = options.problems()
     name = options.optimizer or facts.flavour
     if name is None:
@@ -85,9 +88,27 @@ def plan_native(facts: Facts, options: RestoreOptions) -> NativePlan:
             + f", as a run {'with' if plan.offload else 'without'} optimizer offload reads it "
             "(DeepSpeed would start the other from zero: set offload to match the new run)"
         )
+    if batch_note:
+        plan.notes += _batch_notes(facts, options.dp)
     if name != facts.flavour and facts.flavour is not None:
         plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
     return plan
+
+
+def _batch_notes(facts: Facts, new_dp: int) -> list[str]:
+    """The DeepSpeed settings that keep the source's global batch at ``new_dp`` (from its saved config)."""
+    config = facts.info.ds_config or {}
+    micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    if not isinstance(micro, int) or not isinstance(accum, int) or isinstance(micro, bool) or micro < 1 or accum < 1:
+        return []
+    advice = global_batch_advice(
+        micro,
+        accum,
+        facts.info.dp_world_size,
+        new_dp,
+        spell=lambda b, a: f"train_micro_batch_size_per_gpu={b}, gradient_accumulation_steps={a}",
+    )
+    return [advice] if advice else []
 
 
 def param_step(plan: NativePlan, state: ParamState | PieceState) -> int:
