@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +238,19 @@ def test_export_cli_in_a_subprocess(z3_bf16_dp2, tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_exported_files_follow_the_umask_and_a_foreign_suffix_is_refused(bf16_universal, tmp_path, capsys):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    single = tmp_path / "model.safetensors"
+    assert main(["export", str(bf16_universal), str(single)]) == 0
+    sharded = export(bf16_universal, tmp_path / "shards", max_shard_size="1KB")
+    torch_file = export(bf16_universal, tmp_path / "model.bin", format="torch")
+    for path in [single, *sharded, *torch_file]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path
+    capsys.readouterr()
+    assert main(["export", str(bf16_universal), str(tmp_path / "weights.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "ends in .txt" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "weights.txt").exists()

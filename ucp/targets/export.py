@@ -44,6 +44,10 @@ FORMATS = {
     "torch": ("pytorch_model.bin", "pytorch_model", ".bin"),
 }
 _FILE_SUFFIXES = {"safetensors": (".safetensors",), "torch": (".bin", ".pt", ".pth")}
+#: suffixes that name a file of another kind: an OUT ending in one is a mistake, not a folder name
+_OTHER_FILE_SUFFIXES = frozenset(
+    {".txt", ".json", ".yaml", ".yml", ".ckpt", ".npz", ".npy", ".h5", ".gguf", ".onnx", ".zip", ".tar", ".gz", ".pkl"}
+)
 #: metadata key (safetensors header and index ``metadata``) listing tied aliases: alias -> owner
 TIED_KEY = "ucp_tied"
 
@@ -132,6 +136,11 @@ def _resolve_out(out: Path, fmt: str) -> tuple[Path, str | None]:
     other = [s for f, suffixes in _FILE_SUFFIXES.items() if f != fmt for s in suffixes]
     if out.suffix in other:
         raise ConfigError(f"{out} ends in {out.suffix}, which does not fit --format {fmt}")
+    if out.suffix.lower() in _OTHER_FILE_SUFFIXES:
+        raise ConfigError(
+            f"{out} ends in {out.suffix}, a file name, but a {fmt} export writes a {' or '.join(_FILE_SUFFIXES[fmt])} "
+            "file or a folder: name one of those"
+        )
     return out, None
 
 
@@ -145,6 +154,17 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path, fmt: str, tied: Ma
     if tied:
         metadata[TIED_KEY] = json.dumps(dict(tied), sort_keys=True)
     save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_UMASK)  # safetensors writes 0600; every other output follows the umask
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read it: the only way is to set it, so put it straight back
+    os.umask(mask)
+    return mask
+
+
+#: the process umask, read once at import (reading it means setting it, which is not thread-safe)
+_UMASK = _umask()
 
 
 def _require_safetensors() -> None:
