@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 from ucp.errors import UcpError  # noqa: E402
 
 if TYPE_CHECKING:
-    from ucp.ops.convert import load_optimizer_moments, to_universal
+    from ucp.ops.convert import iter_optimizer_moments, load_optimizer_moments, to_universal
+    from ucp.ops.diff import diff
     from ucp.sources import open_reader
     from ucp.universal.reader import open_universal
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "to_universal": "ucp.ops.convert",
     "load_optimizer_moments": "ucp.ops.convert",
+    "iter_optimizer_moments": "ucp.ops.convert",
+    "diff": "ucp.ops.diff",
     "open_reader": "ucp.sources",
     "open_universal": "ucp.universal.reader",
 }
@@ -71,6 +74,8 @@ __all__ = [
     "open_universal",
     "open_reader",
     "load_optimizer_moments",
+    "iter_optimizer_moments",
+    "diff",
     "restore",
     "restore_torch",
     "write_native",

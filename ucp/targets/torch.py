@@ -7,6 +7,7 @@ hyperparameters of the checkpoint group that holds its members.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -21,6 +22,8 @@ from ucp.targets.engine import match_groups
 
 __all__ = ["restore_torch"]
 
+logger = logging.getLogger(__name__)
+
 
 def restore_torch(
     model: torch.nn.Module,
@@ -31,7 +34,27 @@ def restore_torch(
     scheduler: Any = None,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Load weights, buffers, optimizer state and (optionally) an lr scheduler; returns client state."""
+    """Load a checkpoint into a plain torch model and optimizer (no DeepSpeed needed).
+
+    Args:
+        model: the model; its parameter names must be the checkpoint's (``strict``) or a superset/subset.
+        optimizer: the new run's optimizer, or None for weights only. Its param groups take the
+            checkpoint's hyperparameters (lr, betas, eps, weight decay: the checkpoint's lr replaces
+            the one the optimizer was built with, and a log line says so); its own switches
+            (foreach, fused, capturable) stay.
+        universal_dir: any checkpoint ucp reads (universal directory, DeepSpeed ZeRO, DCP), or a reader.
+        flavour: the optimizer flavour, when it cannot be told from the optimizer object.
+        scheduler: an lr scheduler to load the checkpoint's scheduler state into.
+        strict: the parameter names must match exactly.
+
+    Returns:
+        The client state DeepSpeed saved with the checkpoint.
+
+    Example::
+
+        model = build_model(); opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ucp.restore_torch(model, opt, "universal/")
+    """
     reader = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
     try:
         facts = reader.facts
@@ -72,6 +95,8 @@ def restore_torch(
             if source is None or kind is None:
                 continue
             meta = facts.groups[source]
+            if group.get("lr") != meta.hyper.lr:
+                logger.info("param group %d: lr %s from the checkpoint replaces %s", g, meta.hyper.lr, group.get("lr"))
             group.update(
                 {
                     k: v
