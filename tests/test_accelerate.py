@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")  # the model is a tiny Llama
@@ -76,6 +77,8 @@ def test_accelerate_loads_ucps_folder_at_a_new_world_size(accel_source: dict[str
     assert (new / "scheduler.bin").read_bytes() == (state / "scheduler.bin").read_bytes()
     run = _run(accel_source, world, tmp_path / "run", resume=str(new))
     _assert_resumed_like_native(run, accel_source["native"])
+    for rank in range(world):  # every new process loaded old process r mod 2's random state
+        assert torch.equal(run.rng_loaded(rank), accel_source["native"].rng_loaded(rank % 2)), rank
 
 
 @pytest.mark.slow

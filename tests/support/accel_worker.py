@@ -73,6 +73,8 @@ def _run(spec: HfSpec, rank: int) -> None:
     elif spec.resume:
         accelerator.load_state(spec.resume)
         done = engine.global_steps
+        # the CPU RNG state this process took from its random_states_<rank>.pkl (Accelerate skips a missing one)
+        torch.save({"cpu": torch.random.get_rng_state()}, record / f"rng_loaded_{rank}.pt")
     loaded = {"global_step": engine.global_steps, "state": _engine_state(engine), "steps": _optimizer_steps(engine)}
     if rank == 0:
         torch.save(loaded, record / "loaded.pt")
