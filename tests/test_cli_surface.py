@@ -59,9 +59,12 @@ def test_a_pipe_closed_early_ends_without_a_traceback(z3_bf16_dp2):
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and err == "", err
 
 
-def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path):
+@pytest.mark.parametrize("delay", [0.05, 0.3, 1.0])
+def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path, delay):
+    """While Python starts the CLI, while torch is imported (a signal there once broke numpy's import and
+    was swallowed, so the run went on), or once the work began."""
     proc = _ucp("to-universal", str(z3_bf16_dp2.path), str(tmp_path / "u"), stderr=subprocess.PIPE)
-    time.sleep(0.3)  # while the verb still imports torch
+    time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, err

@@ -1,7 +1,19 @@
 """``python -m ucp``: the same as the ``ucp`` command."""
 
+import os
+import signal
 import sys
 
-from ucp.cli import main
+
+def _early_stop(signum: int, frame: object) -> None:
+    """Ctrl-C (or SIGTERM/SIGHUP) before the CLI takes over: one line, no traceback, nothing written."""
+    os.write(2, f"ucp: interrupted by {signal.Signals(signum).name} while starting; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+for _signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_signum, _early_stop)
+
+from ucp.cli import main  # noqa: E402  (after the handlers: its imports take a while)
 
 sys.exit(main())

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucp import __version__
 from ucp.errors import Stopped, UcpError
-from ucp.io.signals import stop_on_signals
+from ucp.io.signals import held_signals, raise_if_stopped, stop_on_signals
 
 if TYPE_CHECKING:  # the CLI imports torch only once a verb runs: --help, --version and Ctrl-C stay quick
     from ucp.io.guard import OutputPolicy
@@ -230,7 +231,9 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     if hf is not None:
         return _cmd_restore_hf(args, step, hf.tag)
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
-        plan = write_native(reader, args.out, **_native_options(args, step, args.stage or 3))
+        # restore writes ZeRO-3 unless told; reshard keeps the source's stage unless told
+        default = reader.facts.info.zero_stage if args.verb == "reshard" else 3
+        plan = write_native(reader, args.out, **_native_options(args, step, args.stage or default))
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
     summary = (
         f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
@@ -248,6 +251,13 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         dtype=plan.dtype,
         tag=plan.tag,
     )
+
+
+def _cmd_reshard(args: argparse.Namespace) -> int:
+    """restore's native path under the name people look for: one pass, shards in, shards out."""
+    if args.dp is None:
+        raise UcpError("reshard needs --dp N (the data-parallel size of the new run)")
+    return _cmd_restore(args)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -336,6 +346,43 @@ def _output_flags(p: argparse.ArgumentParser, *, fsync: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
 
 
+def _new_run_flags(p: argparse.ArgumentParser) -> None:
+    """The new run's layout and optimizer, shared by restore and reshard; then the output flags."""
+    p.add_argument(
+        "--dp", type=_positive, help="data-parallel size of the new run (restore needs it unless --format dcp)"
+    )
+    p.add_argument(
+        "--stage",
+        type=int,
+        choices=(1, 2, 3),
+        help="ZeRO stage of the new run (default 3; a Hugging Face folder's own)",
+    )
+    p.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(set(FLAVOUR_NAMES) | set(DCP_OPTIMIZER_NAMES)),
+        help="optimizer of the new run (default: the source's; torch-adamw for --format dcp)",
+    )
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
+    p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
+    p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")
+    p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
+    p.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its ZeRO-1/2 momentum "
+        "out by it (default: as the source did)",
+    )
+    p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
+    _output_flags(p, fsync=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ucp", description="Universal checkpoints for DeepSpeed ZeRO.", allow_abbrev=False
@@ -386,38 +433,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("torch", "torchtitan"),
         help="--format dcp: torch (default; get_state_dict's model/optim) or torchtitan (its CheckpointManager's keys)",
     )
-    p.add_argument("--dp", type=_positive, help="data-parallel size of the new run (needed for --format deepspeed)")
-    p.add_argument(
-        "--stage",
-        type=int,
-        choices=(1, 2, 3),
-        help="ZeRO stage of the new run (default 3; a Hugging Face folder's own)",
-    )
-    p.add_argument(
-        "--tp",
-        type=_positive,
-        default=1,
-        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
-    )
-    p.add_argument(
-        "--optimizer",
-        choices=sorted(set(FLAVOUR_NAMES) | set(DCP_OPTIMIZER_NAMES)),
-        help="optimizer of the new run (default: the source's; torch-adamw for --format dcp)",
-    )
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
-    p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
-    p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")
-    p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
-    p.add_argument(
-        "--offload",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its ZeRO-1/2 momentum "
-        "out by it (default: as the source did)",
-    )
-    p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
-    _output_flags(p, fsync=True)
+    _new_run_flags(p)
     p.set_defaults(func=_cmd_restore)
+
+    p = verbs.add_parser(
+        "reshard", help="DeepSpeed checkpoint -> DeepSpeed checkpoint for another DP/stage/TP, no universal copy"
+    )
+    p.add_argument("universal", metavar="src", help="DeepSpeed checkpoint (or any source restore reads)")
+    p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
+    _new_run_flags(p)
+    p.set_defaults(func=_cmd_reshard, format="deepspeed", dcp_layout=None)
 
     p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")
     p.add_argument("path", help="DeepSpeed checkpoint, universal directory, DCP or Hugging Face folder")
@@ -487,9 +512,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quiet and not (args.debug or args.verbose):
         level = logging.ERROR
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    with held_signals() as held:  # every verb needs torch: import it where a Ctrl-C cannot break the import
+        import torch  # noqa: F401
+    if held:
+        name = signal.Signals(held[0]).name
+        print(f"ucp: interrupted by {name} while starting; nothing was written", file=sys.stderr)
+        return 128 + held[0]
     try:
         with stop_on_signals():
-            return args.func(args)
+            code = args.func(args)
+            raise_if_stopped()  # a library swallowed the signal's exception: the command still ends as stopped
+            return code
     except UcpError as err:
         if args.debug:
             raise

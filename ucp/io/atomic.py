@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ucp.errors import OutputExistsError, UcpError, WriteError
+from ucp.io.signals import raise_if_stopped
 from ucp.model.version import VERSION
 
 __all__ = [
@@ -285,6 +286,7 @@ def _staged(out: Path, overwrite: bool, durable: bool, check: Callable[[Path], N
             check(staging)
         if durable:
             fsync_tree(staging)
+        raise_if_stopped()  # a stop signal whose exception a library swallowed: still never publish
         if os.path.lexists(out) and overwrite:
             _publish_over(staging, out, token)
         else:

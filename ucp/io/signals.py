@@ -18,12 +18,46 @@ from typing import Any
 
 from ucp.errors import Stopped
 
-__all__ = ["stop_on_signals", "STOP_SIGNALS"]
+__all__ = ["stop_on_signals", "held_signals", "STOP_SIGNALS", "raise_if_stopped", "stopped_by"]
 
 logger = logging.getLogger(__name__)
 
 #: the signals that stop a command cleanly (SIGKILL cannot be caught: see staged_output for why it is safe too)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+#: the signals received inside stop_on_signals, first one first (a library may swallow the exception)
+_RECEIVED: list[int] = []
+
+
+def stopped_by() -> int | None:
+    """The first stop signal received, or None: the exception it raised may have been swallowed by
+    a library (a bare ``except:`` in an import), so the command must still end as stopped."""
+    return _RECEIVED[0] if _RECEIVED else None
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Stopped` again if a stop signal came: called before an output is published."""
+    signum = stopped_by()
+    if signum is not None:
+        raise Stopped(signum, signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def held_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[list[int]]:
+    """Within the block stop signals are only noted (the yielded list), never raised: for imports of
+    C extensions, which an exception in mid-import leaves broken for the rest of the process (numpy
+    then fails with "cannot load module more than once"). Outside the main thread this notes nothing."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    previous = {signum: signal.signal(signum, lambda n, f: got.append(n)) for signum in signums}
+    try:
+        yield got
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
 
 
 @contextlib.contextmanager
@@ -36,13 +70,13 @@ def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Itera
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    first: list[int] = []
+    _RECEIVED.clear()
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if first:  # already stopping: let the clean-up finish
+        if _RECEIVED:  # already stopping: let the clean-up finish
             logger.info("ignoring %s while cleaning up", signal.Signals(signum).name)
             return
-        first.append(signum)
+        _RECEIVED.append(signum)
         raise Stopped(signum, signal.Signals(signum).name)
 
     previous: dict[int, Any] = {}
