@@ -33,9 +33,9 @@ import torch
 
 from ucp.io.crc import crc32_combine
 from ucp.io.standins import DSEnum, DSObject
-from ucp.model.pieces import FileSpan, Pieces, part_numel
+from ucp.model.pieces import FileSpan, PathSpan, Pieces, Span, part_numel
 
-__all__ = ["WrittenFile", "write_torch_file"]
+__all__ = ["WrittenFile", "write_torch_file", "data_pickle"]
 
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -62,7 +62,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 # The pure-Python pickler: its save() is the one hook for writing DeepSpeed's globals (the C one has none);
 # the stubs leave it out, hence getattr.
 _PyPickler: Any = pickle._Pickler
-_Chunk = memoryview | bytes | FileSpan
+_Chunk = memoryview | bytes | FileSpan | PathSpan
 
 
 class _Pickler(_PyPickler):
@@ -100,7 +100,9 @@ class _Pickler(_PyPickler):
             obj = Pieces.of(obj.detach())
         if isinstance(obj, Pieces):
             item = obj.dtype.itemsize
-            data = [p if isinstance(p, FileSpan) else _tensor_bytes(p) for p in obj.parts if part_numel(p, item)]
+            data = [
+                p if isinstance(p, (FileSpan, PathSpan)) else _tensor_bytes(p) for p in obj.parts if part_numel(p, item)
+            ]
             ref = _StorageRef(
                 getattr(torch, _storage_type_name(obj.dtype)), data, sum(part_numel(p, item) for p in obj.parts)
             )
@@ -157,7 +159,7 @@ def _storage_type_name(dtype: torch.dtype) -> str:
 @dataclass
 class _StorageRef:
     storage_type: Any
-    data: list[memoryview | FileSpan]  # the record's bytes, in pieces
+    data: list[memoryview | FileSpan | PathSpan]  # the record's bytes, in pieces
     numel: int
 
 
@@ -241,6 +243,14 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     return out
 
 
+def data_pickle(obj: Any) -> bytes:
+    """The ``data.pkl`` record :func:`write_torch_file` writes for ``obj``: it depends on the tensors'
+    shapes and dtypes, never their values, so a reader can recognise a file of a known layout by it."""
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
 def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     """Write ``obj`` to ``path`` in torch's zip format; returns its size and whole-file crc32."""
     path = Path(path)
@@ -278,16 +288,16 @@ class _ZipStream:
     def record(self, name: bytes, parts: Sequence[_Chunk]) -> int:
         """Place one stored member; returns its crc32."""
         full = self.prefix + b"/" + name
-        size = sum(p.nbytes if isinstance(p, FileSpan) else len(p) for p in parts)
+        size = sum(p.nbytes if isinstance(p, (FileSpan, PathSpan)) else len(p) for p in parts)
         start = self.offset
-        streamed = any(isinstance(p, FileSpan) for p in parts)
+        streamed = any(isinstance(p, (FileSpan, PathSpan)) for p in parts)
         crc = 0
         for part in parts if not streamed else ():
             crc = zlib.crc32(part, crc)  # type: ignore[arg-type]
         header = _local_header(full, size, crc, start)
         self._add(header)
         for part in parts:
-            if isinstance(part, FileSpan):
+            if isinstance(part, (FileSpan, PathSpan)):
                 self._flush()
                 crc = _stream_span(self.fd, part, crc)
                 self.offset += part.nbytes
@@ -328,19 +338,25 @@ _CHUNK = 2 << 20
 _SCRATCH = threading.local()
 
 
-def _stream_span(fd: int, span: FileSpan, crc: int) -> int:
-    """Copy a span onto ``fd`` chunk by chunk, folding each chunk into ``crc`` while it is in cache."""
+def _stream_span(fd: int, span: Span, crc: int) -> int:
+    """Copy a span onto ``fd`` chunk by chunk, CRC'ing each chunk while it is in cache; returns
+    ``crc`` extended by the span. A :class:`PathSpan`'s file is open for just this copy, and its
+    witness learns the span's own crc32 (its reader checks the source file with it, no second read)."""
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None:
         buf = _SCRATCH.buf = memoryview(bytearray(_CHUNK))
-    done = 0
-    while done < span.nbytes:
-        chunk = buf[: min(_CHUNK, span.nbytes - done)]
-        span.read_into(chunk, done)
-        crc = zlib.crc32(chunk, crc)
-        _write_all(fd, [chunk])
-        done += len(chunk)
-    return crc
+    done, own = 0, 0
+    with span.opened() as source:
+        while done < source.nbytes:
+            chunk = buf[: min(_CHUNK, source.nbytes - done)]
+            source.read_into(chunk, done)
+            own = zlib.crc32(chunk, own)
+            _write_all(fd, [chunk])
+            done += len(chunk)
+    witness = getattr(span, "witness", None)
+    if witness is not None:
+        witness(span.offset, span.nbytes, own)
+    return crc32_combine(crc, own, span.nbytes)
 
 
 _IOV_MAX = 1024

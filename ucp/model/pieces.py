@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ucp.errors import CorruptFileError
+from ucp.errors import ChecksumError, CorruptFileError
 
-__all__ = ["FileSpan", "Part", "Pieces", "part_numel"]
+__all__ = ["FileSpan", "PathSpan", "Span", "Part", "Pieces", "part_numel", "file_stamp"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,64 @@ class FileSpan:
                 )
             done += got
 
+    def narrow(self, skip: int, nbytes: int) -> FileSpan:
+        """``nbytes`` of this span from byte ``skip`` on."""
+        return FileSpan(self.file, self.offset + skip, nbytes)
 
-Part = torch.Tensor | FileSpan
+    @contextmanager
+    def opened(self) -> Iterator[FileSpan]:
+        """The span, ready to read (its file is already open)."""
+        yield self
+
+
+@dataclass(frozen=True)
+class PathSpan:
+    """``nbytes`` bytes at ``offset`` of the file at ``path``, opened only while they are copied.
+
+    What a reader hands out when its spans must outlive any open file: a restore holds every
+    parameter's spans while it writes rank after rank, and one descriptor per file would run out.
+    ``stamp`` (:func:`file_stamp`) is the file as it was found; a file that changed since is
+    refused when opened, never read. ``witness(offset, nbytes, crc32)``, when given, is told the
+    crc32 of the bytes a writer streamed from the span: the reader checks the file with it later
+    instead of reading it twice.
+    """
+
+    path: str
+    offset: int
+    nbytes: int
+    stamp: tuple[int, ...]
+    witness: Callable[[int, int, int], None] | None = field(default=None, compare=False, repr=False)
+
+    def narrow(self, skip: int, nbytes: int) -> PathSpan:
+        """``nbytes`` of this span from byte ``skip`` on."""
+        return replace(self, offset=self.offset + skip, nbytes=nbytes)
+
+    @contextmanager
+    def opened(self) -> Iterator[FileSpan]:
+        """The span on an open file, for as long as the ``with`` block runs."""
+        try:
+            handle = open(self.path, "rb", buffering=0)
+        except OSError as err:
+            raise CorruptFileError(f"cannot open {self.path}: {err.strerror}") from None
+        with handle:
+            if file_stamp(os.fstat(handle.fileno())) != self.stamp:
+                raise ChecksumError(f"{self.path} changed after it was checked: the input changed during the run")
+            yield FileSpan(handle, self.offset, self.nbytes)
+
+    def read_into(self, view: memoryview, skip: int = 0) -> None:
+        """Fill ``view`` with the span's bytes from ``skip`` on (opening the file for this one read)."""
+        with self.opened() as span:
+            span.read_into(view, skip)
+
+
+Span = FileSpan | PathSpan
+Part = torch.Tensor | FileSpan | PathSpan
+
+
+def file_stamp(stat: os.stat_result) -> tuple[int, ...]:
+    """A file's identity for "is this still the file that was checked": a rewrite changes mtime and
+    ctime, a replacement the inode."""
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
 
 
 @dataclass(frozen=True)
@@ -61,7 +119,7 @@ class Pieces:
             numel *= d
         item = self.dtype.itemsize
         if (
-            any(isinstance(p, FileSpan) and p.nbytes % item for p in self.parts)
+            any(isinstance(p, (FileSpan, PathSpan)) and p.nbytes % item for p in self.parts)
             or any(torch.is_tensor(p) and p.dtype != self.dtype for p in self.parts)
             or sum(part_numel(p, item) for p in self.parts) != numel
         ):
@@ -89,7 +147,7 @@ class Pieces:
         for part in self.parts:
             n = part_numel(part, item)
             target = out.narrow(0, offset, n)
-            if isinstance(part, FileSpan):
+            if isinstance(part, (FileSpan, PathSpan)):
                 staging = target if out.dtype == self.dtype else torch.empty(n, dtype=self.dtype)
                 if n:
                     part.read_into(memoryview(staging.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
@@ -109,8 +167,8 @@ class Pieces:
             lo, hi = max(start - offset, 0), min(end - offset, n)
             if hi > lo:
                 parts.append(
-                    FileSpan(part.file, part.offset + lo * item, (hi - lo) * item)
-                    if isinstance(part, FileSpan)
+                    part.narrow(lo * item, (hi - lo) * item)
+                    if isinstance(part, (FileSpan, PathSpan))
                     else part.reshape(-1)[lo:hi]
                 )
             offset += n
@@ -118,4 +176,4 @@ class Pieces:
 
 
 def part_numel(part: Part, itemsize: int) -> int:
-    return part.nbytes // itemsize if isinstance(part, FileSpan) else part.numel()
+    return part.nbytes // itemsize if isinstance(part, (FileSpan, PathSpan)) else part.numel()

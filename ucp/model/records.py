@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,8 +173,9 @@ class Reader(ABC):
     """
 
     facts: Facts
-    #: True when :meth:`read_pieces` hands out spans of files rather than whole tensors: a target
-    #: then reads each rank's share apart (memory bounded by one rank), not every rank at once.
+    #: True when :meth:`read_pieces` hands out spans of files rather than whole tensors, valid until
+    #: :meth:`close` (not just inside the ``with`` block): a target then streams each rank's share
+    #: from them into its files, holding spans, never the data.
     streams: bool = False
 
     @abstractmethod
@@ -186,6 +187,13 @@ class Reader(ABC):
         """:meth:`read` as pieces, valid inside the ``with`` block. Sources that can hand out spans of
         their files override it; by default it wraps :meth:`read`'s whole tensors."""
         yield PieceState.of(self.read(name, moments=moments))
+
+    def deferred_checks(self) -> AbstractContextManager[None]:
+        """A block inside which the reader may hand out spans of files it has not checked yet, and
+        checks them (from what writers copied) when the block ends, raising there on a mismatch:
+        a streaming writer wraps its work in it so each byte is read once. Readers that check
+        nothing lazily keep this no-op."""
+        return nullcontext()
 
     def param_steps(self) -> dict[str, int | None]:
         """Each parameter's step as the checkpoint records it, without reading any tensor: a source
@@ -231,6 +239,9 @@ class ReaderView(Reader):
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
         with self.inner.read_pieces(name, moments=moments) as state:
             yield state
+
+    def deferred_checks(self) -> AbstractContextManager[None]:
+        return self.inner.deferred_checks()
 
     def param_steps(self) -> dict[str, int | None]:
         return self.inner.param_steps()

@@ -10,13 +10,15 @@ target sizes a buffer from a shape the files do not back.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
+import math
 import mmap
 import os
+import struct
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from stat import S_ISREG
 from typing import Any
@@ -25,7 +27,9 @@ import torch
 
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.io import torchfile
-from ucp.model.pieces import FileSpan, Pieces
+from ucp.io.tensor_record import SpanCheck, find_tensor_record
+from ucp.io.torchzip import data_pickle
+from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.universal.manifest import (
     FORMAT,
@@ -72,6 +76,7 @@ class UniversalReader(Reader):
         self.manifest = raw
         self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
         self._memo: dict[Path, tuple[tuple[int, ...] | None, Any]] = {}  # path -> (_stamp, what parsing it told)
+        self._pending: dict[str, SpanCheck] | None = None  # inside deferred_checks: files not checked yet
         self.facts, entries, self._files = facts_from_manifest(raw)
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()
@@ -188,12 +193,23 @@ class UniversalReader(Reader):
         known = self._memo.get(path)
         if known is not None and stamp is not None and known[0] == stamp:
             return known[1]
-        raw = self._load(path, entry.files[STEP_FILE])
-        value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
+        value = self._small_step(path, entry.files[STEP_FILE])
+        if value is None:
+            raw = self._load(path, entry.files[STEP_FILE])
+            value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
         if not isinstance(value, (int, float)) or value != entry.step:
             raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
         self._memo[path] = (stamp, int(value))
         return int(value)
+
+    def _small_step(self, path: Path, claim: FileEntry) -> float | None:
+        """step.pt as ucp writes it, read and checked without unpickling; None for any other file."""
+        record = find_tensor_record(path, _step_pickle(), _FP32_BYTES)
+        if record is None or record.data is None or record.size != claim.bytes:
+            return None
+        if self.verify and f"{record.file_crc(zlib.crc32(record.data)) & 0xFFFFFFFF:08x}" != claim.crc32:
+            raise ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt")
+        return float(struct.unpack("<f", record.data)[0])
 
     def _keys(self, entry: ParamEntry, moments: bool) -> tuple[str, ...]:
         return () if entry.frozen or not moments else entry.state_keys
@@ -209,18 +225,17 @@ class UniversalReader(Reader):
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
-        """:meth:`read` as spans of the parameter's files, valid inside the ``with`` block: a target
-        reads just the slices it needs (a rank's share) straight into place, and a file read again
-        by this reader is not checksummed again."""
+        """:meth:`read` as spans of the parameter's files (each checked first), valid until the
+        reader closes: a target reads just the slices it needs (a rank's share) straight into place
+        or streams them into its own files, and a file read again is not checksummed again."""
         entry = self._entry(name)
         keys = self._keys(entry, moments)
-        with ExitStack() as stack:
-            fp32 = self._file_pieces(name, FP32_FILE, stack)
-            optim = {k: self._file_pieces(name, state_file(k), stack) for k in keys}
-            if not keys:
-                yield PieceState(fp32=fp32, step=entry.step)
-                return
-            yield PieceState(fp32=fp32, optim=optim, step=self._step(name), scalars=self._scalars(name))
+        fp32 = self._file_pieces(name, FP32_FILE)
+        optim = {k: self._file_pieces(name, state_file(k)) for k in keys}
+        if not keys:
+            yield PieceState(fp32=fp32, step=entry.step)
+            return
+        yield PieceState(fp32=fp32, optim=optim, step=self._step(name), scalars=self._scalars(name))
 
     def _scalars(self, name: str) -> dict[str, torch.Tensor]:
         """The optimizer's 0-dim scalars of a parameter, exact as the source kept them."""
@@ -241,26 +256,70 @@ class UniversalReader(Reader):
             raise InputError(f"parameter {name!r} is not in {self.path}")
         return entry
 
-    def _file_pieces(self, name: str, key: str, stack: ExitStack) -> Pieces:
-        """One file's tensor as a span. Where its tensor lies is remembered, so reading the file again
-        (a restore reads each file once per target rank) costs an open, not a parse, while it is
-        still the file that was checked (same size, mtime, ctime and inode)."""
-        shape = tuple(self._entries[name].shape)
+    def _file_pieces(self, name: str, key: str) -> Pieces:
+        """One file's tensor as a :class:`PathSpan`, checked once: the span outlives any open file (a
+        restore holds every parameter's spans while it writes rank after rank), and reading the file
+        again costs a stat, not a parse, while it is still the file that was checked (same size,
+        mtime, ctime and inode; one that changes later is refused when the span is opened).
+        Inside :meth:`deferred_checks` a file in ucp's own layout is found without parsing it and
+        checked from the spans copied out of it."""
+        entry = self._entries[name]
+        shape = tuple(entry.shape)
         path = self.file_path(name, key)
-        known = self._memo.get(path)
-        if known is not None:
-            with contextlib.suppress(OSError):
-                handle = stack.enter_context(open(path, "rb", buffering=0))
-                if _stamp(os.fstat(handle.fileno())) == known[0]:
-                    return Pieces((FileSpan(handle, *known[1]),), shape, torch.float32)
         stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        known = self._memo.get(path)
+        if known is not None and stamp is not None and known[0] == stamp:
+            offset, nbytes = known[1]
+            return self._span(path, offset, nbytes, stamp, shape)
+        claim = entry.files.get(key)
+        if (self._pending is not None or not self.verify) and claim is not None:
+            record = find_tensor_record(path, _param_pickle(shape), _numel(shape) * _FP32_BYTES)
+            if record is not None and record.size == claim.bytes:
+                if self.verify and self._pending is not None:
+                    self._pending[str(path)] = SpanCheck(str(path), record, claim.crc32)
+                self._memo[path] = (record.stamp, (record.offset, record.nbytes))
+                return self._span(path, record.offset, record.nbytes, record.stamp, shape)
         tf, tensor = self._open_tensor(name, key)
-        stack.callback(tf.close)
-        span = tf.span(tensor)
-        if span is None:
+        try:
+            span = tf.span(tensor)
+        finally:
+            tf.close()
+        if span is None or stamp is None:
             return Pieces.of(tensor)
         self._memo[path] = (stamp, (span.offset, span.nbytes))
-        return Pieces((span,), shape, torch.float32)
+        return self._span(path, span.offset, span.nbytes, stamp, shape)
+
+    def _span(self, path: Path, offset: int, nbytes: int, stamp: tuple[int, ...], shape: tuple[int, ...]) -> Pieces:
+        pending = self._pending.get(str(path)) if self._pending is not None else None
+        witness = pending.witness if pending is not None else None
+        return Pieces((PathSpan(str(path), offset, nbytes, stamp, witness),), shape, torch.float32)
+
+    @contextmanager
+    def deferred_checks(self) -> Iterator[None]:
+        """Inside the block, parameter files of ucp's own layout are handed out as spans before
+        their checksums are checked; a writer's copies report what they read, and on leaving the
+        block every such file is checked (what nobody copied is read then). A mismatch raises
+        :class:`ChecksumError` there, before the caller publishes anything it wrote."""
+        if self._pending is not None:  # nested: the outer block checks
+            yield
+            return
+        self._pending = {}
+        try:
+            yield
+            bad = [check.path for check in self._pending.values() if not check.confirm()]
+            if bad:
+                more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
+                raise ChecksumError(
+                    f"{bad[0]} does not match its checksum in {MANIFEST}{more}: the file changed or is corrupt"
+                )
+            for path, check in self._pending.items():
+                self._verified[Path(path)] = check.record.stamp
+        except BaseException:
+            for path in self._pending:
+                self._memo.pop(Path(path), None)
+            raise
+        finally:
+            self._pending = None
 
     def _state(self) -> Mapping[str, Any]:
         if not hasattr(self, "_state_cache"):
@@ -322,10 +381,24 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _stamp(stat: os.stat_result) -> tuple[int, ...]:
-    """A file's identity for "is this still the file that was checked": a rewrite changes mtime and
-    ctime, a replacement the inode."""
-    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+_stamp = file_stamp
+
+
+@functools.lru_cache(maxsize=256)
+def _param_pickle(shape: tuple[int, ...]) -> bytes:
+    """The data.pkl ucp writes for a parameter file of this shape (its values never enter it)."""
+    nbytes = _numel(shape) * _FP32_BYTES
+    return data_pickle({"param": Pieces((PathSpan("", 0, nbytes, ()),), shape, torch.float32)})
+
+
+@functools.lru_cache(maxsize=1)
+def _step_pickle() -> bytes:
+    """The data.pkl of step.pt as ucp writes it: a bare 0-dim float32 tensor."""
+    return data_pickle(torch.zeros((), dtype=torch.float32))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
 
 
 def _stamp_of(path: Path) -> tuple[int, ...] | None:

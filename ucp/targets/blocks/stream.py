@@ -1,0 +1,82 @@
+"""Each rank's flat tensors as pieces of the source's own spans, for the streaming native writers.
+
+A reader that streams (``Reader.streams``) hands out every parameter's state as spans of its
+files, valid until it closes. :func:`locate` takes them all once (checking each against its flat
+group, settling steps and scalars, and verifying the files as the reader does); :func:`flat_pieces`
+then lays one rank's flat tensor out of slices of those spans and zeros for the padding. The
+torch-zip writer copies the bytes straight from the source files into the rank file, so memory holds
+spans and metadata, never a rank's share of the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ucp.io.pool import parallel_map
+from ucp.model.pieces import Part, Pieces
+from ucp.model.records import PieceState, Reader
+from ucp.targets.blocks.common import check_state, merge_scalars
+
+__all__ = ["Located", "locate", "flat_pieces"]
+
+
+@dataclass
+class Located:
+    """Every member's state as pieces, and what each flat group's members agree on."""
+
+    states: dict[str, PieceState]
+    steps: list[set[int]]  # per flat group: the steps its members carry (settled by the caller)
+    scalars: list[dict[str, torch.Tensor]]  # per flat group: the optimizer's 0-dim scalars
+
+
+def locate(
+    reader: Reader,
+    members: Sequence[Sequence[tuple[str, int]]],
+    keys: Sequence[Sequence[str]],
+    *,
+    moments: bool,
+    workers: int,
+    step_of: Callable[[PieceState], int],
+    unit: str,
+) -> Located:
+    """Take every member's pieces: ``members[f]`` lists flat group f's ``(name, numel)``, ``keys[f]``
+    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``)."""
+    if not reader.streams:
+        raise TypeError("locate needs a reader whose pieces stay valid until it closes (Reader.streams)")
+    where = {name: (f, numel) for f, group in enumerate(members) for name, numel in group}
+    located = Located({}, [set() for _ in members], [{} for _ in members])
+
+    def one(name: str) -> None:
+        f, numel = where[name]
+        with reader.read_pieces(name, moments=moments) as state:
+            check_state(name, state, keys[f], numel, moments=moments)
+            located.states[name] = state
+            located.steps[f].add(step_of(state))
+            if moments:
+                merge_scalars(name, state, located.scalars[f], unit)
+
+    for _ in parallel_map(one, list(where), workers, desc="check"):
+        pass
+    return located
+
+
+def flat_pieces(size: int, placed: Iterable[tuple[int, Pieces]]) -> Pieces:
+    """A flat fp32 tensor of ``size`` elements: each ``(offset, pieces)`` at its offset, zeros in
+    every gap and after the last (the padding DeepSpeed keeps zero)."""
+    parts: list[Part] = []
+    pos = 0
+    for offset, pieces in sorted(placed, key=lambda item: item[0]):
+        if offset < pos or pieces.dtype != torch.float32:
+            raise ValueError(f"flat pieces overlap at element {offset} or are not float32")
+        if offset > pos:
+            parts.append(torch.zeros(offset - pos, dtype=torch.float32))
+        parts.extend(pieces.parts)
+        pos = offset + pieces.numel
+    if pos > size:
+        raise ValueError(f"flat pieces reach element {pos}, past the tensor's {size}")
+    if size > pos:
+        parts.append(torch.zeros(size - pos, dtype=torch.float32))
+    return Pieces(tuple(parts), (size,), torch.float32)
