@@ -4,6 +4,9 @@ named (a parameter's reset moments, steps, group settings, names on one side onl
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,20 +34,26 @@ def test_a_checkpoint_equals_its_universal_directory_and_its_restore_at_another_
     assert report["equal"] and report["params_compared"] == len(z3_bf16_dp2.record["module"])
 
 
-def test_one_parameter_reset_by_a_migration_is_the_only_difference(z3_bf16_dp2, tmp_path, capsys):
-    config = tmp_path / "reset.yaml"
+@pytest.fixture(scope="module")
+def norm_reset(z3_bf16_dp2, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint's universal directory with norm.weight's moments reset by a migration."""
+    work = tmp_path_factory.mktemp("reset")
+    config = work / "reset.yaml"
     config.write_text(
-        f"source: {z3_bf16_dp2.path}\nuniversal: {tmp_path / 'u'}\n"
+        f"source: {z3_bf16_dp2.path}\nuniversal: {work / 'u'}\n"
         "transforms:\n  - reset_optimizer:\n      params: ['^norm[.]weight$']\n      step: keep\n"
     )
-    assert cli(["migrate", str(config)]) == 0
-    capsys.readouterr()
-    report = diff(z3_bf16_dp2.path, tmp_path / "u")
+    assert cli(["--quiet", "migrate", str(config)]) == 0
+    return work / "u"
+
+
+def test_one_parameter_reset_by_a_migration_is_the_only_difference(z3_bf16_dp2, norm_reset, capsys):
+    report = diff(z3_bf16_dp2.path, norm_reset)
     assert not report.equal
     assert [p.name for p in report.differing] == ["norm.weight"]
     changed = {t.key for t in report.differing[0].tensors if not t.within(0.0)}
     assert changed == {"exp_avg", "exp_avg_sq"}, report.differing[0]
-    assert cli(["diff", str(z3_bf16_dp2.path), str(tmp_path / "u")]) == 1
+    assert cli(["diff", str(z3_bf16_dp2.path), str(norm_reset)]) == 1
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("norm.weight: exp_avg max abs") and "differ" in out.splitlines()[-1]
 
@@ -69,3 +78,64 @@ def test_bad_input_is_one_line_with_exit_2(z3_bf16_dp2, tmp_path, capsys):
     assert cli(["diff", str(z3_bf16_dp2.path), str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ucp: error:") and len(err.splitlines()) == 1
+
+
+# -- --plot -----------------------------------------------------------------------------------
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_every_parameter_and_json_still_parses(z3_bf16_dp2, norm_reset, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    chart = tmp_path / "charts" / "diff.png"  # its folder is made
+    assert cli(["diff", str(z3_bf16_dp2.path), str(norm_reset), "--plot", str(chart), "--json"]) == 1
+    out = capsys.readouterr().out
+    report = json.loads(out)  # stdout holds the JSON object and nothing else
+    assert report["plot"] == str(chart) and [p["name"] for p in report["differing"]] == ["norm.weight"]
+    assert chart.read_bytes()[:8] == PNG_MAGIC
+    height, width, _ = imread(chart).shape
+    assert width >= 800 and height >= 600
+    assert sorted(p.name for p in chart.parent.iterdir()) == ["diff.png"]  # nothing staged left beside it
+
+    assert cli(["diff", str(z3_bf16_dp2.path), str(norm_reset), "--plot", str(chart)]) == 2  # never over a file
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    pdf = tmp_path / "diff.pdf"
+    assert cli(["--quiet", "diff", str(z3_bf16_dp2.path), str(norm_reset), "--plot", str(pdf)]) == 1
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("diff.txt", "--plot {out}: the chart is written as .png, .svg, .pdf; name a file ending in one"),
+        ("A/diff.png", "overlaps the A"),
+    ],
+)
+def test_plot_refuses_a_file_it_cannot_write_before_reading_anything(z3_bf16_dp2, tmp_path, capsys, name, message):
+    a = tmp_path / "A"
+    a.mkdir()
+    out = tmp_path / name
+    assert cli(["diff", str(a), str(z3_bf16_dp2.path), "--plot", str(out)]) == 2  # A is no checkpoint: not read
+    err = capsys.readouterr().err.strip()
+    assert message.format(out=out) in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_plot_without_matplotlib_is_one_line_and_exit_2_before_any_work(tmp_path):
+    wrapper = tmp_path / "no_matplotlib.py"  # as if matplotlib were not installed: its import fails
+    wrapper.write_text("import sys\nsys.modules['matplotlib'] = None\nfrom ucp.cli import main\nsys.exit(main())\n")
+    chart = tmp_path / "diff.png"
+    missing = str(tmp_path / "missing")  # the checkpoints are never opened: the check comes first
+    done = subprocess.run(
+        [sys.executable, str(wrapper), "diff", missing, missing, "--plot", str(chart)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.strip() == (
+        "ucp: error: --plot needs matplotlib: pip install matplotlib (or pip install 'ucp[plot]')"
+    ), done.stderr
+    assert not chart.exists()

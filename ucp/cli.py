@@ -284,14 +284,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from ucp.io.guard import OutputPolicy, check_output, writing
     from ucp.ops.diff import diff
 
+    policy = OutputPolicy(overwrite=args.overwrite, foreign=args.overwrite, space_check=False)
+    if args.plot:  # a chart that cannot be written is refused before the checkpoints are read
+        from ucp.ops.diff_plot import check_plot, plot_report
+
+        check_plot(args.plot)
+        check_output(args.plot, {"A": args.a, "B": args.b}, policy)
     report = diff(args.a, args.b, atol=args.atol, tag_a=args.tag_a, tag_b=args.tag_b)
+    if args.plot:
+        with writing({Path(args.plot): 0}, policy):
+            plot_report(report, args.plot, overwrite=args.overwrite)
     if args.json:
-        print(json.dumps(report.to_json()))
+        print(json.dumps({**report.to_json(), "plot": args.plot}))
     else:
         for line in report.lines():
             print(line)
+        if args.plot and not args.quiet:
+            print(f"note: wrote the chart to {args.plot}", file=sys.stderr)
     return 0 if report.equal else 1
 
 
@@ -471,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag-a", help="DeepSpeed tag to read in A (default: latest)")
     p.add_argument("--tag-b", help="DeepSpeed tag to read in B (default: latest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--plot", metavar="FILE", help="also draw each parameter's differences into FILE (.png, .svg, .pdf; matplotlib)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the --plot FILE if it exists")
     p.set_defaults(func=_cmd_diff)
 
     p = verbs.add_parser("export", help="consolidated weights (safetensors or torch)")

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ucp.io.pool import default_workers, parallel_map
+from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.model.records import ParamState
 from ucp.sources import open_reader
 from ucp.universal.writer import write_universal
@@ -49,7 +49,13 @@ def iter_optimizer_moments(
     reader = open_reader(src, tag=tag, optimizer=optimizer)
     try:
         metas = reader.facts.params
-        states = parallel_map(lambda m: reader.read(m.name), metas, workers or default_workers(), desc="read")
+        states = parallel_map(
+            lambda m: reader.read(m.name),
+            metas,
+            workers or default_workers(),
+            desc="read",
+            weight=state_bytes(reader.facts),
+        )
         for meta, state in zip(metas, states):
             yield meta.name, state
     finally:

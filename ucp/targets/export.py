@@ -257,7 +257,8 @@ def _export(
         for shard, file in zip(shards, names):
             tensors: dict[str, torch.Tensor] = {}
             tied: dict[str, str] = {}
-            for name, tensor in parallel_map(load, shard, workers, desc=f"export {file}"):
+            loaded = parallel_map(load, shard, workers, desc=f"export {file}", weight=lambda n: by_name[n].nbytes)
+            for name, tensor in loaded:
                 tensors[name] = tensor
                 weight_map[name] = file
                 total += tensor.numel() * tensor.element_size()

@@ -29,7 +29,7 @@ from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import LATEST_UNIVERSAL, UNIVERSAL_MODEL_FILES, UNIVERSAL_OPTIM
 from ucp.errors import InputError
 from ucp.io.atomic import staged_output
-from ucp.io.pool import default_workers, parallel_map
+from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import Facts, ParamMeta, ParamState, PieceState, Reader
 from ucp.universal.manifest import (
@@ -115,7 +115,7 @@ def write_params(
         with reader.read_pieces(meta.name) as pieces:
             return _write_param(root, meta, pieces)
 
-    return list(parallel_map(one, metas, workers, desc="to-universal"))
+    return list(parallel_map(one, metas, workers, desc="to-universal", weight=state_bytes(reader.facts)))
 
 
 def write_universal(

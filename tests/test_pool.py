@@ -1,0 +1,45 @@
+"""The worker pool's progress bar counts bytes when told what each item weighs, and shows nothing unless asked
+(stderr not a terminal, or ucp --quiet)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ucp.io.pool import parallel_map, state_bytes
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_weighted_bar_counts_bytes_with_rate_and_keeps_order(workers, capsys):
+    sizes = {"a": 1024, "b": 2048, "c": 0, "d": 1024 * 1024}
+    out = list(parallel_map(str.upper, sizes, workers, desc="copy", weight=sizes.__getitem__, progress=True))
+    assert out == ["A", "B", "C", "D"]
+    bar = capsys.readouterr().err
+    assert "/1.00M" in bar and "B/s" in bar, bar  # total 1 MiB + 3 KiB in binary units, a rate in bytes
+
+
+def test_an_unweighted_bar_counts_items(capsys):
+    assert list(parallel_map(abs, [-1, -2], 1, desc="read", progress=True)) == [1, 2]
+    bar = capsys.readouterr().err
+    assert "/2 " in bar and "param" in bar and "B/s" not in bar, bar
+
+
+def test_no_bar_when_stderr_is_not_a_terminal_or_ucp_is_quiet(capsys, monkeypatch):
+    assert list(parallel_map(abs, [-1], 2, weight=lambda _: 4)) == [1]  # capsys' stderr is no terminal
+    monkeypatch.setattr(logging.getLogger("ucp"), "level", logging.ERROR)  # what ucp --quiet sets
+    assert list(parallel_map(abs, [-1], 1, weight=lambda _: 4)) == [1]
+    assert capsys.readouterr().err == ""
+
+
+def test_a_parameter_weighs_its_fp32_master_and_each_state_tensor(z3_bf16_dp2):
+    import ucp
+
+    with ucp.open_reader(z3_bf16_dp2.path) as reader:
+        facts = reader.facts
+    weigh = state_bytes(facts)
+    trained = next(p for p in facts.params if not p.frozen)
+    frozen = next(p for p in facts.params if p.frozen)
+    assert weigh(trained) == weigh(trained.name) == trained.numel * 4 * 3  # fp32, exp_avg, exp_avg_sq
+    assert weigh(frozen) == frozen.numel * 4
+    assert state_bytes(facts, moments=False)(trained) == trained.numel * 4
