@@ -17,6 +17,7 @@ __all__ = [
     "optim_file",
     "zero3_model_file",
     "model_file",
+    "layer_file",
     "LATEST",
     "LATEST_UNIVERSAL",
     "UNIVERSAL_OPTIM",
@@ -50,10 +51,18 @@ def model_file(mp_rank: int = 0) -> str:
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def layer_file(layer: int, tp_rank: int | None = None) -> str:
+    """A pipeline layer's weights (``PipelineModule.ckpt_layer_path``): ``-model_YY`` only when the run's
+    topology has a model (TP) axis, as Megatron-DeepSpeed's does; DeepSpeed's own PipeDataParallelTopology
+    has none."""
+    model = "" if tp_rank is None else f"-model_{tp_rank:02d}"
+    return f"layer_{layer:02d}{model}-model_states.pt"
+
+
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+_PIPELINE_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class CheckpointFiles:
     bf16_prefix: bool
     optim: tuple[tuple[Path, ...], ...]
     model: tuple[tuple[Path, ...], ...]  # ZeRO-3: [mp][dp]; ZeRO-1/2: [mp][0]
+    #: a pipeline run's per-layer weight files, (layer index, TP rank or None, path) in layer order;
+    #: empty for any other run. Then the mp ranks are the (stage, TP rank) pairs, stage-major.
+    layers: tuple[tuple[int, int | None, Path], ...] = ()
 
     @property
     def dp(self) -> int:
@@ -161,13 +173,11 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
         paths = sorted(tag_dir.iterdir())
     except OSError as err:
         raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
-    if any(_PIPELINE_LAYER.match(path.name) for path in paths):
-        raise InputError(
-            f"{tag_dir} is a pipeline-parallel checkpoint (layer_XX-model_YY files); ucp merges "
-            "tensor-parallel ranks but not pipeline stages yet"
-        )
+    layers: list[tuple[int, int | None, Path]] = []
     for path in paths:
-        if m := _OPTIM.match(path.name):
+        if m := _PIPELINE_LAYER.match(path.name):
+            layers.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), path))
+        elif m := _OPTIM.match(path.name):
             key = (int(m.group(3)), int(m.group(2)))
             if key in optim:
                 raise InputError(f"{tag_dir}: both bf16_ and plain optim files exist for dp rank {key[1]}")
@@ -218,7 +228,16 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
         stage3 = False
     else:
         raise InputError(f"{tag_dir} has optim files but no *_model_states.pt")
-    return CheckpointFiles(tag_dir, tag, stage3, bf16, optim_grid, model_grid)
+    if layers and stage3:
+        raise InputError(
+            f"{tag_dir} holds pipeline layer files and ZeRO-3 rank files: PipelineEngine runs ZeRO-0/1 only, "
+            "so two runs were saved into one tag"
+        )
+    return CheckpointFiles(tag_dir, tag, stage3, bf16, optim_grid, model_grid, tuple(sorted(layers, key=_layer_key)))
+
+
+def _layer_key(entry: tuple[int, int | None, Path]) -> tuple[int, int]:
+    return entry[0], -1 if entry[1] is None else entry[1]
 
 
 def is_ds_universal(path: Path) -> bool:

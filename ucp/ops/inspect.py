@@ -113,6 +113,9 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "warnings": list(facts.warnings),
         "tensor_parallel": dict(facts.tp_rules),
     }
+    pipeline = getattr(reader, "pipeline", None)  # a pipeline-parallel source: its stages
+    if pipeline:
+        report["pipeline"] = pipeline
     if universal:
         manifest = getattr(reader, "manifest", {}) or {}
         report["format_version"] = manifest.get("format_version")
@@ -163,6 +166,22 @@ def _layout_line(report: dict[str, Any]) -> str:
     )
 
 
+def _pipeline_lines(pipeline: dict[str, Any], dp: int) -> list[str]:
+    """A pipeline source's stages: the files each wrote, its layers and parameters, the tied modules."""
+    lines = [f"  pipeline: {pipeline['pp']} stages x dp={dp}, merged into whole parameters"]
+    for stage in pipeline["stages"]:
+        layers = ", ".join(map(str, stage["layers"])) or "none"
+        lines.append(
+            f"    stage {stage['stage']}: {stage['model_file']} + {stage['optim_files']} optim files, layer files "
+            f"{layers}; {len(stage['params'])} optimized params, {_fmt_int(stage['numel'])} elements"
+        )
+    for name, stages in pipeline["tied_across_stages"].items():
+        lines.append(
+            f"    tied across stages {', '.join(map(str, stages))}: {name} (kept once, from stage {stages[0]})"
+        )
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A short summary and a per-parameter table, for a terminal."""
     lines = [
@@ -178,6 +197,8 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report.get("hf"):
         lines[1:1] = _hf_lines(report["hf"])
+    if report.get("pipeline"):
+        lines[2:2] = _pipeline_lines(report["pipeline"], report["dp_world_size"])
     adam = report.get("optimizer_family") in (None, "adam")
     for group in report["param_groups"]:
         hyper = group["hyperparameters"]

@@ -37,7 +37,8 @@ def open_reader(
     A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint;
     name the universal folder with ``tag`` to read that one instead. A checkpoint saved with
     tensor parallelism (several ``mp_rank_XX``) is read as full parameters, merged by the rules in
-    its ``universal_checkpoint_info``; ``tp_rules`` (regex, rule) pairs add to or override them.
+    its ``universal_checkpoint_info``; ``tp_rules`` (regex, rule) pairs add to or override them. A
+    pipeline-parallel one (``layer_XX-model_states.pt`` files) is read as the whole model.
     """
     path = Path(path)
     if is_universal(path):
@@ -56,6 +57,10 @@ def open_reader(
 
         return DsUniversalSource(found, optimizer=optimizer)
     files = find_checkpoint(path, tag)
+    if files.layers:
+        from ucp.sources.pipeline import PipelineSource
+
+        return PipelineSource(files, optimizer=optimizer)
     if files.mp > 1:
         from ucp.sources.tensor_parallel import TensorParallelSource
 

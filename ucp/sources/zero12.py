@@ -73,9 +73,19 @@ class Zero12Source(Reader):
 
     streams = True
 
-    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, mp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        *,
+        optimizer: str | None = None,
+        mp_rank: int = 0,
+        module: Mapping[str, Any] | None = None,
+    ) -> None:
         self.files = files
         self.mp_rank = mp_rank
+        # a pipeline stage's model-states file holds module=None (its weights are in layer files):
+        # its reader is handed the module to read instead
+        self._module = module
         self._optim: list[TorchFile] = []
         self._model: TorchFile | None = None
 
@@ -139,6 +149,14 @@ class Zero12Source(Reader):
         self._stage0 = stage == 0
         return 1, kind
 
+    def _head(self) -> Mapping[str, Any]:
+        """The model-states file's object, with the module handed in when there is one."""
+        assert self._model is not None
+        obj = self._model.obj
+        if self._module is None or not isinstance(obj, Mapping):
+            return obj
+        return {**obj, "module": self._module}
+
     def _model_name(self) -> str:
         return self._model.path.name if self._model is not None else "model states"
 
@@ -158,7 +176,7 @@ class Zero12Source(Reader):
     def _check_model(self) -> Mapping[str, Any]:
         assert self._model is not None
         name = self._model.path.name
-        head = self._model.obj
+        head = self._head()
         check_model_states(head, name, "not a ZeRO-1/2 model-states file (saved without optimizer state?)")
         stamped = [head] + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
         stamped += [optimizer_block(tf) for tf in self._optim]
@@ -429,12 +447,10 @@ class Zero12Source(Reader):
         return self._piece_state(name, moments).joined()
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        assert self._model is not None
-        return module_buffers(self._model.obj, self._model_name())
+        return module_buffers(self._head(), self._model_name())
 
     def extras(self) -> dict[str, Any]:
-        assert self._model is not None
-        return model_extras(self._model.obj, optimizer_block(self._optim[0]))
+        return model_extras(self._head(), optimizer_block(self._optim[0]))
 
     def close(self) -> None:
         for tf in getattr(self, "_optim", []):

@@ -1,0 +1,256 @@
+"""A pipeline-parallel DeepSpeed checkpoint (``deepspeed.pipe.PipelineModule``, PP x DP, ZeRO-0/1 or
+BF16_Optimizer) -> one reader of the whole model.
+
+Each stage's model-states and optim files form an ordinary ZeRO-1/2 checkpoint of that stage's
+parameters (:mod:`ucp.deepspeed.pipeline` has the layout), read by one
+:class:`~ucp.sources.zero12.Zero12Source` per stage; the stage's model-states file holds no module, so
+frozen parameters and buffers come from the layer files, read here. Names are the PipelineModule's
+own (``tied_modules.embed.weight``, ``3.fc1.weight``): what ``engine.module.state_dict()`` holds on
+each stage, and what a PipelineModule at any other PP size names the same weights. A tied module is
+an optimized parameter of every stage that uses it; it is kept once, with the first such stage's state
+(the others' copies are checked to be the same bytes when read).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ucp.deepspeed.fields import build_facts, need_mapping, need_tensor
+from ucp.deepspeed.layout import CheckpointFiles
+from ucp.deepspeed.model_states import module_buffers, zero12_frozen_values
+from ucp.deepspeed.pipeline import TIED_PREFIX, layer_prefix, pipeline_degrees
+from ucp.errors import InputError
+from ucp.io.torchfile import TorchFile
+from ucp.model.pieces import Pieces
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, dtype_name
+from ucp.sources.zero12 import Zero12Source
+
+__all__ = ["PipelineSource"]
+
+logger = logging.getLogger(__name__)
+
+
+def _same_state(a: ParamState, b: ParamState) -> bool:
+    return (
+        torch.equal(a.fp32, b.fp32)
+        and a.optim.keys() == b.optim.keys()
+        and all(torch.equal(a.optim[k], b.optim[k]) for k in a.optim)
+        and a.step == b.step
+    )
+
+
+class PipelineSource(Reader):
+    """A pipeline-parallel ZeRO-0/1 checkpoint as a :class:`~ucp.model.records.Reader`.
+
+    Call order: construct (opens every stage's files and the layer files, merges the stages' facts);
+    ``read``/``read_pieces`` per parameter from any thread (each goes to the stage that holds it);
+    ``buffers``/``extras``; ``close``. ``pipeline`` describes the stages for ``ucp inspect``.
+    """
+
+    streams = True
+
+    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None) -> None:
+        self.files = files
+        self._stages: list[Zero12Source] = []
+        self._layers: list[TorchFile] = []
+        self.facts = build_facts(
+            lambda: self._build(optimizer),
+            close=self.close,
+            where=f"{files.tag_dir}: the files are not a pipeline-parallel checkpoint ucp can read",
+        )
+
+    # -- facts -------------------------------------------------------------------------------
+    def _degrees(self) -> int:
+        """The number of stages; refuses pipeline x tensor parallelism before any layer file is read."""
+        first = self.files.model[0][0]
+        with TorchFile(first) as tf:
+            head = need_mapping(tf.obj, first.name)
+            pp, tp = pipeline_degrees(head, self.files.mp, first.name)
+        degree = max(tp, 1 + max((t for _, t, _ in self.files.layers if t is not None), default=0))
+        if degree > 1:
+            raise InputError(
+                f"{self.files.tag_dir} is a pipeline-parallel checkpoint with {degree} tensor-parallel "
+                "ranks (layer_XX-model_YY files); ucp merges tensor-parallel ranks or pipeline stages, not pipeline "
+                "stages combined with tensor parallelism yet"
+            )
+        return pp
+
+    def _build(self, optimizer: str | None) -> Facts:
+        pp = self._degrees()
+        for stage in range(pp):
+            # the stage's model-states file says module=None; an empty module leaves frozen weights and
+            # buffers to the layer files, read below
+            self._stages.append(Zero12Source(self.files, optimizer=optimizer, mp_rank=stage, module={}))
+        first = self._stages[0].facts
+        for stage, reader in enumerate(self._stages[1:], 1):
+            self._check_stage(stage, reader.facts, first)
+        groups, params, warnings = self._merge_groups()
+        buffer_names = [n for reader in self._stages for n in reader.facts.buffer_names]
+        self._module = self._layer_module({p.name for p in params} | set(buffer_names))
+        head = {"module": self._module, "buffer_names": buffer_names}
+        optimized = [p.name for p in params]
+        self._frozen = zero12_frozen_values(head, optimized, {}, buffer_names, self.files.tag_dir.name)
+        params += [ParamMeta(n, tuple(v.shape), dtype_name(v.dtype), None, True) for n, v in self._frozen.items()]
+        self.pipeline = self._describe(buffer_names)
+        steps = [g.step for g in groups if g.step is not None]
+        return replace(
+            first,
+            info=replace(first.info, mp_world_size=1),
+            step=max(steps, default=None),
+            groups=groups,
+            params=params,
+            tied={},
+            buffer_names=buffer_names,
+            warnings=list(dict.fromkeys(w for r in self._stages for w in r.facts.warnings)) + warnings,
+        )
+
+    def _check_stage(self, stage: int, facts: Facts, first: Facts) -> None:
+        """Stages of one run share the DP size, optimizer, param groups' settings and counters."""
+        name = self.files.model[stage][0].name
+        if facts.info.dp_world_size != first.info.dp_world_size:
+            raise InputError(
+                f"{name}: stage {stage} has {facts.info.dp_world_size} optim rank files, stage 0 "
+                f"{first.info.dp_world_size}: files of different runs are mixed"
+            )
+        if (facts.flavour, facts.info.zero_stage, facts.info.global_steps) != (
+            first.flavour,
+            first.info.zero_stage,
+            first.info.global_steps,
+        ):
+            raise InputError(
+                f"{name}: stage {stage} disagrees with stage 0 on the optimizer, ZeRO stage or global_steps: "
+                "files of different runs are mixed"
+            )
+        if len(facts.groups) != len(first.groups):
+            raise InputError(
+                f"{name}: stage {stage} has {len(facts.groups)} param groups, stage 0 {len(first.groups)}: ucp "
+                "merges stages whose optimizers were built with the same groups"
+            )
+        for mine, theirs in zip(facts.groups, first.groups):
+            if mine.raw != theirs.raw:
+                raise InputError(
+                    f"{name}: param group {mine.index} of stage {stage} has other settings than on stage 0 "
+                    f"({mine.raw} vs {theirs.raw}); ucp keeps one set per group"
+                )
+
+    def _merge_groups(self) -> tuple[list[GroupMeta], list[ParamMeta], list[str]]:
+        """Each group's members, stage after stage in flat order; a tied module once, at its first stage."""
+        self._owner: dict[str, int] = {}
+        self._copies: dict[str, list[int]] = {}
+        groups: list[GroupMeta] = []
+        params: list[ParamMeta] = []
+        warnings: list[str] = []
+        for g, head in enumerate(self._stages[0].facts.groups):
+            names: list[str] = []
+            metas = [reader.facts.groups[g] for reader in self._stages]
+            for stage, meta in enumerate(metas):
+                for pname in meta.params:
+                    if pname not in self._owner:
+                        self._owner[pname] = stage
+                        names.append(pname)
+                        params.append(self._stages[stage].facts.param(pname))
+                        continue
+                    owner = self._owner[pname]
+                    if not pname.startswith(TIED_PREFIX) or pname not in metas[owner].params:
+                        raise InputError(
+                            f"{self.files.tag_dir}: parameter {pname!r} is optimized on stages {owner} and {stage} "
+                            "(in other param groups, or not a TiedLayerSpec module): files of different runs?"
+                        )
+                    self._copies.setdefault(pname, []).append(stage)
+            steps = {meta.step for meta in metas}
+            if len(steps) > 1:
+                warnings.append(f"param group {g} has different steps across stages: {sorted(map(str, steps))}")
+            keys = {meta.state_keys for meta in metas if meta.state_keys}
+            if len(keys) > 1:
+                raise InputError(
+                    f"{self.files.tag_dir}: param group {g} keeps other optimizer state on different stages "
+                    f"({sorted(keys)}): files of different runs are mixed"
+                )
+            step = max((s for s in steps if s is not None), default=None)
+            groups.append(replace(head, params=names, step=step, state_keys=keys.pop() if keys else ()))
+        return groups, params, warnings
+
+    def _layer_module(self, known: set[str]) -> dict[str, torch.Tensor]:
+        """Every layer file's tensors under the PipelineModule's names. A tied module written by several
+        stages (one used without a ``forward_fn``) appears once, from its first layer."""
+        module: dict[str, torch.Tensor] = {}
+        self._layer_names: dict[int, list[str]] = {}
+        for layer, _, path in self.files.layers:
+            tf = TorchFile(path)
+            self._layers.append(tf)
+            obj = need_mapping(tf.obj, path.name)
+            prefix = layer_prefix(layer, obj, known)
+            self._layer_names[layer] = [prefix + str(k) for k in obj]
+            for key, value in obj.items():
+                module.setdefault(prefix + str(key), need_tensor(value, f"{path.name}: {key}", floating=False))
+        return module
+
+    def _describe(self, buffer_names: list[str]) -> dict[str, Any]:
+        """The stages as ``ucp inspect`` shows them: files, layers, parameters, tied modules."""
+        stages = []
+        for stage, reader in enumerate(self._stages):
+            names = {n for g in reader.facts.groups for n in g.params} | set(reader.facts.buffer_names)
+            layers = sorted(layer for layer, held in self._layer_names.items() if names & set(held))
+            stages.append(
+                {
+                    "stage": stage,
+                    "model_file": self.files.model[stage][0].name,
+                    "optim_files": len(self.files.optim[stage]),
+                    "layers": layers,
+                    "layer_files": [path.name for layer, _, path in self.files.layers if layer in layers],
+                    "params": sorted(names - set(buffer_names)),
+                    "numel": sum(reader.facts.param(n).numel for n in names - set(buffer_names)),
+                }
+            )
+        tied = {n: [self._owner[n], *stages_] for n, stages_ in self._copies.items()}
+        return {"pp": len(self._stages), "stages": stages, "tied_across_stages": tied}
+
+    # -- tensors -----------------------------------------------------------------------------
+    def _check_copies(self, name: str, moments: bool) -> None:
+        """A tied module's copies on later stages must be the first stage's bytes (DeepSpeed all-reduces
+        their gradients, so they step alike); if not, the first stage's is kept and a warning says so."""
+        owner = self._stages[self._owner[name]].read(name, moments=moments)
+        for stage in self._copies[name]:
+            if not _same_state(owner, self._stages[stage].read(name, moments=moments)):
+                logger.warning(
+                    "%s: tied across stages, but stage %d's copy differs from stage %d's; keeping stage %d's",
+                    name,
+                    stage,
+                    self._owner[name],
+                    self._owner[name],
+                )
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        if name in self._frozen:
+            yield PieceState(fp32=Pieces.of(self._frozen[name].detach().to(torch.float32, copy=True)))
+            return
+        if name not in self._owner:
+            raise InputError(f"parameter {name!r} is not in this checkpoint")
+        if name in self._copies:
+            self._check_copies(name, moments)
+        with self._stages[self._owner[name]].read_pieces(name, moments=moments) as state:
+            yield state
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        with self.read_pieces(name, moments=moments) as state:
+            return state.joined()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        head: Mapping[str, Any] = {"module": self._module, "buffer_names": self.facts.buffer_names}
+        return module_buffers(head, self.files.tag_dir.name)
+
+    def extras(self) -> dict[str, Any]:
+        return self._stages[0].extras()  # the scheduler, counters and loss scaler are the same on every stage
+
+    def close(self) -> None:
+        for reader in getattr(self, "_stages", []):
+            reader.close()
+        for tf in getattr(self, "_layers", []):
+            tf.close()

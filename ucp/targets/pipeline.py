@@ -1,0 +1,153 @@
+"""Universal (or any reader) -> a native pipeline-parallel checkpoint that DeepSpeed's PipelineEngine loads
+at PP x DP (ZeRO-0/1, TP=1), given the new run's layer partition.
+
+Call order: :class:`PipelineLayout` says which layers each stage holds (DeepSpeed's ``PipelineModule.parts``)
+and which layers use each tied module; :func:`write_pipeline` plans one ZeRO-1 write and, per stage, hands
+the stage's parameters (a view of the reader) to the ZeRO-1/2 native writer under the stage's mp rank,
+then moves the stage's module out of its model-states file into layer files, as PipelineEngine saves
+them (:mod:`ucp.deepspeed.pipeline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp.deepspeed.layout import LATEST, layer_file, model_file
+from ucp.deepspeed.pipeline import PARALLEL_DIMS, TIED_PREFIX
+from ucp.errors import ConfigError
+from ucp.io.atomic import staged_output
+from ucp.io.pool import default_workers
+from ucp.io.torchfile import load
+from ucp.io.torchzip import write_torch_file
+from ucp.model.options import RestoreOptions
+from ucp.model.records import Facts, Reader, ReaderView
+from ucp.sources import open_reader
+from ucp.targets.native import NativePlan, plan_native
+from ucp.targets.native.zero12 import write_zero12
+
+__all__ = ["PipelineLayout", "write_pipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The new run's partition: stage ``s`` holds layers ``parts[s] .. parts[s+1]-1`` (what
+    ``PipelineModule.parts`` holds after ``partition_method`` ran); ``tied`` maps each TiedLayerSpec key to
+    the layers using it."""
+
+    parts: tuple[int, ...]
+    tied: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def pp(self) -> int:
+        return len(self.parts) - 1
+
+    def stage_of_layer(self, layer: int) -> int:
+        for stage in range(self.pp):
+            if self.parts[stage] <= layer < self.parts[stage + 1]:
+                return stage
+        raise ConfigError(f"layer {layer} is outside the partition {list(self.parts)}")
+
+    def layers_of(self, name: str) -> tuple[int, ...]:
+        """The layers holding a parameter or buffer named as PipelineModule names it."""
+        if name.startswith(TIED_PREFIX):
+            key = name[len(TIED_PREFIX) :].split(".", 1)[0]
+            if key not in self.tied:
+                raise ConfigError(f"{name} belongs to tied module {key!r}; give the layers using it (tied)")
+            return tuple(self.tied[key])
+        head = name.split(".", 1)[0]
+        if not head.isdigit():
+            raise ConfigError(f"{name} is not a PipelineModule name ('<layer>.<name>' or 'tied_modules.<key>.<name>')")
+        return (int(head),)
+
+    def stages_of(self, name: str) -> list[int]:
+        return sorted({self.stage_of_layer(layer) for layer in self.layers_of(name)})
+
+
+class _StageReader(ReaderView):
+    """The reader seen as one stage's model: its parameters (group by group, in order) and buffers."""
+
+    def __init__(self, inner: Reader, layout: PipelineLayout, stage: int) -> None:
+        facts = inner.facts
+        keep = {p.name for p in facts.params if stage in layout.stages_of(p.name)}
+        self._buffers = [n for n in facts.buffer_names if stage in layout.stages_of(n)]
+        if facts.tied:
+            raise ConfigError("a pipeline target cannot carry tied aliases; tie layers with TiedLayerSpec")
+        super().__init__(inner, _stage_facts(facts, keep, self._buffers))
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        every = self.inner.buffers()
+        return {n: every[n] for n in self._buffers if n in every}
+
+
+def _stage_facts(facts: Facts, keep: set[str], buffers: list[str]) -> Facts:
+    groups = [replace(g, params=[n for n in g.params if n in keep]) for g in facts.groups]
+    params = [p for p in facts.params if p.name in keep]
+    rules = {n: r for n, r in facts.tp_rules.items() if n in keep}
+    return replace(facts, groups=groups, params=params, buffer_names=buffers, tp_rules=rules)
+
+
+def _local(name: str) -> str:
+    """A name within its layer's state dict: without ``<layer>.`` or ``tied_modules.<key>.``."""
+    if name.startswith(TIED_PREFIX):
+        return name[len(TIED_PREFIX) :].split(".", 1)[1]
+    return name.split(".", 1)[1]
+
+
+def _to_layer_files(tag_dir: Path, layout: PipelineLayout, stage: int) -> None:
+    """Move the stage's module from its model-states file into one file per layer (every layer of the
+    stage gets one, empty when it holds nothing: PipelineEngine loads a file for every module layer)."""
+    path = tag_dir / model_file(stage)
+    states: dict[str, Any] = dict(load(path))
+    module = states["module"]
+    for layer in range(layout.parts[stage], layout.parts[stage + 1]):
+        held = {_local(name): value for name, value in module.items() if layer in layout.layers_of(name)}
+        write_torch_file(held, tag_dir / layer_file(layer))
+    states.update(module=None, mp_world_size=layout.pp)
+    states[PARALLEL_DIMS] = {"pp_degree": layout.pp, "tp_degree": 1}
+    path.unlink()
+    write_torch_file(states, path)
+
+
+def write_pipeline(
+    source: Reader | str | os.PathLike,
+    out: str | os.PathLike,
+    layout: PipelineLayout,
+    options: RestoreOptions | None = None,
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    **fields: Any,
+) -> NativePlan:
+    """Write ``out/latest`` and ``out/<tag>/`` for a PipelineEngine at ``layout.pp`` stages x ``dp``."""
+    options = RestoreOptions(**fields) if options is None else replace(options, **fields)
+    if options.stage not in (0, 1) or options.tp != 1:
+        raise ConfigError("a pipeline target is ZeRO-1 at TP=1: PipelineEngine refuses ZeRO-2/3")
+    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
+    try:
+        views = [_StageReader(reader, layout, s) for s in range(layout.pp)]
+        placed = {p.name for view in views for p in view.facts.params}
+        missing = [p.name for p in reader.facts.params if p.name not in placed]
+        if missing:
+            raise ConfigError(f"{missing[0]} is on no stage of the partition {list(layout.parts)}")
+        plan = plan_native(reader.facts, options)
+        with staged_output(out, overwrite=overwrite, durable=False) as root:
+            tag_dir = root / plan.tag
+            tag_dir.mkdir()
+            for stage, view in enumerate(views):
+                stage_plan = replace(plan_native(view.facts, options), mp_rank=stage)
+                write_zero12(view, stage_plan, tag_dir, workers or default_workers())
+                _to_layer_files(tag_dir, layout, stage)
+            (root / LATEST).write_text(plan.tag)
+        return plan
+    finally:
+        if reader is not source:
+            reader.close()
