@@ -17,6 +17,7 @@ import torch
 from ucp.io.standins import FragmentAddress, LossScaler, ZeroStageEnum
 from ucp.model.flavours import Flavour
 from ucp.model.partition import Zero12Group
+from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, torch_dtype
 
 __all__ = [
@@ -95,7 +96,7 @@ def zero_wrapper(extras: Mapping[str, Any], *, source_dtype: str, dtype: str, st
 
 def flat_state(
     flavour: Flavour,
-    optim: Sequence[Mapping[str, torch.Tensor]],
+    optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
     steps: Sequence[int],
     moments: bool,
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
@@ -116,8 +117,8 @@ def zero3_optim_block(
     *,
     wrapper: Mapping[str, Any],
     flavour: Flavour,
-    fp32: list[torch.Tensor],
-    optim: Sequence[Mapping[str, torch.Tensor]],
+    fp32: Sequence[torch.Tensor | Pieces],
+    optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
     steps: Sequence[int],
     groups: list[dict[str, Any]],
     dp: int,
@@ -133,8 +134,8 @@ def zero12_optim_block(
     *,
     wrapper: Mapping[str, Any],
     flavour: Flavour,
-    fp32: list[torch.Tensor],
-    optim: Sequence[Mapping[str, torch.Tensor]],
+    fp32: Sequence[torch.Tensor | Pieces],
+    optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
     layouts: list[Zero12Group],
     names: list[list[str]],
     index: int,
@@ -169,7 +170,7 @@ def zero12_optim_block(
         },
         # DeepSpeedZeroOptimizer strips the end padding; its loader (and BF16_Optimizer's) pads it back
         "single_partition_of_fp32_groups": [
-            fp32[g][: layout.partition_size - paddings[g]] for g, layout in enumerate(layouts)
+            _head(fp32[g], layout.partition_size - paddings[g]) for g, layout in enumerate(layouts)
         ],
         "zero_stage": wrapper["zero_stage"],
         "group_paddings": paddings,
@@ -180,8 +181,13 @@ def zero12_optim_block(
     }
 
 
+def _head(flat: torch.Tensor | Pieces, n: int) -> torch.Tensor | Pieces:
+    """The first ``n`` elements of a flat tensor, or of the pieces a streaming writer copies it from."""
+    return flat.slice(0, n) if isinstance(flat, Pieces) else flat[:n]
+
+
 def frozen_fields(
-    shapes: Mapping[str, torch.Size], fragments: Mapping[str, torch.Tensor], *, excluded: bool
+    shapes: Mapping[str, torch.Size], fragments: Mapping[str, Any], *, excluded: bool
 ) -> dict[str, Any]:
     """A ZeRO-2/3 model-states file's frozen parameters. None for both when the source ``excluded`` them, as
     DeepSpeed writes for ``exclude_frozen_parameters`` (PEFT/LoRA runs): its loader then keeps the new

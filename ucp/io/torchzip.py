@@ -33,7 +33,7 @@ import torch
 
 from ucp.io.crc import crc32_combine
 from ucp.io.standins import DSEnum, DSObject
-from ucp.model.pieces import FileSpan, PathSpan, Pieces, Span, part_numel
+from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Pieces, Span, part_numel
 
 __all__ = ["WrittenFile", "write_torch_file", "data_pickle"]
 
@@ -62,7 +62,8 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 # The pure-Python pickler: its save() is the one hook for writing DeepSpeed's globals (the C one has none);
 # the stubs leave it out, hence getattr.
 _PyPickler: Any = pickle._Pickler
-_Chunk = memoryview | bytes | FileSpan | PathSpan
+_Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor
+_STREAMED = (FileSpan, PathSpan, LazyTensor)
 
 
 class _Pickler(_PyPickler):
@@ -96,6 +97,9 @@ class _Pickler(_PyPickler):
             super().save(obj, save_persistent_id)
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, LazyTensor):
+            numel = obj.nbytes // obj.dtype.itemsize
+            return _rebuild(_StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
         if torch.is_tensor(obj):
             obj = Pieces.of(obj.detach())
         if isinstance(obj, Pieces):
@@ -103,13 +107,7 @@ class _Pickler(_PyPickler):
             data = [
                 p if isinstance(p, (FileSpan, PathSpan)) else _tensor_bytes(p) for p in obj.parts if part_numel(p, item)
             ]
-            ref = _StorageRef(
-                getattr(torch, _storage_type_name(obj.dtype)), data, sum(part_numel(p, item) for p in obj.parts)
-            )
-            return (
-                torch._utils._rebuild_tensor_v2,
-                (ref, 0, obj.shape, _contiguous_strides(obj.shape), False, _ordered_dict()),
-            )
+            return _rebuild(_StorageRef(_storage_type(obj.dtype), data, obj.numel), obj.shape)
         return NotImplemented
 
 
@@ -118,6 +116,15 @@ class _GlobalRef:
 
     def __init__(self, dotted: str) -> None:
         self.module, _, self.name = dotted.rpartition(".")
+
+
+def _rebuild(ref: _StorageRef, shape: tuple[int, ...]) -> tuple[Any, tuple]:
+    """What torch.save pickles for a contiguous tensor over a whole storage."""
+    return (torch._utils._rebuild_tensor_v2, (ref, 0, shape, _contiguous_strides(shape), False, _ordered_dict()))
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    return getattr(torch, _storage_type_name(dtype))
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -159,7 +166,7 @@ def _storage_type_name(dtype: torch.dtype) -> str:
 @dataclass
 class _StorageRef:
     storage_type: Any
-    data: list[memoryview | FileSpan | PathSpan]  # the record's bytes, in pieces
+    data: Sequence[_Chunk]  # the record's bytes, in pieces
     numel: int
 
 
@@ -288,16 +295,21 @@ class _ZipStream:
     def record(self, name: bytes, parts: Sequence[_Chunk]) -> int:
         """Place one stored member; returns its crc32."""
         full = self.prefix + b"/" + name
-        size = sum(p.nbytes if isinstance(p, (FileSpan, PathSpan)) else len(p) for p in parts)
+        size = sum(p.nbytes if isinstance(p, _STREAMED) else len(p) for p in parts)
         start = self.offset
-        streamed = any(isinstance(p, (FileSpan, PathSpan)) for p in parts)
+        streamed = any(isinstance(p, _STREAMED) for p in parts)
         crc = 0
         for part in parts if not streamed else ():
             crc = zlib.crc32(part, crc)  # type: ignore[arg-type]
         header = _local_header(full, size, crc, start)
         self._add(header)
         for part in parts:
-            if isinstance(part, (FileSpan, PathSpan)):
+            if isinstance(part, LazyTensor):
+                data = _lazy_bytes(part)
+                crc = zlib.crc32(data, crc)
+                self._add(data)
+                self._flush()  # the tensor goes as soon as it is written
+            elif isinstance(part, (FileSpan, PathSpan)):
                 self._flush()
                 crc = _stream_span(self.fd, part, crc)
                 self.offset += part.nbytes
@@ -330,6 +342,14 @@ class _ZipStream:
     def _flush(self) -> None:
         _write_all(self.fd, self.pending)
         self.pending = []
+
+
+def _lazy_bytes(lazy: LazyTensor) -> memoryview:
+    """The bytes of a :class:`LazyTensor`, made now; it must be what it promised."""
+    tensor = lazy.make()
+    if tuple(tensor.shape) != tuple(lazy.shape) or tensor.dtype != lazy.dtype:
+        raise ValueError(f"a lazy tensor promised {lazy.dtype} {lazy.shape}, made {tensor.dtype} {tuple(tensor.shape)}")
+    return _tensor_bytes(tensor)
 
 
 _CHUNK = 2 << 20

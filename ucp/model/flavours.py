@@ -40,6 +40,7 @@ import torch
 
 from ucp.errors import InputError
 from ucp.model.hyper import TORCH_KEYS, Hyper, group_value
+from ucp.model.pieces import Pieces
 
 __all__ = [
     "Flavour",
@@ -95,7 +96,7 @@ class Flavour:
 
     def make_state(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | Pieces],
         step: int,
         scalars: Mapping[str, torch.Tensor] | None = None,
         *,

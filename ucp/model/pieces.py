@@ -16,7 +16,7 @@ import torch
 
 from ucp.errors import ChecksumError, CorruptFileError
 
-__all__ = ["FileSpan", "PathSpan", "Span", "Part", "Pieces", "part_numel", "file_stamp"]
+__all__ = ["FileSpan", "PathSpan", "Span", "Part", "Pieces", "LazyTensor", "part_numel", "file_stamp"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,24 @@ class PathSpan:
 
 Span = FileSpan | PathSpan
 Part = torch.Tensor | FileSpan | PathSpan
+
+
+@dataclass(frozen=True, eq=False)
+class LazyTensor:
+    """A tensor made only when a writer reaches it, then dropped: a module's low-precision weights
+    (a cast of each fp32 master) cost one parameter of memory at a time instead of the model's.
+    ``make()`` must return a tensor of exactly ``shape`` and ``dtype``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
 
 
 def file_stamp(stat: os.stat_result) -> tuple[int, ...]:

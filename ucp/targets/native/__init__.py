@@ -47,7 +47,11 @@ def write_plan(
             write_zero3(reader, plan, tag_dir, workers)
         else:
             for mp_rank in range(plan.tp):
-                view = TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
+                view = (  # at TP=1 the reader itself, so that it streams
+                    reader
+                    if plan.tp == 1
+                    else TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
+                )
                 write_zero12(view, replace(plan, mp_rank=mp_rank), tag_dir, workers)
         (root / LATEST).write_text(plan.tag)
     return plan

@@ -1,26 +1,33 @@
 """Universal (or any reader) -> a native ZeRO-1/2 checkpoint that stock DeepSpeed loads at DP=N.
 
 Call order: ``ucp.targets.native.write_plan`` calls :func:`write_zero12` for stage 1 or 2 inside
-its staged output folder. Here each parameter is read once and scattered into every rank's flat
-partitions (``ucp.targets.blocks.zero12``, shared with the live-engine target); then one ``mp_rank_MM_model_states.pt`` (the low-precision module, frozen parameters and
-all) and N ``*zero_pp_rank_R_mp_rank_MM_optim_states.pt`` files are written with every field
-DeepSpeedZeroOptimizer writes, recomputed for N. BF16_Optimizer engines load the same files.
-Under tensor parallelism this runs once per TP rank MM, on that rank's view of the parameters.
+its staged output folder. One ``mp_rank_MM_model_states.pt`` (the low-precision module, frozen
+parameters and all) and N ``*zero_pp_rank_R_mp_rank_MM_optim_states.pt`` files are written with
+every field DeepSpeedZeroOptimizer writes, recomputed for N; BF16_Optimizer engines load the same
+files. From a reader that streams, each rank's flat partitions are laid out of the source's spans
+(``ucp.targets.blocks.stream``) and the module's weights are cast one parameter at a time as the
+file is written, so memory holds no rank's share; other readers (a tensor-parallel view: this runs
+once per TP rank MM on that rank's view) read each parameter once into every rank's buffers.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file, optim_file
 from ucp.errors import InputError
-from ucp.model.partition import zero12_group
-from ucp.model.records import ParamState, Reader, torch_dtype
+from ucp.io.pool import parallel_map
+from ucp.model.partition import Span, Zero12Group, zero12_group
+from ucp.model.pieces import LazyTensor, Pieces
+from ucp.model.records import ParamState, PieceState, Reader, torch_dtype
+from ucp.targets.blocks.stream import Located, flat_pieces, locate
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
 from ucp.targets.native.plan import NativePlan, param_step
@@ -29,101 +36,214 @@ __all__ = ["write_zero12"]
 
 logger = logging.getLogger(__name__)
 
-
-def _flat_names(reader: Reader, plan: NativePlan) -> tuple[list[list[str]], list[str]]:
-    """Members of each flat group, and the parameters DeepSpeed keeps outside them (frozen, or
-    trainable with zero elements: DeepSpeed 0.19.8 ``is_optimized_parameter``)."""
-    facts = reader.facts
-    flat = [[n for n in names if facts.param(n).numel > 0] for names in plan.group_names]
-    kept = {n for names in flat for n in names}
-    outside = [m.name for m in facts.params if m.name not in kept]
-    return flat, outside
+Flat = torch.Tensor | Pieces
+Weight = torch.Tensor | Pieces | LazyTensor
 
 
 def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -> None:
     """Write TP rank ``plan.mp_rank``'s files of a stage-1/2 checkpoint for ``plan.dp`` ranks into ``tag_dir``."""
+    files = _Zero12Files(reader, plan, tag_dir)
+    if reader.streams:
+        with reader.deferred_checks():  # source files are checked from the bytes the rank files copied
+            _write_streaming(files, workers)
+    else:
+        _write_buffered(files, workers)
+    logger.debug("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, plan.dp, tag_dir)
+
+
+def _write_streaming(files: _Zero12Files, workers: int) -> None:
+    """Check every parameter once, then write the model file and the ranks' files from the spans."""
+    reader, plan = files.reader, files.plan
     facts = reader.facts
-    dp = plan.dp
-    names, outside = _flat_names(reader, plan)
-    layouts = [zero12_group([facts.param(n).numel for n in group], dp) for group in names]
-    moments = not plan.reset_moments
-    keys = [facts.groups[g].state_keys if moments else () for g in range(len(names))]
+    members = [[(n, facts.param(n).numel) for n in group] for group in files.names]
+    located = locate(
+        reader,
+        members,
+        files.keys,
+        moments=files.moments,
+        workers=workers,
+        step_of=lambda state: param_step(plan, state),
+        unit="ZeRO-1/2 param group",
+    )
+    files.settle(located.steps)
     lp = torch_dtype(plan.dtype)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {name: _weight(state, lp) for name, state in located.states.items()}
+    files.write_model(weights)
+
+    def one(rank: int) -> None:
+        fp32, optim = _rank_pieces(files, located, rank)
+        files.write_rank(rank, fp32, optim, located.scalars)
+
+    for _ in parallel_map(one, range(plan.dp), min(workers, plan.dp), desc="write"):
+        pass
+
+
+def _weight(state: PieceState, lp: torch.dtype) -> Weight:
+    """A module weight from its fp32 master: the spans themselves in fp32, else cast when written."""
+    master = state.fp32
+    if lp == torch.float32:
+        return master
+    return LazyTensor(tuple(master.shape), lp, lambda: master.join(lp))
+
+
+def _rank_pieces(files: _Zero12Files, located: Located, rank: int) -> tuple[list[Flat], list[dict[str, Flat]]]:
+    """Rank ``rank``'s flat partition of each param group (and of each state key) as pieces."""
+    fp32: list[Flat] = []
+    optim: list[dict[str, Flat]] = []
+    for g, layout in enumerate(files.layouts):
+        states = [located.states[name] for name in files.names[g]]
+        spans = [(i, span) for i in range(len(states)) for span in layout.spans(i) if span.rank == rank]
+
+        fp32.append(_cut(layout.partition_size, spans, states, None))
+        whole = files.whole[g] if g < len(files.whole) else ()
+        slots = layout.whole_slots(rank) if whole else {}
+        optim.append(
+            {
+                key: flat_pieces(layout.whole_size(rank), [(o, states[i].optim[key]) for i, o in slots.items()])
+                if key in whole
+                else _cut(layout.partition_size, spans, states, key)
+                for key in files.keys[g]
+            }
+        )
+    return fp32, optim
+
+
+def _cut(size: int, spans: list[tuple[int, Span]], states: list[PieceState], key: str | None) -> Pieces:
+    """One rank's partition of a flat group (the fp32 masters, or state ``key``) from its members' spans."""
+    placed = []
+    for i, span in spans:
+        source = states[i].fp32 if key is None else states[i].optim[key]
+        placed.append((span.partition_start, source.slice(span.param_start, span.param_start + span.length)))
+    return flat_pieces(size, placed)
+
+
+def _write_buffered(files: _Zero12Files, workers: int) -> None:
+    """Read every parameter once into all ranks' partitions, then write the files rank by rank."""
+    reader, plan = files.reader, files.plan
+    lp = torch_dtype(plan.dtype)
+    weights: dict[str, Weight] = {}
 
     def keep_weight(name: str, state: ParamState) -> None:
         weights[name] = state.fp32.to(lp)
 
-    scalars: list[dict[str, torch.Tensor]] = [{} for _ in layouts]
-    whole = plan.whole_keys(facts) if moments else []
-    ranks = {r: zero12_buffers(layouts, keys, scalars, rank=r, whole=whole) for r in range(dp)}
+    scalars: list[dict[str, torch.Tensor]] = [{} for _ in files.layouts]
+    ranks = {r: zero12_buffers(files.layouts, files.keys, scalars, rank=r, whole=files.whole) for r in range(plan.dp)}
     seen = fill_zero12_ranks(
         reader,
-        layouts,
-        names,
+        files.layouts,
+        files.names,
         ranks,
-        keys=keys,
-        moments=moments,
+        keys=files.keys,
+        moments=files.moments,
         workers=workers,
         step_of=lambda state: param_step(plan, state),
         on_state=keep_weight,
-        whole=whole,
+        whole=files.whole,
     )
-    steps = group_steps(seen)
-    groups = optimizer_groups(reader, plan, [[g] for g in range(len(names))], steps)
-    frozen = OrderedDict((n, reader.read(n, moments=False).fp32.to(lp)) for n in outside)
-
-    module: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for meta in facts.params:
-        module[meta.name] = weights[meta.name] if meta.name in weights else frozen[meta.name]
-    for alias, owner in facts.tied.items():
-        if owner not in module:
-            raise InputError(f"tied parameter {alias!r} points at {owner!r}, which the checkpoint does not hold")
-        module[alias] = module[owner]
-    module.update(reader.buffers())
-    stage2 = plan.stage == 2
-    shapes = {n: torch.Size(t.shape) for n, t in frozen.items()}
-    frozen_states = (
-        ds_states.frozen_fields(shapes, frozen, excluded=facts.info.frozen_excluded)
-        if stage2
-        else {"frozen_param_shapes": None, "frozen_param_fragments": None}  # stage 1: frozen weights in the module
-    )
-    states = model_states(
-        reader,
-        plan,
-        extra={
-            "param_shapes": [OrderedDict((n, torch.Size(facts.param(n).shape)) for n in group) for group in names],
-            "frozen_param_shapes": frozen_states["frozen_param_shapes"],
-            "shared_params": dict(facts.tied),
-            "frozen_param_fragments": frozen_states["frozen_param_fragments"],
-        },
-    )
-    states["module"] = module
-    config = ds_states.config_for_stage(facts.info.ds_config, plan.stage)
-    states["ds_config"] = config
-    save_rank_file(states, tag_dir / model_file(plan.mp_rank))
-
-    wrapper = zero_wrapper(reader, plan)
-    clip_grad = ds_states.clip_grad(reader.extras(), facts.info.ds_config)
-    for r in range(dp):
+    files.settle(seen)
+    files.write_model(weights)
+    for r in range(plan.dp):
         buffers = ranks.pop(r)
+        files.write_rank(r, buffers.fp32, buffers.optim, buffers.scalars)
+
+
+class _Zero12Files:
+    """What every file of one TP rank shares (flat layouts, groups, steps), and the writing of each."""
+
+    def __init__(self, reader: Reader, plan: NativePlan, tag_dir: Path) -> None:
+        self.reader, self.plan, self.tag_dir = reader, plan, tag_dir
+        facts = reader.facts
+        # DeepSpeed keeps frozen parameters and trainable ones with zero elements outside the flat
+        # groups (0.19.8 ``is_optimized_parameter``)
+        self.names = [[n for n in names if facts.param(n).numel > 0] for names in plan.group_names]
+        kept = {n for names in self.names for n in names}
+        self.outside = [m.name for m in facts.params if m.name not in kept]
+        self.layouts: list[Zero12Group] = [
+            zero12_group([facts.param(n).numel for n in group], plan.dp) for group in self.names
+        ]
+        self.moments = not plan.reset_moments
+        self.keys = [facts.groups[g].state_keys if self.moments else () for g in range(len(self.names))]
+        self.whole = plan.whole_keys(facts) if self.moments else []
+        self.config = ds_states.config_for_stage(facts.info.ds_config, plan.stage)
+        self.wrapper = zero_wrapper(reader, plan)
+        self.clip_grad = ds_states.clip_grad(reader.extras(), facts.info.ds_config)
+        self.steps: list[int] = []
+        self.groups: list[dict] = []
+
+    def settle(self, seen: list[set[int]]) -> None:
+        """One step per param group (ZeRO-1/2 steps a group as one flat tensor), and the groups."""
+        self.steps = group_steps(seen)
+        self.groups = optimizer_groups(self.reader, self.plan, [[g] for g in range(len(self.names))], self.steps)
+
+    def write_model(self, weights: Mapping[str, Weight]) -> None:
+        """``mp_rank_MM_model_states.pt``: the module in the run's dtype, frozen parameters included."""
+        reader, plan = self.reader, self.plan
+        facts = reader.facts
+        lp = torch_dtype(plan.dtype)
+        frozen: OrderedDict[str, Weight] = OrderedDict((n, self._frozen(n, lp)) for n in self.outside)
+        module: OrderedDict[str, Any] = OrderedDict()
+        for meta in facts.params:
+            module[meta.name] = weights[meta.name] if meta.name in weights else frozen[meta.name]
+        for alias, owner in facts.tied.items():
+            if owner not in module:
+                raise InputError(f"tied parameter {alias!r} points at {owner!r}, which the checkpoint does not hold")
+            module[alias] = module[owner]
+        module.update(reader.buffers())
+        shapes = {n: torch.Size(facts.param(n).shape) for n in frozen}
+        frozen_states = (
+            ds_states.frozen_fields(shapes, frozen, excluded=facts.info.frozen_excluded)
+            if plan.stage == 2
+            else {"frozen_param_shapes": None, "frozen_param_fragments": None}  # stage 1: frozen weights in the module
+        )
+        states = model_states(
+            reader,
+            plan,
+            extra={
+                "param_shapes": [
+                    OrderedDict((n, torch.Size(facts.param(n).shape)) for n in group) for group in self.names
+                ],
+                "frozen_param_shapes": frozen_states["frozen_param_shapes"],
+                "shared_params": dict(facts.tied),
+                "frozen_param_fragments": frozen_states["frozen_param_fragments"],
+            },
+        )
+        states["module"] = module
+        states["ds_config"] = self.config
+        save_rank_file(states, self.tag_dir / model_file(plan.mp_rank))
+
+    def _frozen(self, name: str, lp: torch.dtype) -> Weight:
+        """A parameter outside the flat groups, in the run's dtype: read when the file reaches it."""
+        reader = self.reader
+        shape = tuple(reader.facts.param(name).shape)
+        if not reader.streams:
+            return reader.read(name, moments=False).fp32.to(lp)
+        return LazyTensor(shape, lp, lambda: reader.read(name, moments=False).fp32.to(lp).reshape(shape))
+
+    def write_rank(
+        self,
+        rank: int,
+        fp32: Sequence[Flat],
+        optim: Sequence[Mapping[str, Flat]],
+        scalars: Sequence[Mapping[str, torch.Tensor]],
+    ) -> None:
+        """``*zero_pp_rank_R_mp_rank_MM_optim_states.pt`` for DP rank ``rank``."""
+        plan, facts = self.plan, self.reader.facts
         block = ds_states.zero12_optim_block(
-            wrapper=wrapper,
+            wrapper=self.wrapper,
             flavour=plan.flavour,
-            fp32=buffers.fp32,
-            optim=buffers.optim,
-            scalars=buffers.scalars,
-            layouts=layouts,
-            names=names,
-            index=r,
-            steps=steps,
-            groups=groups,
-            clip_grad=clip_grad,
+            fp32=fp32,
+            optim=optim,
+            scalars=scalars,
+            layouts=self.layouts,
+            names=self.names,
+            index=rank,
+            steps=self.steps,
+            groups=self.groups,
+            clip_grad=self.clip_grad,
             ds_version=facts.info.ds_version,
-            moments=moments,
+            moments=self.moments,
         )
         save_rank_file(
-            ds_states.optim_file_dict(block, config, facts.info.ds_version),
-            tag_dir / optim_file(r, plan.mp_rank, bf16=plan.dtype == "bf16"),
+            ds_states.optim_file_dict(block, self.config, facts.info.ds_version),
+            self.tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
         )
-    logger.debug("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, dp, tag_dir)

@@ -165,8 +165,8 @@ class _Zero3Files:
         block = ds_states.zero3_optim_block(
             wrapper=self.wrapper,
             flavour=plan.flavour,
-            fp32=list(fp32),  # type: ignore[arg-type]  # Pieces are written as the tensors they stand for
-            optim=optim,  # type: ignore[arg-type]
+            fp32=fp32,
+            optim=optim,
             scalars=scalars,
             steps=self.steps,
             groups=self.groups,

@@ -1,0 +1,119 @@
+"""The streaming native restore: rank files written from the source's spans, sources checked from what was copied.
+
+A universal file in ucp's own layout is found without unpickling (``io.tensor_record``) and its
+crc32 is checked from the crc32s the writer computed while copying (``Reader.deferred_checks``).
+These tests damage a real universal directory where each part of that check looks (the tensor's
+bytes, the pickle before them, the zip directory after them) and restore it at every ZeRO stage:
+each must fail in one line with nothing written. The restored bytes themselves are pinned by
+tests/test_golden.py; a file taken by the fast path must give what the weights_only unpickler gives.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_reliability import assert_one_line_error, run_cli
+from ucp.io import torchfile
+from ucp.io.tensor_record import SpanCheck, find_tensor_record
+from ucp.io.torchzip import data_pickle, write_torch_file
+from ucp.model.pieces import Pieces
+from ucp.universal.manifest import MANIFEST
+from ucp.universal.reader import open_universal
+
+pytestmark = pytest.mark.slow
+
+
+def _victim(root: Path) -> Path:
+    """The largest exp_avg.pt of a universal directory (its tensor spans several ranks' partitions)."""
+    manifest = json.loads((root / MANIFEST).read_text())
+    entry = max(
+        (p for p in manifest["params"] if "exp_avg.pt" in p["files"]), key=lambda p: p["files"]["exp_avg.pt"]["bytes"]
+    )
+    return root / "zero" / entry["folder"] / "exp_avg.pt"
+
+
+def _flip(path: Path, where: str) -> None:
+    """Flip one bit: in the tensor's bytes, in data.pkl before them, or in the zip directory after them."""
+    data = bytearray(path.read_bytes())
+    tensor = torchfile.load(path)["param"]
+    pickle = data_pickle({"param": Pieces.of(torch.zeros(tuple(tensor.shape)))})
+    record = find_tensor_record(path, pickle, tensor.numel() * 4)
+    assert record is not None, "ucp's own file must take the fast path"
+    index = {
+        "tensor": record.offset + record.nbytes // 2,
+        "pickle": bytes(data).index(pickle) + len(pickle) // 2,
+        "directory": len(data) - 30,
+    }[where]
+    data[index] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["tensor", "pickle", "directory"])
+@pytest.mark.parametrize("stage", ["3", "2", "1"])
+def test_a_damaged_universal_file_fails_the_restore_in_one_line_with_nothing_written(
+    universals, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, stage: str
+) -> None:
+    root = tmp_path / "u"
+    shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
+    victim = _victim(root)
+    _flip(victim, where)
+    out = tmp_path / "restored"
+    code, err = run_cli(capsys, "restore", str(root), str(out), "--dp", "3", "--stage", stage)
+    line = assert_one_line_error(code, err, victim.parent.name)
+    assert "checksum" in line or "corrupt" in line, line
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u"], "a staging folder was left behind"
+
+
+def test_the_fast_path_gives_what_the_unpickler_gives_and_refuses_other_writers(universals, tmp_path: Path) -> None:
+    root = universals("z3-bf16-dp2-adamw")
+    reader = open_universal(root)
+    try:
+        for meta in reader.facts.params:
+            path = reader.file_path(meta.name, "fp32.pt")
+            tensor = torchfile.load(path)["param"]
+            pickle = data_pickle({"param": Pieces.of(torch.zeros(tuple(tensor.shape)))})
+            record = find_tensor_record(path, pickle, tensor.numel() * 4)
+            assert record is not None, meta.name
+            raw = path.read_bytes()
+            found = torch.frombuffer(bytearray(raw[record.offset : record.offset + record.nbytes]), dtype=torch.float32)
+            assert torch.equal(found.view(tensor.shape), tensor), meta.name
+            assert record.file_crc(zlib.crc32(raw[record.offset : record.offset + record.nbytes])) == zlib.crc32(raw)
+            # the same tensor in another writer's file, or another shape's pickle: not taken
+            other = tmp_path / f"{len(list(tmp_path.iterdir()))}.pt"
+            torch.save({"param": tensor.clone()}, other)
+            assert find_tensor_record(other, pickle, tensor.numel() * 4) is None
+            wrong = data_pickle({"param": Pieces.of(torch.zeros(tensor.numel() + 1))})
+            assert find_tensor_record(path, wrong, tensor.numel() * 4) is None
+    finally:
+        reader.close()
+
+
+def test_a_span_check_needs_every_byte_of_the_tensor_and_reads_what_was_not_copied(tmp_path: Path) -> None:
+    path = tmp_path / "fp32.pt"
+    values = torch.arange(1000, dtype=torch.float32)
+    written = write_torch_file({"param": values}, path)
+    pickle = data_pickle({"param": Pieces.of(torch.zeros(1000))})
+    record = find_tensor_record(path, pickle, 4000)
+    assert record is not None
+    raw = path.read_bytes()
+
+    def crc(lo: int, hi: int) -> int:
+        return zlib.crc32(raw[record.offset + lo : record.offset + hi])
+
+    whole = SpanCheck(str(path), record, written.crc32)
+    for lo, hi in [(0, 1000), (1000, 2500), (2500, 4000), (1000, 2500)]:  # one span reported twice
+        whole.witness(record.offset + lo, hi - lo, crc(lo, hi))
+    assert whole.confirm()
+    gaps = SpanCheck(str(path), record, written.crc32)
+    gaps.witness(record.offset + 400, 800, crc(400, 1200))  # the rest is read by confirm
+    assert gaps.confirm()
+    lying = SpanCheck(str(path), record, written.crc32)
+    lying.witness(record.offset, 4000, crc(0, 4000) ^ 1)  # a copy that saw other bytes
+    assert not lying.confirm()
