@@ -164,3 +164,36 @@ def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universal
         pass
     with pytest.raises(ChecksumError):
         reader.read(name)
+
+
+@pytest.mark.parametrize("decoy", ["", "cucp.io.standins\nLossScaler\n", "ucp.io.standins"])
+def test_deepspeed_stand_ins_are_written_under_deepspeed_names_whatever_the_strings_around_them(
+    tmp_path: Path, decoy: str
+) -> None:
+    """The C pickler writes stand-ins under their ucp names and renames them; a string that looks like
+    one of those names must neither be renamed nor let a ucp name through (the pure pickler takes over)."""
+    import pickletools
+    import zipfile
+
+    from ucp.io import standins, torchfile
+
+    obj = {
+        "loss_scaler": standins.LossScaler(cur_scale=65536.0, cur_iter=7),
+        "again": standins.LossScaler(cur_scale=1.0, cur_iter=0),
+        "zero_stage": standins.ZeroStageEnum(3),
+        "note": decoy,
+        "weights": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    }
+    path = tmp_path / "states.pt"
+    write_torch_file(obj, path)
+    with zipfile.ZipFile(path) as zf:
+        pickled = zf.read("states/data.pkl")
+    globals_ = {arg for op, arg, _ in pickletools.genops(pickled) if op.name == "GLOBAL"}
+    assert "deepspeed.runtime.fp16.loss_scaler LossScaler" in globals_
+    assert "deepspeed.runtime.zero.config ZeroStageEnum" in globals_
+    assert not any(name.startswith("ucp") for name in globals_), globals_
+    back = torchfile.load(path)
+    assert back["note"] == decoy
+    assert back["loss_scaler"] == obj["loss_scaler"] and back["again"] == obj["again"]
+    assert int(back["zero_stage"]) == 3 and isinstance(back["zero_stage"], standins.ZeroStageEnum)
+    assert torch.equal(back["weights"], obj["weights"])
