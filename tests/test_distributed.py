@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import ucp
 from ucp.harness.launch import free_port
 from ucp.model.records import ParamMeta
@@ -92,3 +94,91 @@ def test_the_launcher_env_gives_rank_and_world_size(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
+
+
+def _two_nodes(*argv: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """``python -m ucp ARGV --distributed`` as 2 nodes x 2 processes on this machine: two torchrun
+    launches with --nnodes 2 and their own --node-rank, meeting at one master port."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = str(free_port())
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "-m",
+                "ucp",
+                *argv,
+                "--distributed",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    done = []
+    for launch in launches:
+        out, err = launch.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(launch.args, launch.returncode, out, err))
+    return done
+
+
+def _same_files(a, b) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "verb, stage", [("restore", "3"), ("restore", "2"), ("reshard", None)], ids=["restore-z3", "restore-z2", "reshard"]
+)
+def test_two_nodes_of_two_write_the_same_native_checkpoint_as_one_process(
+    z3_bf16_dp2, universals, tmp_path, verb, stage
+):
+    """restore / reshard --distributed on 2 nodes x 2 processes: byte-identical to one process's output."""
+    from ucp.cli import main
+
+    src = str(universals("z3-bf16-dp2-adamw") if verb == "restore" else z3_bf16_dp2.path)
+    flags = ["--dp", "3"] + (["--stage", stage] if stage else [])
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    assert main(["-q", verb, src, str(single), *flags]) == 0
+    done = _two_nodes(verb, src, str(multi), *flags)
+    assert [d.returncode for d in done] == [0, 0], [d.stderr[-2000:] for d in done]
+    _same_files(single, multi)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multi", "single"], "no staging folder left behind"
+
+
+@pytest.mark.slow
+def test_a_damaged_source_file_fails_every_node_and_writes_nothing(universals, tmp_path):
+    """The source files are checked by the process whose share holds them; its failure stops them all."""
+    import shutil
+
+    from tests.test_restore_stream import _flip, _victim
+
+    root = tmp_path / "u"
+    shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
+    _flip(_victim(root), "tensor")
+    done = _two_nodes("restore", str(root), str(tmp_path / "out"), "--dp", "3")
+    assert all(d.returncode != 0 for d in done), [d.returncode for d in done]
+    errors = "\n".join(d.stderr for d in done)
+    lines = [line for line in errors.splitlines() if line.startswith("ucp: error: ")]
+    assert len(lines) == 4 and all("does not match its checksum" in line for line in lines), errors[-3000:]
+    # torchrun prints its own traceback (ChildFailedError) for a failed child; none comes from ucp's code
+    frames = [line for line in errors.splitlines() if line.strip().startswith('File "')]
+    assert not [f for f in frames if "/ucp/" in f], frames
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u"], "no OUT and no staging folder"

@@ -27,6 +27,7 @@ from ucp.io.signals import held_signals, raise_if_stopped, stop_on_signals
 if TYPE_CHECKING:  # the CLI imports torch only once a verb runs: --help, --version and Ctrl-C stay quick
     from ucp.io.guard import OutputPolicy
     from ucp.model.records import Facts, Reader
+    from ucp.targets.native import NativePlan
 
 __all__ = ["main", "build_parser"]
 
@@ -230,10 +231,38 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     hf = find_hf_folder(args.universal)
     if hf is not None:
         return _cmd_restore_hf(args, step, hf.tag)
+    if args.distributed:
+        return _cmd_native_distributed(args, step)
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
-        # restore writes ZeRO-3 unless told; reshard keeps the source's stage unless told
-        default = reader.facts.info.zero_stage if args.verb == "reshard" else 3
-        plan = write_native(reader, args.out, **_native_options(args, step, args.stage or default))
+        plan = write_native(reader, args.out, **_native_options(args, step, _stage(args, reader.facts)))
+    return _native_done(args, plan)
+
+
+def _stage(args: argparse.Namespace, facts: Facts) -> int:
+    """restore writes ZeRO-3 unless told; reshard keeps the source's stage unless told."""
+    return int(args.stage or (facts.info.zero_stage if args.verb == "reshard" else 3))
+
+
+def _cmd_native_distributed(args: argparse.Namespace, step: int | str) -> int:
+    """restore / reshard under torchrun: each rank writes its share; rank 0 reports."""
+    from ucp.model.options import RestoreOptions
+    from ucp.ops.distributed import write_native_distributed
+
+    fields = _native_options(args, step, None)
+    for key in ("overwrite", "workers", "fsync", "stage"):
+        fields.pop(key)
+    plan = write_native_distributed(
+        args.universal,
+        args.out,
+        lambda facts: RestoreOptions(stage=_stage(args, facts), **fields),
+        workers=args.workers,
+        policy=_policy(args),
+        fsync=args.fsync,
+    )
+    return 0 if plan is None else _native_done(args, plan)
+
+
+def _native_done(args: argparse.Namespace, plan: NativePlan) -> int:
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
     summary = (
         f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
@@ -392,6 +421,11 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
         "out by it (default: as the source did)",
     )
     p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="split the rank files across torch.distributed ranks (launch with torchrun; OUT on a shared file system)",
+    )
     _output_flags(p, fsync=True)
 
 

@@ -9,7 +9,7 @@ parameter carries its fp32 master and whatever tensors its optimizer keeps, by k
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,11 +188,12 @@ class Reader(ABC):
         their files override it; by default it wraps :meth:`read`'s whole tensors."""
         yield PieceState.of(self.read(name, moments=moments))
 
-    def deferred_checks(self) -> AbstractContextManager[None]:
+    def deferred_checks(self, elsewhere: Callable[[str], bool] | None = None) -> AbstractContextManager[None]:
         """A block inside which the reader may hand out spans of files it has not checked yet, and
         checks them (from what writers copied) when the block ends, raising there on a mismatch:
-        a streaming writer wraps its work in it so each byte is read once. Readers that check
-        nothing lazily keep this no-op."""
+        a streaming writer wraps its work in it so each byte is read once. ``elsewhere(name)``:
+        the parameters another process checks (a distributed write splits the checking too).
+        Readers that check nothing lazily keep this no-op."""
         return nullcontext()
 
     def param_steps(self) -> dict[str, int | None]:
@@ -240,8 +241,8 @@ class ReaderView(Reader):
         with self.inner.read_pieces(name, moments=moments) as state:
             yield state
 
-    def deferred_checks(self) -> AbstractContextManager[None]:
-        return self.inner.deferred_checks()
+    def deferred_checks(self, elsewhere: Callable[[str], bool] | None = None) -> AbstractContextManager[None]:
+        return self.inner.deferred_checks(elsewhere)
 
     def param_steps(self) -> dict[str, int | None]:
         return self.inner.param_steps()

@@ -1,10 +1,12 @@
-"""to-universal across machines: ``torchrun --nnodes ... -m ucp to-universal SRC OUT --distributed``.
+"""Work across machines: ``torchrun --nnodes ... -m ucp {to-universal,restore,reshard} SRC OUT --distributed``.
 
 Every rank opens the source (tiny: only the pickled metadata is read; tensors stay on disk behind
 mmap), takes its share of the parameters, and reads only the byte ranges those need. Rank 0 owns
 the output: it stages OUT, tells every rank where, gathers their manifest entries and commits. The
 result is the same, file for file, as a one-process run. OUT's parent must be a filesystem all
-ranks see.
+ranks see. A native write (restore, reshard) splits the rank files the same way
+(``ucp.targets.native.Share``): each process writes its files and checks the source files of its
+share of the parameters; rank 0 writes ``latest`` and publishes.
 
 Call order: plan (pure, :func:`assign`) -> rank 0 checks OUT (ucp.io.guard) and stages it -> all
 write -> gather -> rank 0 finishes. Each step ends with every rank learning whether any rank failed
@@ -22,16 +24,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ucp.deepspeed.layout import LATEST
 from ucp.errors import UcpError, WriteError
 from ucp.io.atomic import staged_output
-from ucp.io.guard import OutputPolicy, check_output, check_space, fault_message, universal_bytes
+from ucp.io.guard import OutputPolicy, check_output, check_space, fault_message, universal_bytes, weight_bytes
 from ucp.io.pool import default_workers
-from ucp.model.records import ParamMeta, Reader
+from ucp.model.options import RestoreOptions
+from ucp.model.records import Facts, ParamMeta, Reader
 from ucp.sources import open_reader
+from ucp.targets.native import NativePlan, Share, plan_native, write_files
 from ucp.universal.manifest import ParamEntry
 from ucp.universal.writer import finish_universal, write_params
 
-__all__ = ["assign", "to_universal_distributed"]
+__all__ = ["assign", "to_universal_distributed", "write_native_distributed"]
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -184,6 +189,89 @@ def _run(
                 return finish_universal(root, reader.facts, ordered, reader.extras(), reader.buffers())
 
             return _together(dist, out, finish)  # rank 0 publishes OUT on leaving the stack
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def write_native_distributed(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: RestoreOptions | Callable[[Facts], RestoreOptions],
+    *,
+    tag: str | None = None,
+    workers: int | None = None,
+    policy: OutputPolicy | None = None,
+    fsync: bool = False,
+) -> NativePlan | None:
+    """A native checkpoint (``ucp restore`` / ``ucp reshard``) with every torch.distributed rank
+    writing its share of the rank files; rank 0 returns the plan, the others None. ``options`` may
+    depend on the source (a function of its facts: reshard keeps its ZeRO stage). Failure and
+    signals behave as in :func:`to_universal_distributed`: OUT appears whole or not at all."""
+    dist, rank, world, started = _init()
+    try:
+        return _run_native(
+            dist,
+            rank,
+            world,
+            Path(src),
+            Path(out),
+            options,
+            tag=tag,
+            workers=workers or default_workers(),
+            policy=policy or OutputPolicy(),
+            fsync=fsync,
+        )
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _run_native(
+    dist: Any,
+    rank: int,
+    world: int,
+    src: Path,
+    out: Path,
+    options: RestoreOptions | Callable[[Facts], RestoreOptions],
+    *,
+    tag: str | None,
+    workers: int,
+    policy: OutputPolicy,
+    fsync: bool,
+) -> NativePlan | None:
+    reader: Reader | None = None
+    try:
+        reader = _together(dist, out, lambda: open_reader(src, tag=tag))
+        facts = reader.facts
+        chosen = options(facts) if callable(options) else options
+        plan = _together(dist, out, lambda: plan_native(facts, chosen))
+        checked = frozenset(facts.params[i].name for i in assign(facts.params, world)[rank])
+        share = Share(rank, world, checked)
+        with contextlib.ExitStack() as stack:
+
+            def stage() -> str | None:
+                """Rank 0 alone checks OUT and stages it; the others learn the outcome."""
+                if rank != 0:
+                    return None
+                check_output(out, {"source": src}, policy)
+                if policy.space_check:
+                    check_space({out: weight_bytes(facts, plan.dtype)})
+                root = stack.enter_context(staged_output(out, overwrite=policy.overwrite, durable=fsync))
+                (root / plan.tag).mkdir()
+                return str(root)
+
+            box: list[Any] = [_together(dist, out, stage)]
+            _collective(lambda: dist.broadcast_object_list(box, src=0))
+            root = Path(box[0])
+            _together(dist, out, lambda: write_files(reader, plan, root / plan.tag, workers, share))
+
+            def finish() -> None:
+                if rank == 0:
+                    (root / LATEST).write_text(plan.tag)
+
+            _together(dist, out, finish)  # rank 0 publishes OUT on leaving the stack
+            return plan if rank == 0 else None
     finally:
         if reader is not None:
             reader.close()

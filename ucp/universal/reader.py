@@ -77,6 +77,7 @@ class UniversalReader(Reader):
         self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
         self._memo: dict[Path, tuple[tuple[int, ...] | None, Any]] = {}  # path -> (_stamp, what parsing it told)
         self._pending: dict[str, SpanCheck] | None = None  # inside deferred_checks: files not checked yet
+        self._elsewhere: Callable[[str], bool] | None = None  # inside deferred_checks: names another process checks
         self.facts, entries, self._files = facts_from_manifest(raw)
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()
@@ -275,7 +276,8 @@ class UniversalReader(Reader):
         if (self._pending is not None or not self.verify) and claim is not None:
             record = find_tensor_record(path, _param_pickle(shape), _numel(shape) * _FP32_BYTES)
             if record is not None and record.size == claim.bytes:
-                if self.verify and self._pending is not None:
+                elsewhere = self._elsewhere is not None and self._elsewhere(name)
+                if self.verify and self._pending is not None and not elsewhere:
                     self._pending[str(path)] = SpanCheck(str(path), record, claim.crc32)
                 self._memo[path] = (record.stamp, (record.offset, record.nbytes))
                 return self._span(path, record.offset, record.nbytes, record.stamp, shape)
@@ -295,15 +297,18 @@ class UniversalReader(Reader):
         return Pieces((PathSpan(str(path), offset, nbytes, stamp, witness),), shape, torch.float32)
 
     @contextmanager
-    def deferred_checks(self) -> Iterator[None]:
+    def deferred_checks(self, elsewhere: Callable[[str], bool] | None = None) -> Iterator[None]:
         """Inside the block, parameter files of ucp's own layout are handed out as spans before
         their checksums are checked; a writer's copies report what they read, and on leaving the
         block every such file is checked (what nobody copied is read then). A mismatch raises
-        :class:`ChecksumError` there, before the caller publishes anything it wrote."""
+        :class:`ChecksumError` there, before the caller publishes anything it wrote. The files
+        of parameters ``elsewhere(name)`` are not checked here: another process of a distributed
+        write checks them, and its failure fails every process before anything is published."""
         if self._pending is not None:  # nested: the outer block checks
             yield
             return
         self._pending = {}
+        self._elsewhere = elsewhere
         try:
             yield
             bad = [check.path for check in self._pending.values() if not check.confirm()]
@@ -320,6 +325,7 @@ class UniversalReader(Reader):
             raise
         finally:
             self._pending = None
+            self._elsewhere = None
 
     def _state(self) -> Mapping[str, Any]:
         if not hasattr(self, "_state_cache"):

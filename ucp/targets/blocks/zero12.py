@@ -54,7 +54,8 @@ def fill_zero12_ranks(
     weights from it). Returns, per param group, the set of steps its members carried.
     """
     steps: list[set[int]] = [set() for _ in layouts]
-    shared_scalars = next(iter(ranks.values())).scalars if ranks else []  # one list, shared by the ranks
+    # one list, shared by the ranks (checked even when no rank's partitions are wanted)
+    shared_scalars = next(iter(ranks.values())).scalars if ranks else [{} for _ in layouts]
     where = {name: (g, i) for g, group in enumerate(names) for i, name in enumerate(group)}
     whole_keys = [set(whole[g]) if g < len(whole) else set() for g in range(len(layouts))]
     slots = [{r: layout.whole_slots(r) for r in ranks} if whole_keys[g] else {} for g, layout in enumerate(layouts)]

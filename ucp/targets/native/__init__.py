@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ucp.deepspeed.layout import LATEST
@@ -19,12 +20,21 @@ from ucp.io.pool import default_workers
 from ucp.model.options import RestoreOptions
 from ucp.model.records import Reader
 from ucp.sources import open_reader
-from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, plan_native
+from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, Share, plan_native
 from ucp.targets.native.zero3 import write_zero3
 from ucp.targets.native.zero12 import write_zero12
 from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
 
-__all__ = ["NativePlan", "RestoreOptions", "plan_native", "write_native", "write_plan", "DS_DEFAULT_SUB_GROUP_SIZE"]
+__all__ = [
+    "NativePlan",
+    "RestoreOptions",
+    "Share",
+    "plan_native",
+    "write_native",
+    "write_plan",
+    "write_files",
+    "DS_DEFAULT_SUB_GROUP_SIZE",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +49,26 @@ def write_plan(
     fsync: bool = False,
 ) -> NativePlan:
     """Carry out a plan: ``out/latest`` and ``out/<tag>/``, whole or not at all."""
-    workers = workers or default_workers()
     with staged_output(out, overwrite=overwrite, durable=fsync) as root:
-        tag_dir = root / plan.tag
-        tag_dir.mkdir()
-        if plan.stage == 3:
-            write_zero3(reader, plan, tag_dir, workers)
-        else:
-            for mp_rank in range(plan.tp):
-                view = (  # at TP=1 the reader itself, so that it streams
-                    reader
-                    if plan.tp == 1
-                    else TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
-                )
-                write_zero12(view, replace(plan, mp_rank=mp_rank), tag_dir, workers)
+        (root / plan.tag).mkdir()
+        write_files(reader, plan, root / plan.tag, workers or default_workers())
         (root / LATEST).write_text(plan.tag)
     return plan
+
+
+def write_files(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
+    """The rank files of a plan into an existing ``tag_dir`` (``latest`` is the caller's); under a
+    ``share``, only that process's part of them (``ucp.ops.distributed``)."""
+    if plan.stage == 3:
+        write_zero3(reader, plan, tag_dir, workers, share)
+        return
+    for mp_rank in range(plan.tp):
+        view = (  # at TP=1 the reader itself, so that it streams
+            reader
+            if plan.tp == 1
+            else TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
+        )
+        write_zero12(view, replace(plan, mp_rank=mp_rank), tag_dir, workers, share)
 
 
 def write_native(

@@ -15,7 +15,7 @@ from ucp.model.options import RestoreOptions
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
 
-__all__ = ["NativePlan", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
+__all__ = ["NativePlan", "Share", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
 
 #: DeepSpeed's default ``zero_optimization.sub_group_size`` (0.19.8).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
@@ -43,6 +43,24 @@ class NativePlan:
     def whole_keys(self, facts: Facts) -> list[tuple[str, ...]]:
         """Per param group, the state keys written whole per parameter at ZeRO-1/2 (Flavour.zero12_whole_keys)."""
         return [self.flavour.zero12_whole_keys(g.raw, offload=self.offload) for g in facts.groups]
+
+
+@dataclass(frozen=True)
+class Share:
+    """The part of a native write one process of ``count`` does: file unit ``k`` of the write (a
+    ZeRO-3 rank's two files, a ZeRO-1/2 model file or one rank's optim file) when ``k % count ==
+    index``; and the checking of the source files of ``checked`` parameters (None: all of them)."""
+
+    index: int = 0
+    count: int = 1
+    checked: frozenset[str] | None = None
+
+    def mine(self, unit: int) -> bool:
+        return unit % self.count == self.index
+
+    def elsewhere(self, name: str) -> bool:
+        """Another process checks this parameter's source files."""
+        return self.checked is not None and name not in self.checked
 
 
 def plan_native(facts: Facts, options: RestoreOptions, *, batch_note: bool = True) -> NativePlan:

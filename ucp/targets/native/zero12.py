@@ -30,7 +30,7 @@ from ucp.model.records import ParamState, PieceState, Reader, torch_dtype
 from ucp.targets.blocks.stream import Located, flat_pieces, locate
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
-from ucp.targets.native.plan import NativePlan, param_step
+from ucp.targets.native.plan import NativePlan, Share, param_step
 
 __all__ = ["write_zero12"]
 
@@ -40,18 +40,24 @@ Flat = torch.Tensor | Pieces
 Weight = torch.Tensor | Pieces | LazyTensor
 
 
-def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -> None:
-    """Write TP rank ``plan.mp_rank``'s files of a stage-1/2 checkpoint for ``plan.dp`` ranks into ``tag_dir``."""
+def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
+    """Write TP rank ``plan.mp_rank``'s files of a stage-1/2 checkpoint for ``plan.dp`` ranks into
+    ``tag_dir`` (under a ``share``, the files it names: per TP rank, unit 0 is the model file and
+    unit 1 + r rank r's optim file, TP rank m's units following TP rank m - 1's)."""
     files = _Zero12Files(reader, plan, tag_dir)
+    base = plan.mp_rank * (plan.dp + 1)
+    model = share.mine(base)
+    ranks = [r for r in range(plan.dp) if share.mine(base + 1 + r)]
     if reader.streams:
-        with reader.deferred_checks():  # source files are checked from the bytes the rank files copied
-            _write_streaming(files, workers)
+        # source files are checked from the bytes the rank files copied
+        with reader.deferred_checks(share.elsewhere if share.checked is not None else None):
+            _write_streaming(files, workers, model, ranks)
     else:
-        _write_buffered(files, workers)
+        _write_buffered(files, workers, model, ranks)
     logger.debug("wrote a ZeRO-%d checkpoint for dp=%d to %s", plan.stage, plan.dp, tag_dir)
 
 
-def _write_streaming(files: _Zero12Files, workers: int) -> None:
+def _write_streaming(files: _Zero12Files, workers: int, model: bool, ranks: list[int]) -> None:
     """Check every parameter once, then write the model file and the ranks' files from the spans."""
     reader, plan = files.reader, files.plan
     facts = reader.facts
@@ -67,14 +73,15 @@ def _write_streaming(files: _Zero12Files, workers: int) -> None:
     )
     files.settle(located.steps)
     lp = torch_dtype(plan.dtype)
-    weights: dict[str, Weight] = {name: _weight(state, lp) for name, state in located.states.items()}
-    files.write_model(weights)
+    if model:
+        files.write_model({name: _weight(state, lp) for name, state in located.states.items()})
 
     def one(rank: int) -> None:
         fp32, optim = _rank_pieces(files, located, rank)
         files.write_rank(rank, fp32, optim, located.scalars)
 
-    for _ in parallel_map(one, range(plan.dp), min(workers, plan.dp), desc="write"):
+    size = sum(4 * layout.partition_size * (1 + len(k)) for layout, k in zip(files.layouts, files.keys))
+    for _ in parallel_map(one, ranks, max(1, min(workers, len(ranks))), desc="write", weight=lambda r: size):
         pass
 
 
@@ -117,8 +124,8 @@ def _cut(size: int, spans: list[tuple[int, Span]], states: list[PieceState], key
     return flat_pieces(size, placed)
 
 
-def _write_buffered(files: _Zero12Files, workers: int) -> None:
-    """Read every parameter once into all ranks' partitions, then write the files rank by rank."""
+def _write_buffered(files: _Zero12Files, workers: int, model: bool, ranks: list[int]) -> None:
+    """Read every parameter once into the ranks' partitions, then write the files rank by rank."""
     reader, plan = files.reader, files.plan
     lp = torch_dtype(plan.dtype)
     weights: dict[str, Weight] = {}
@@ -127,12 +134,12 @@ def _write_buffered(files: _Zero12Files, workers: int) -> None:
         weights[name] = state.fp32.to(lp)
 
     scalars: list[dict[str, torch.Tensor]] = [{} for _ in files.layouts]
-    ranks = {r: zero12_buffers(files.layouts, files.keys, scalars, rank=r, whole=files.whole) for r in range(plan.dp)}
+    filled = {r: zero12_buffers(files.layouts, files.keys, scalars, rank=r, whole=files.whole) for r in ranks}
     seen = fill_zero12_ranks(
         reader,
         files.layouts,
         files.names,
-        ranks,
+        filled,
         keys=files.keys,
         moments=files.moments,
         workers=workers,
@@ -141,9 +148,10 @@ def _write_buffered(files: _Zero12Files, workers: int) -> None:
         whole=files.whole,
     )
     files.settle(seen)
-    files.write_model(weights)
-    for r in range(plan.dp):
-        buffers = ranks.pop(r)
+    if model:
+        files.write_model(weights)
+    for r in ranks:
+        buffers = filled.pop(r)
         files.write_rank(r, buffers.fp32, buffers.optim, buffers.scalars)
 
 

@@ -26,7 +26,7 @@ from ucp.model.records import Reader, torch_dtype
 from ucp.targets.blocks.stream import flat_pieces, locate
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
-from ucp.targets.native.plan import NativePlan, param_step
+from ucp.targets.native.plan import NativePlan, Share, param_step
 
 __all__ = ["write_zero3"]
 
@@ -35,22 +35,25 @@ logger = logging.getLogger(__name__)
 Flat = torch.Tensor | Pieces
 
 
-def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int) -> None:
-    """Write every rank's two files of a ZeRO-3 checkpoint for ``plan.dp`` ranks into ``tag_dir``."""
+def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
+    """Write every rank's two files of a ZeRO-3 checkpoint for ``plan.dp`` ranks into ``tag_dir``
+    (under a ``share``, the ranks it names: unit k is rank k's files)."""
     layout = plan.layout
     if layout is None:
         raise InputError("a ZeRO-3 plan carries its layout")  # plan_native always sets it at stage 3
     keys = sub_group_keys(reader, layout, moments=not plan.reset_moments)
     writer = _Zero3Files(reader, plan, layout, tag_dir)
+    ranks = [r for r in range(plan.dp) if share.mine(r)]
     if reader.streams:
-        with reader.deferred_checks():  # source files are checked from the bytes the rank files copied
-            _write_streaming(writer, keys, workers)
+        # source files are checked from the bytes the rank files copied
+        with reader.deferred_checks(share.elsewhere if share.checked is not None else None):
+            _write_streaming(writer, keys, workers, ranks)
     else:
-        _write_buffered(writer, keys, workers)
+        _write_buffered(writer, keys, workers, ranks)
     logger.debug("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, tag_dir)
 
 
-def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int) -> None:
+def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int, ranks: list[int]) -> None:
     """Check every parameter once, then write the ranks' files in parallel from the source's spans."""
     reader, plan, layout = writer.reader, writer.plan, writer.layout
     members: list[list[tuple[str, int]]] = [[] for _ in layout.sub_group_numel]
@@ -88,26 +91,27 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
         ]
         writer.write_rank(rank, fp32, optim, located.scalars)
 
-    for _ in parallel_map(one, range(layout.dp), min(workers, layout.dp), desc="write"):
+    size = sum(4 * numel * (1 + len(k)) for numel, k in zip(layout.sub_group_numel, keys))  # one rank's file
+    for _ in parallel_map(one, ranks, max(1, min(workers, len(ranks))), desc="write", weight=lambda r: size):
         pass
 
 
-def _write_buffered(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int) -> None:
-    """Read every parameter once into all ranks' buffers, then write rank by rank."""
+def _write_buffered(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int, ranks: list[int]) -> None:
+    """Read every parameter once into the ranks' buffers, then write rank by rank."""
     reader, plan = writer.reader, writer.plan
-    ranks, seen = fill_ranks(
+    filled, seen = fill_ranks(
         reader,
         writer.layout,
         plan.group_names,
-        range(plan.dp),
+        ranks,
         keys=keys,
         moments=not plan.reset_moments,
         workers=workers,
         step_of=lambda state: param_step(plan, state),
     )
     writer.settle(seen)
-    for rank in range(plan.dp):
-        buffers = ranks.pop(rank)
+    for rank in ranks:
+        buffers = filled.pop(rank)
         writer.write_rank(rank, buffers.fp32, buffers.optim, buffers.scalars)
         del buffers  # this rank's buffers go before the next is written
 
