@@ -26,7 +26,7 @@ import torch
 from ucp.errors import ChecksumError, CorruptFileError, InputError, UcpError
 from ucp.io import torchfile
 from ucp.io.atomic import checksum
-from ucp.io.pool import default_workers, parallel_map
+from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.model.records import Facts, ParamMeta, Reader
 from ucp.sources import is_universal, open_reader
 from ucp.universal.manifest import MANIFEST, ParamEntry
@@ -188,7 +188,11 @@ def verify_universal(
         metas = src.facts.params
         entries = {e.name: e for e in uni.entries()}
         results = parallel_map(
-            lambda m: _compare_param(src, uni, entries[m.name], m), metas, workers or default_workers(), desc="verify"
+            lambda m: _compare_param(src, uni, entries[m.name], m),
+            metas,
+            workers or default_workers(),
+            desc="verify",
+            weight=state_bytes(src.facts),
         )
         for diff in results:
             if diff:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ucp.io.pool import parallel_map
+from ucp.io.pool import parallel_map, state_bytes
 from ucp.model.partition import Zero12Group
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.model.steps import settle_steps
@@ -87,7 +87,8 @@ def fill_zero12_ranks(
         if on_state is not None:
             on_state(name, state)
 
-    for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore"):
+    weight = state_bytes(reader.facts, moments=moments)
+    for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore", weight=weight):
         pass
     return steps
 

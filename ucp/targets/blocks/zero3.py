@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ucp.io.pool import parallel_map
+from ucp.io.pool import parallel_map, state_bytes
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_rank_span
 from ucp.model.records import PieceState, Reader
 from ucp.model.steps import settle_steps
@@ -77,7 +77,8 @@ def fill_ranks(
             if moments:
                 merge_scalars(name, state, scalars[slot.sub_group], "ZeRO-3 sub-group")
 
-    for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore"):
+    weight = state_bytes(reader.facts, moments=moments)
+    for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore", weight=weight):
         pass
     return buffers, steps
 
