@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucp.errors import InputError
+from ucp.errors import CorruptFileError, InputError
+from ucp.io.small_files import read_small
 
 __all__ = [
     "CheckpointFiles",
@@ -94,9 +95,9 @@ def _safe_tag(name: str) -> bool:
 
 def read_latest(latest: Path) -> str:
     try:
-        raw = latest.read_bytes()[:4097]
-    except OSError as err:
-        raise InputError(f"cannot read {latest}: {err.strerror}") from None
+        raw = read_small(latest, 4096, "'latest' file (one tag name)")
+    except CorruptFileError:
+        raise InputError(f"{latest} is too large to name a tag folder; fix the file or pass --tag") from None
     try:
         name = raw.decode("utf-8").strip()
     except UnicodeDecodeError:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ucp.errors import CorruptFileError, InputError
+from ucp.io.small_files import read_small
 from ucp.model.detect import detect
 from ucp.model.hyper import hyper_from_group, raw_group
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
@@ -46,6 +47,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 METADATA = ".metadata"
+#: a model of a million tensors writes about a gigabyte of metadata; a larger one is damage
+MAX_METADATA_BYTES = 1 << 30
 MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY = "model", "optim", "lr_scheduler", "train_state", "ucp"
 
 _DCP = "torch.distributed.checkpoint"
@@ -95,11 +98,9 @@ def read_metadata(path: Path) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     file = path / METADATA
+    raw = read_small(file, MAX_METADATA_BYTES, "torch.distributed.checkpoint metadata file")
     try:
-        with open(file, "rb") as handle:
-            meta = _MetadataUnpickler(handle).load()
-    except OSError as err:
-        raise InputError(f"cannot read {file}: {err.strerror}") from None
+        meta = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as err:  # any unpickling failure means: not DCP's metadata
         raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file: {err}") from None
     if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):

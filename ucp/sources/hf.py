@@ -23,6 +23,7 @@ from typing import Any
 
 from ucp.deepspeed.layout import LATEST, read_latest
 from ucp.errors import InputError
+from ucp.io.small_files import read_small
 from ucp.model.batch import global_batch_advice
 
 __all__ = [
@@ -115,14 +116,18 @@ def _kind(names: set[str], tag: str) -> str | None:
     return None
 
 
+#: Trainer writes a few kilobytes (its log history grows by a line per logging step)
+_MAX_STATE_BYTES = 256 << 20
+
+
 def _read_state(path: Path) -> dict[str, Any] | None:
     file = path / "trainer_state.json"
     if not file.is_file():
         return None
     try:
-        state = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise InputError(f"{file} is not readable JSON: {err}") from None
+        state = json.loads(read_small(file, _MAX_STATE_BYTES, "trainer_state.json"))
+    except (ValueError, RecursionError) as err:
+        raise InputError(f"{file} is not readable JSON: {str(err) or type(err).__name__}") from None
     if not isinstance(state, dict):
         raise InputError(f"{file} is not a JSON object")
     return state
