@@ -45,6 +45,8 @@ SKIP = {
     "torchrun --nproc-per-node 8 -m ucp to-universal CKPT UNIVERSAL --distributed": "8 ranks under torchrun "
     "(--distributed is tested on spawned ranks in tests/test_distributed.py)",
     "torchrun --nproc-per-node 8 -m ucp to-universal checkpoints/run run-universal --distributed": "as above",
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST0 -m ucp restore run-universal ckpt-dp64 "
+    "--dp 64 --distributed": "2 nodes under torchrun (tests/test_distributed.py runs 2 nodes x 2 on one machine)",
 }
 
 #: name in the docs -> what it is in the world; outputs the docs create are not listed

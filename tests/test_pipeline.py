@@ -14,6 +14,8 @@ engine, PP=2 x DP=1 on a PipelineEngine), one native resume.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,11 @@ import pytest
 import torch
 
 import ucp
+from tests.support.digest import tree
+from tests.support.ds_convert import ds_to_universal
 from tests.support.files import resave
 from tests.support.pipeline_runs import BuiltPipe, build_pipe, run_pipe, run_through
+from ucp.cli import main as cli
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
 from ucp.io.torchfile import load
@@ -237,3 +242,66 @@ def test_a_missing_stage_optim_file_is_refused_in_one_line(pipe, tmp_path):
     (tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
     with pytest.raises(InputError):
         open_reader(tag.parent)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_cli_restore_pp_writes_what_write_pipeline_writes_at_zero1_by_default(universal, tmp_path, capsys):
+    """``ucp restore U OUT --pp 2 --dp 1 --pp-parts 0,3,6 --pp-tied embed=0,5``: the same files, byte for byte,
+    as the Python call the resume test above loads into a PipelineEngine; the stage defaults to 1."""
+    argv = ["restore", str(universal), str(tmp_path / "cli"), "--pp", "2", "--dp", "1", "--pp-parts", "0,3,6"]
+    assert cli([*argv, "--pp-tied", "embed=0,5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["format"] == "deepspeed-pipeline" and result["stage"] == 1
+    assert (result["pp"], result["parts"], result["dp"]) == (2, [0, 3, 6], 1)
+    write_pipeline(universal, tmp_path / "api", LAYOUT, dp=1, stage=1)
+    assert _tree(tmp_path / "cli") == _tree(tmp_path / "api")
+
+
+def test_cli_reshard_pp_reads_a_pipeline_checkpoint_straight(pipe, universal, tmp_path):
+    assert cli(["-q", "reshard", str(pipe.path), str(tmp_path / "r"), "--pp", "2", "--dp", "1", "--pp-parts", "0,3,6",
+                "--pp-tied", "embed=0,5"]) == 0  # fmt: skip
+    write_pipeline(universal, tmp_path / "api", LAYOUT, dp=1, stage=1)
+    direct, two = tree(tmp_path / "r"), tree(tmp_path / "api")  # object for object, as tests/test_reshard.py
+    assert sorted(direct) == sorted(two)
+    for name, entry in two.items():
+        assert direct[name].get("content", direct[name]["sha256"]) == entry.get("content", entry["sha256"]), name
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--pp", "2"], "--pp needs the new run's layer partition: --pp-parts 0,3,6"),
+        (["--pp", "3", "--pp-parts", "0,3,6"], "--pp-parts 0,3,6 cuts 2 stages, but --pp is 3"),
+        (["--pp", "2", "--pp-parts", "0,3,3"], r"layer partition \[0, 3, 3\] is not one"),
+        (["--pp", "2", "--pp-parts", "0,x,6"], "--pp-parts: give comma-separated layer indices"),
+        (["--pp", "2", "--pp-parts", "0,3,6"], "tied module 'embed'; give the layers using it .*--pp-tied embed=0,5"),
+        (["--pp", "2", "--pp-parts", "0,3,6", "--pp-tied", "embed=0,5", "--stage", "2"], "PipelineEngine refuses"),
+    ],
+    ids=["no-parts", "parts-vs-pp", "not-rising", "not-numbers", "tied-missing", "stage-2"],
+)
+def test_cli_pipeline_restore_problems_are_one_line(universal, tmp_path, capsys, flags, message):
+    assert cli(["restore", str(universal), str(tmp_path / "x"), "--dp", "1", *flags]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "x").exists()
+
+
+def test_deepspeeds_ds_to_universal_converts_the_trained_weights_but_drops_the_layer_files(pipe, universal, tmp_path):
+    """DeepSpeed 0.19.8's own converter on the same run: every trained parameter's fp32 and moments bit-exact
+    and the tied embedding once, but no layer files, so the frozen projection and the buffer are not carried
+    (docs/format.md section 8). When this fails, DeepSpeed changed: update the comparison there."""
+    done = ds_to_universal(pipe.tag_dir, tmp_path / "dsu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    zero = tmp_path / "dsu" / "zero"
+    with open_reader(universal) as ours:
+        trained = [p.name for p in ours.facts.params if not p.frozen]
+        assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == sorted(trained)
+        for name in trained:
+            state = ours.read(name)
+            for key, value in {"fp32": state.fp32, **state.optim}.items():
+                theirs = torch.load(zero / name / f"{key}.pt", weights_only=False)
+                assert torch.equal(theirs["param"] if isinstance(theirs, dict) else theirs, value), (name, key)
+    assert not list((tmp_path / "dsu").glob("layer_*"))

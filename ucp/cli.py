@@ -231,6 +231,8 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     hf = find_hf_folder(args.universal)
     if hf is not None:
         return _cmd_restore_hf(args, step, hf.tag)
+    if args.pp is not None:
+        return _cmd_restore_pipeline(args, step)
     if args.distributed:
         return _cmd_native_distributed(args, step)
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
@@ -276,6 +278,41 @@ def _native_done(args: argparse.Namespace, plan: NativePlan) -> int:
         stage=plan.stage,
         dp=plan.dp,
         tp=plan.tp,
+        optimizer=plan.flavour.name,
+        dtype=plan.dtype,
+        tag=plan.tag,
+    )
+
+
+def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
+    """A native pipeline-parallel checkpoint: per-stage ZeRO-1 files and layer files for --pp x --dp."""
+    from ucp.sources import open_reader
+    from ucp.targets.pipeline import PipelineLayout, write_pipeline
+
+    if args.pp_parts is None:
+        raise UcpError(
+            "--pp needs the new run's layer partition: --pp-parts 0,3,6 (its PipelineModule.parts), and "
+            "--pp-tied KEY=LAYERS for each TiedLayerSpec key"
+        )
+    layout = PipelineLayout.parse(args.pp_parts, args.pp_tied or ())
+    if layout.pp != args.pp:
+        raise UcpError(f"--pp-parts {args.pp_parts} cuts {layout.pp} stages, but --pp is {args.pp}")
+    with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
+        # PipelineEngine runs ZeRO-0/1 only: stage 1 unless told
+        plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, args.stage or 1))
+    summary = (
+        f"wrote a pipeline checkpoint for pp={layout.pp} x dp={plan.dp} (ZeRO-{plan.stage}, {plan.flavour.name}, "
+        f"{plan.dtype}) to {args.out}/{plan.tag}"
+    )
+    return _done(
+        args,
+        summary,
+        plan.notes,
+        format="deepspeed-pipeline",
+        stage=plan.stage,
+        pp=layout.pp,
+        parts=list(layout.parts),
+        dp=plan.dp,
         optimizer=plan.flavour.name,
         dtype=plan.dtype,
         tag=plan.tag,
@@ -403,6 +440,18 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=1,
         help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
+    )
+    p.add_argument(
+        "--pp",
+        type=_positive,
+        help="pipeline stages of the new run: a PipelineEngine checkpoint (stage defaults to 1; needs --pp-parts)",
+    )
+    p.add_argument("--pp-parts", metavar="0,3,6", help="--pp: the new run's layer partition (PipelineModule.parts)")
+    p.add_argument(
+        "--pp-tied",
+        action="append",
+        metavar="KEY=0,5",
+        help="--pp: the layers using TiedLayerSpec KEY (repeat per key)",
     )
     p.add_argument(
         "--optimizer",

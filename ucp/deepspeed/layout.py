@@ -19,6 +19,7 @@ __all__ = [
     "zero3_model_file",
     "model_file",
     "layer_file",
+    "expert_file",
     "LATEST",
     "LATEST_UNIVERSAL",
     "UNIVERSAL_OPTIM",
@@ -60,10 +61,19 @@ def layer_file(layer: int, tp_rank: int | None = None) -> str:
     return f"layer_{layer:02d}{model}-model_states.pt"
 
 
+def expert_file(layer: int, expert: int, mp_rank: int = 0) -> str:
+    """One expert's weights in a legacy ``deepspeed.moe.layer.MoE`` run (0.19.8 ``_get_expert_ckpt_name``):
+    MoE layer ``layer`` (its order among the model's MoE modules), global expert index ``expert``."""
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _PIPELINE_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: the names DeepSpeed before 0.6 wrote (no MoE layer index); 0.19.8 only reads them
+_OLD_EXPERT = re.compile(r"^expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,9 @@ class CheckpointFiles:
     #: a pipeline run's per-layer weight files, (layer index, TP rank or None, path) in layer order;
     #: empty for any other run. Then the mp ranks are the (stage, TP rank) pairs, stage-major.
     layers: tuple[tuple[int, int | None, Path], ...] = ()
+    #: a legacy MoE run's expert weight files, (MoE layer, global expert, mp rank, path) in that order;
+    #: empty for any other run
+    experts: tuple[tuple[int, int, int, Path], ...] = ()
 
     @property
     def dp(self) -> int:
@@ -175,9 +188,17 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     except OSError as err:
         raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
     layers: list[tuple[int, int | None, Path]] = []
+    experts: list[tuple[int, int, int, Path]] = []
     for path in paths:
         if m := _PIPELINE_LAYER.match(path.name):
             layers.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), path))
+        elif m := _EXPERT.match(path.name):
+            experts.append((int(m.group(1)), int(m.group(2)), int(m.group(3)), path))
+        elif _OLD_EXPERT.match(path.name):
+            raise InputError(
+                f"{tag_dir} holds {path.name}: expert files of DeepSpeed before 0.6 (no MoE layer index); "
+                "ucp reads the layer_L_expert_E files later versions write: load and save it once with DeepSpeed"
+            )
         elif m := _OPTIM.match(path.name):
             key = (int(m.group(3)), int(m.group(2)))
             if key in optim:
@@ -234,7 +255,16 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
             f"{tag_dir} holds pipeline layer files and ZeRO-3 rank files: PipelineEngine runs ZeRO-0/1 only, "
             "so two runs were saved into one tag"
         )
-    return CheckpointFiles(tag_dir, tag, stage3, bf16, optim_grid, model_grid, tuple(sorted(layers, key=_layer_key)))
+    return CheckpointFiles(
+        tag_dir,
+        tag,
+        stage3,
+        bf16,
+        optim_grid,
+        model_grid,
+        tuple(sorted(layers, key=_layer_key)),
+        tuple(sorted(experts)),
+    )
 
 
 def _layer_key(entry: tuple[int, int | None, Path]) -> tuple[int, int]:

@@ -5,7 +5,7 @@ tensor's optimizer state (keys, scalars, step), checked, once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,12 @@ def stage_of(block: Mapping[str, Any]) -> int:
     return stage
 
 
-def partition_count(block: Mapping[str, Any]) -> int:
-    """DeepSpeed writes an int (ZeRO-3) or one count per param group (ZeRO-1/2)."""
+def partition_count(block: Mapping[str, Any], groups: Collection[int] | None = None) -> int:
+    """DeepSpeed writes an int (ZeRO-3) or one count per param group (ZeRO-1/2); ``groups`` limits a list
+    to those groups (a MoE run partitions its expert groups over fewer ranks than the others)."""
     count = block.get("partition_count")
     if isinstance(count, (list, tuple)):
-        counts = [as_int(c, "partition_count") for c in count]
+        counts = [as_int(c, "partition_count") for g, c in enumerate(count) if groups is None or g in groups]
         if len(set(counts)) != 1:
             raise InputError(f"param groups were partitioned differently: partition_count={counts}")
         count = counts[0]
@@ -83,12 +84,17 @@ def partition_count(block: Mapping[str, Any]) -> int:
 
 
 def check_rank_count(
-    block: Mapping[str, Any], file: str, found: list[str], rank_file: Callable[[int], str], where: object
+    block: Mapping[str, Any],
+    file: str,
+    found: list[str],
+    rank_file: Callable[[int], str],
+    where: object,
+    groups: Collection[int] | None = None,
 ) -> None:
-    """A rank file's partition_count must match the rank files found in ``where``: missing ones are
-    named (a bounded list), extra ones too."""
+    """A rank file's partition_count (of ``groups``, default all) must match the rank files found in
+    ``where``: missing ones are named (a bounded list), extra ones too."""
     try:
-        count = partition_count(block)
+        count = partition_count(block, groups)
     except InputError as err:
         raise InputError(f"{file}: {err}") from None
     dp = len(found)

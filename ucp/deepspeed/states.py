@@ -186,9 +186,7 @@ def _head(flat: torch.Tensor | Pieces, n: int) -> torch.Tensor | Pieces:
     return flat.slice(0, n) if isinstance(flat, Pieces) else flat[:n]
 
 
-def frozen_fields(
-    shapes: Mapping[str, torch.Size], fragments: Mapping[str, Any], *, excluded: bool
-) -> dict[str, Any]:
+def frozen_fields(shapes: Mapping[str, torch.Size], fragments: Mapping[str, Any], *, excluded: bool) -> dict[str, Any]:
     """A ZeRO-2/3 model-states file's frozen parameters. None for both when the source ``excluded`` them, as
     DeepSpeed writes for ``exclude_frozen_parameters`` (PEFT/LoRA runs): its loader then keeps the new
     engine's own frozen weights (the base model) instead of looking each one up and failing."""

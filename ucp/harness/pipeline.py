@@ -159,7 +159,7 @@ def _pipe_module(spec: PipeSpec):
 
 
 def _config(spec: PipeSpec) -> dict:
-    return {
+    config: dict = {
         "train_batch_size": spec.global_batch,
         "train_micro_batch_size_per_gpu": spec.global_batch // (spec.dp * spec.micro_batches),
         "gradient_accumulation_steps": spec.micro_batches,
@@ -169,6 +169,9 @@ def _config(spec: PipeSpec) -> dict:
         "steps_per_print": 10**9,
         "pipeline": {"activation_checkpoint_interval": 0},
     }
+    if spec.load is not None and spec.load.kind == "ds-universal":
+        config["checkpoint"] = {"load_universal": True}
+    return config
 
 
 def _micro_batches(spec: PipeSpec, step: int, dp_rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

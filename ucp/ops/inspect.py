@@ -116,6 +116,9 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     pipeline = getattr(reader, "pipeline", None)  # a pipeline-parallel source: its stages
     if pipeline:
         report["pipeline"] = pipeline
+    moe = getattr(reader, "moe", None)  # a mixture-of-experts source: its MoE layers
+    if moe:
+        report["moe"] = moe
     if universal:
         manifest = getattr(reader, "manifest", {}) or {}
         report["format_version"] = manifest.get("format_version")
@@ -182,6 +185,16 @@ def _pipeline_lines(pipeline: dict[str, Any], dp: int) -> list[str]:
     return lines
 
 
+def _moe_lines(moe: dict[str, Any]) -> list[str]:
+    """A MoE source's layers: module, experts, expert-parallel size; experts named by global index."""
+    lines = [f"  mixture of experts: {len(moe['layers'])} MoE layers on {moe['world']} ranks, experts by global index"]
+    for layer in moe["layers"]:
+        lines.append(
+            f"    layer {layer['layer']}: {layer['module']}, {layer['experts']} experts at ep_size={layer['ep_size']}"
+        )
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A short summary and a per-parameter table, for a terminal."""
     lines = [
@@ -199,6 +212,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines[1:1] = _hf_lines(report["hf"])
     if report.get("pipeline"):
         lines[2:2] = _pipeline_lines(report["pipeline"], report["dp_world_size"])
+    if report.get("moe"):
+        lines[2:2] = _moe_lines(report["moe"])
     adam = report.get("optimizer_family") in (None, "adam")
     for group in report["param_groups"]:
         hyper = group["hyperparameters"]

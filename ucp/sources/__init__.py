@@ -38,7 +38,8 @@ def open_reader(
     name the universal folder with ``tag`` to read that one instead. A checkpoint saved with
     tensor parallelism (several ``mp_rank_XX``) is read as full parameters, merged by the rules in
     its ``universal_checkpoint_info``; ``tp_rules`` (regex, rule) pairs add to or override them. A
-    pipeline-parallel one (``layer_XX-model_states.pt`` files) is read as the whole model.
+    pipeline-parallel one (``layer_XX-model_states.pt`` files) is read as the whole model, and so is a
+    legacy mixture-of-experts one (``layer_L_expert_E_*`` files), every expert under its global index.
     """
     path = Path(path)
     if is_universal(path):
@@ -61,6 +62,10 @@ def open_reader(
         from ucp.sources.pipeline import PipelineSource
 
         return PipelineSource(files, optimizer=optimizer)
+    if files.experts:
+        from ucp.sources.moe import MoeSource
+
+        return MoeSource(files, optimizer=optimizer)
     if files.mp > 1:
         from ucp.sources.tensor_parallel import TensorParallelSource
 

@@ -12,7 +12,7 @@ order (``param_shapes``) and holds the low-precision module, frozen parameters i
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -80,12 +80,21 @@ class Zero12Source(Reader):
         optimizer: str | None = None,
         mp_rank: int = 0,
         module: Mapping[str, Any] | None = None,
+        groups: Collection[int] | None = None,
+        rename: Mapping[str, str] | None = None,
+        head: Mapping[str, Any] | None = None,
     ) -> None:
         self.files = files
         self.mp_rank = mp_rank
-        # a pipeline stage's model-states file holds module=None (its weights are in layer files):
-        # its reader is handed the module to read instead
-        self._module = module
+        # model-states fields read instead of the file's: a pipeline stage's file holds module=None (its
+        # weights are in layer files), so its reader is handed the module; a MoE expert reader's ranks are
+        # its expert-data-parallel group, not dp_world_size
+        self._fields = {**({} if module is None else {"module": module}), **(head or {})}
+        # a MoE checkpoint partitions its expert groups over other ranks than its dense ones: each of
+        # its readers reads some groups (the others keep no members) and gives the experts their
+        # global names (``rename``: param_shapes name -> name read)
+        self._only = None if groups is None else frozenset(groups)
+        self._rename = dict(rename or {})
         self._optim: list[TorchFile] = []
         self._model: TorchFile | None = None
 
@@ -149,13 +158,16 @@ class Zero12Source(Reader):
         self._stage0 = stage == 0
         return 1, kind
 
+    def _reads(self, group: int) -> bool:
+        return self._only is None or group in self._only
+
     def _head(self) -> Mapping[str, Any]:
-        """The model-states file's object, with the module handed in when there is one."""
+        """The model-states file's object, with the fields handed in instead of its own."""
         assert self._model is not None
         obj = self._model.obj
-        if self._module is None or not isinstance(obj, Mapping):
+        if not self._fields or not isinstance(obj, Mapping):
             return obj
-        return {**obj, "module": self._module}
+        return {**obj, **self._fields}
 
     def _model_name(self) -> str:
         return self._model.path.name if self._model is not None else "model states"
@@ -164,7 +176,7 @@ class Zero12Source(Reader):
         dp = len(self._optim)
         for tf, block in zip(self._optim, blocks):
             check_rank_count(
-                block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir
+                block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir, self._only
             )
         world = head.get("dp_world_size")
         if world is not None and as_int(world, "dp_world_size") != dp:
@@ -236,6 +248,8 @@ class Zero12Source(Reader):
                 )
             mappings = block.get("param_slice_mappings")
             for g, layout in enumerate(layouts):
+                if not self._reads(g):
+                    continue
                 size, pad = layout.partition_size, layout.padding(rank)
                 have_pad = as_int(group_paddings[g], f"{name}: group_paddings[{g}]")
                 tensor = need_tensor(fp32[g], f"{name}: {_FP32}[{g}]")
@@ -302,7 +316,8 @@ class Zero12Source(Reader):
         groups: list[GroupMeta] = []
         for g, group in enumerate(groups_raw):
             names = []
-            for i, (pname, shape) in enumerate(shapes[g].items()):
+            for i, (local, shape) in enumerate(shapes[g].items() if self._reads(g) else ()):
+                pname = self._rename.get(local, local)
                 if pname in self._where:
                     raise InputError(f"parameter {pname!r} appears twice in param_shapes")
                 self._where[pname] = (g, i)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,34 @@ class PipelineLayout:
     parts: tuple[int, ...]
     tied: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        parts = list(self.parts)
+        if len(parts) < 2 or parts[0] != 0 or any(b <= a for a, b in zip(parts, parts[1:])):
+            raise ConfigError(
+                f"layer partition {parts} is not one: it starts at 0 and rises stage by stage (PipelineModule.parts, "
+                "e.g. 0,3,6 for 2 stages of 3 layers)"
+            )
+        for key, layers in self.tied.items():
+            if not layers or any(layer < 0 for layer in layers):
+                raise ConfigError(f"tied module {key!r} needs the indices of the layers using it, e.g. {key}=0,5")
+
+    @classmethod
+    def parse(cls, parts: str, tied: Sequence[str] = ()) -> PipelineLayout:
+        """From the command line's spelling: ``"0,3,6"`` and ``["embed=0,5"]``."""
+        where = "--pp-parts"
+        try:
+            bounds = tuple(int(x) for x in parts.split(","))
+            where = "--pp-tied"
+            keyed = [item.split("=", 1) for item in tied]
+            layers = {key: tuple(int(x) for x in value.split(",")) for key, value in keyed}
+        except ValueError:
+            raise ConfigError(
+                f"{where}: give comma-separated layer indices (--pp-parts 0,3,6 --pp-tied embed=0,5)"
+            ) from None
+        if len(layers) != len(tied):
+            raise ConfigError("--pp-tied names a tied module twice")
+        return cls(bounds, layers)
+
     @property
     def pp(self) -> int:
         return len(self.parts) - 1
@@ -61,7 +89,10 @@ class PipelineLayout:
         if name.startswith(TIED_PREFIX):
             key = name[len(TIED_PREFIX) :].split(".", 1)[0]
             if key not in self.tied:
-                raise ConfigError(f"{name} belongs to tied module {key!r}; give the layers using it (tied)")
+                raise ConfigError(
+                    f"{name} belongs to tied module {key!r}; give the layers using it (PipelineLayout.tied; "
+                    f"ucp restore --pp-tied {key}=0,5)"
+                )
             return tuple(self.tied[key])
         head = name.split(".", 1)[0]
         if not head.isdigit():
@@ -125,12 +156,16 @@ def write_pipeline(
     *,
     overwrite: bool = False,
     workers: int | None = None,
+    fsync: bool = False,
     **fields: Any,
 ) -> NativePlan:
     """Write ``out/latest`` and ``out/<tag>/`` for a PipelineEngine at ``layout.pp`` stages x ``dp``."""
     options = RestoreOptions(**fields) if options is None else replace(options, **fields)
     if options.stage not in (0, 1) or options.tp != 1:
-        raise ConfigError("a pipeline target is ZeRO-1 at TP=1: PipelineEngine refuses ZeRO-2/3")
+        raise ConfigError(
+            "a pipeline target is ZeRO-1 at TP=1: PipelineEngine refuses ZeRO-2/3, and ucp writes no pipeline x "
+            "tensor parallelism yet"
+        )
     reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
     try:
         views = [_StageReader(reader, layout, s) for s in range(layout.pp)]
@@ -139,7 +174,7 @@ def write_pipeline(
         if missing:
             raise ConfigError(f"{missing[0]} is on no stage of the partition {list(layout.parts)}")
         plan = plan_native(reader.facts, options)
-        with staged_output(out, overwrite=overwrite, durable=False) as root:
+        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
             tag_dir = root / plan.tag
             tag_dir.mkdir()
             for stage, view in enumerate(views):

@@ -1,0 +1,126 @@
+"""DeepSpeed's legacy mixture-of-experts layout (``deepspeed.moe.layer.MoE`` under ZeRO-1/2, 0.19.8).
+
+What a save at world size W with expert-parallel size E holds, as verified on real runs (tests/test_moe.py):
+
+- ``mp_rank_00_model_states.pt`` (written by rank 0): ``module`` without the experts (DeepSpeed drops every
+  key of a MoE module holding ``expert`` except the gate's ``wg.weight``); ``param_shapes`` per param group
+  as rank 0 holds them, so an expert group lists rank 0's *local* experts (``...deepspeed_experts.0.``
+  .. ``L-1.``, L = experts / E); ``num_experts``: a list, one entry per MoE layer (an int means the pre-0.6
+  layout).
+- ``layer_{l}_expert_{e}_mp_rank_00_model_states.pt``: expert ``e`` (global index) of MoE layer ``l`` (its
+  order among the model's MoE modules), its state dict under the *global* name
+  ``{module}.deepspeed_moe.experts.deepspeed_experts.{e}.{name}``, in the model dtype. Written by the ranks
+  of expert-data-parallel rank 0.
+- ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` for every rank r < W: ordinary ZeRO-1/2 flat groups,
+  except that an expert param group (``moe: True``, ``name: "ep_size_E"``, made by
+  ``split_params_into_different_moe_groups_for_optimizer``) holds rank r's local experts, partitioned over
+  its expert-data-parallel group: ranks ``e, e+E, e+2E, ...`` hold experts ``e*L .. e*L+L-1`` (expert-parallel
+  groups are runs of E consecutive ranks), rank r being partition ``r // E`` of ``W / E``. ``partition_count``
+  is per group: W for a dense group, W / E for an expert group.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ucp.errors import InputError
+
+__all__ = [
+    "EXPERT_INFIX",
+    "expert_parts",
+    "expert_name",
+    "ep_size",
+    "ep_group_name",
+    "expert_ranks",
+    "expert_order",
+    "merge_optim_blocks",
+]
+
+#: what sits between a MoE module's name and an expert's index in every expert parameter's name
+EXPERT_INFIX = ".deepspeed_moe.experts.deepspeed_experts."
+_EXPERT = re.compile(rf"^(.*){re.escape(EXPERT_INFIX)}(\d+)\.(.+)$")
+_GROUP = re.compile(r"^ep_size_(\d+)$")
+
+
+def expert_parts(name: str) -> tuple[str, int, str] | None:
+    """(MoE module, expert index, name within the expert) of an expert parameter's name, else None."""
+    m = _EXPERT.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
+
+
+def expert_name(module: str, expert: int, rest: str) -> str:
+    return f"{module}{EXPERT_INFIX}{expert}.{rest}"
+
+
+def ep_size(group: Mapping[str, Any], where: str) -> int | None:
+    """The expert-parallel size of an optimizer param group, from its name; None for a dense group."""
+    if not group.get("moe"):
+        return None
+    name = group.get("name")
+    m = _GROUP.match(name) if isinstance(name, str) else None
+    if m is None or int(m.group(1)) < 1:
+        raise InputError(f"{where}: a MoE param group named {name!r}; DeepSpeed names them 'ep_size_<E>'")
+    return int(m.group(1))
+
+
+def ep_group_name(size: int) -> str:
+    """The param-group (and process-group) name DeepSpeed gives the experts of expert-parallel size ``size``."""
+    return f"ep_size_{size}"
+
+
+def expert_ranks(world: int, size: int, ep_rank: int) -> list[int]:
+    """The ranks holding expert-parallel rank ``ep_rank``'s experts, in partition order (0.19.8
+    ``get_ep_ranks``): its expert-data-parallel group."""
+    if size < 1 or world % size:
+        raise InputError(f"ep_size={size} does not divide the world size {world}")
+    return list(range(ep_rank, world, size))
+
+
+def expert_order(names: Iterable[str]) -> list[str]:
+    """An expert param group's members as one rank's flat group orders them: MoE module by module (in the
+    order they first appear), expert by expert, each expert's parameters in the order given."""
+    names = list(names)
+    modules: dict[str, int] = {}
+    keys = []
+    for name in names:
+        parts = expert_parts(name)
+        if parts is None:
+            raise InputError(f"{name} is in a MoE param group but is not an expert parameter")
+        keys.append((modules.setdefault(parts[0], len(modules)), parts[1]))
+    return [name for _, name in sorted(zip(keys, names), key=lambda kv: kv[0])]
+
+
+#: the ZeRO-1/2 optim block's entries that hold one item per param group
+_PER_GROUP = (
+    "single_partition_of_fp32_groups",
+    "group_paddings",
+    "param_alignment_paddings",
+    "partition_count",
+    "param_slice_mappings",
+)
+
+
+def merge_optim_blocks(parts: Sequence[tuple[Mapping[str, Any], Sequence[int]]], count: int) -> dict[str, Any]:
+    """One rank's ZeRO-1/2 optim block from blocks written for some of its param groups each (a MoE rank's
+    dense groups at the world size, its experts' groups at the expert-data-parallel size): ``parts`` pairs a
+    block with the index each of its groups takes among the ``count`` groups of the result."""
+    placed = sorted(g for _, where in parts for g in where)
+    if placed != list(range(count)):
+        raise ValueError(f"the parts place param groups {placed}, not 0..{count - 1}")
+    out = {k: v for k, v in parts[0][0].items() if k not in _PER_GROUP and k != "base_optimizer_state"}
+    lists: dict[str, list[Any]] = {k: [None] * count for k in _PER_GROUP}
+    state: dict[int, Any] = {}
+    groups: list[Any] = [None] * count
+    for block, where in parts:
+        base = block["base_optimizer_state"]
+        for i, g in enumerate(where):
+            for key in _PER_GROUP:
+                lists[key][g] = block[key][i]
+            groups[g] = {**base["param_groups"][i], "params": [g]}
+            if i in base["state"]:
+                state[g] = base["state"][i]
+    out["base_optimizer_state"] = {"state": dict(sorted(state.items())), "param_groups": groups}
+    out.update(lists)
+    return out
