@@ -1,9 +1,10 @@
 """Reading torch checkpoint files safely, without importing DeepSpeed.
 
-Reading: every file is unpickled by torch's weights_only unpickler; the few DeepSpeed classes that
-appear in ZeRO checkpoints map to inert stand-ins defined here, and any other global is refused
-with one line naming it. Tensors of a zip-format file are views on a private read-only mmap, so
-opening a shard costs no copy and :meth:`TorchFile.release` hands pages back once a parameter is
+Reading: a pickle of plain metadata is read in one pass by :mod:`ucp.io.plain_pickle` (a strict
+subset of torch's weights_only unpickler); any other is unpickled by torch's weights_only unpickler
+after an allow-list scan: the few DeepSpeed classes that appear in ZeRO checkpoints map to inert
+stand-ins defined here, and any other global is refused with one line naming it. Tensors of a
+zip-format file are views on a private read-only mmap, so opening a shard costs no copy and :meth:`TorchFile.release` hands pages back once a parameter is
 done (memory stays bounded by what is being assembled, not by the checkpoint).
 
 Writing is :mod:`ucp.io.torchzip`'s alone.
@@ -23,13 +24,15 @@ import struct
 import threading
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ucp.errors import CorruptFileError, UnsafeFileError
+from ucp.io.plain_pickle import NotPlain, load_plain, rebind
 from ucp.io.standins import STANDINS, DSObject
 from ucp.model.pieces import FileSpan
 
@@ -50,6 +53,8 @@ _LEGACY_PICKLES = 5  # magic number, protocol, sys info, the object, storage key
 # A tensor may address more bytes than its storage holds only by overlapping itself (stride 0,
 # expand()); a damaged file can use that to ask for terabytes. Small expanded tensors stay legal.
 _MAX_OVERLAP_BYTES = 1 << 20
+#: What a storage loader hands out, per storage: (key, storage, bytes the record must hold, persistent id).
+_Handed = tuple[str, torch.UntypedStorage, int, Any]
 
 
 def _one_line(text: object, limit: int = 300) -> str:
@@ -193,18 +198,69 @@ def _detach(obj: Any) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class _Template:
+    """How a plain pickle was read: its bytes, the storages it asked for (in order), which storage (by
+    ``_cdata``) came from which key, and the tree it gave; a byte-identical pickle is re-bound from it."""
+
+    data: bytes
+    saved_ids: tuple[Any, ...]
+    keys: dict[int, str]
+    obj: Any
+
+
+def _keys(handed: list[_Handed]) -> dict[int, str]:
+    """Which key each handed-out storage came from, by the storage's ``_cdata`` (what its tensors share)."""
+    return {raw._cdata: key for key, raw, _, _ in handed}
+
+
 class TorchFile:
     """A torch checkpoint opened read-only, its tensors zero-copy views on a private mmap.
 
     Call order: open (unpickles the small object tree), use ``obj``, call :meth:`release` on big
     tensors once their bytes have been consumed, then :meth:`close` (or use ``with``). Legacy
-    (non-zip) files are loaded eagerly instead.
+    (non-zip) files are loaded eagerly instead. :meth:`open_all` opens the rank files of one save.
     """
 
     def __init__(self, path: str | os.PathLike, *, check: Callable[[mmap.mmap], None] | None = None) -> None:
         """``check(mapping)`` sees the file's bytes before anything is parsed (a checksum over the
         same pages that then back the tensors: one pass over the file)."""
+        self._open(path, check=check, like=None, remember=False)
+
+    @classmethod
+    def open_all(cls, paths: Iterable[str | os.PathLike]) -> list[TorchFile]:
+        """Open the rank files of one save in order; a file whose pickle repeats the one before it byte for
+        byte (a ZeRO-3 model-states file repeats the module dict on every rank) is not unpickled again:
+        the tree read before, untouched yet, is copied onto this file's storages. If one fails, those
+        already open are closed."""
+        files: list[TorchFile] = []
+        try:
+            for path in paths:
+                tf = cls.__new__(cls)
+                tf._open(path, check=None, like=files[-1]._template if files else None, remember=True)
+                if files:
+                    files[-1]._template = None  # only the last file read is copied from
+                files.append(tf)
+        except BaseException:
+            for tf in files:
+                tf.close()
+            raise
+        if files:
+            files[-1]._template = None  # the trees are the caller's from here: none may be copied from
+        return files
+
+    def _open(
+        self,
+        path: str | os.PathLike,
+        *,
+        check: Callable[[mmap.mmap], None] | None,
+        like: _Template | None,
+        remember: bool,
+    ) -> None:
+        """What ``__init__`` does; ``like``: how the file before was read (to re-bind a repeat of its
+        pickle); ``remember``: keep how this one was read, for the file after it."""
         self.path = Path(path)
+        self._template: _Template | None = None
         self._mm: mmap.mmap | None = None
         self._file: io.RawIOBase | None = None
         self._storage: torch.UntypedStorage | None = None
@@ -236,7 +292,7 @@ class TorchFile:
             self._storage = torch.frombuffer(self._mm, dtype=torch.uint8).untyped_storage()
             self._base = self._storage.data_ptr()
             records, pickle_name = self._index(size)
-            self.obj = self._unpickle(records, pickle_name)
+            self.obj = self._unpickle(records, pickle_name, like, remember)
         except BaseException:
             self.close()
             raise
@@ -299,16 +355,65 @@ class TorchFile:
             raise CorruptFileError(f"{self.path} was written big-endian; ucp reads little-endian files only")
         return records, pickle_name
 
-    def _unpickle(self, records: dict[str, tuple[int, int]], pickle_name: str) -> Any:
-        from torch import _weights_only_unpickler
-
-        assert self._mm is not None and self._storage is not None
-        prefix = pickle_name[: -len("data.pkl")]
+    def _unpickle(
+        self, records: dict[str, tuple[int, int]], pickle_name: str, like: _Template | None, remember: bool
+    ) -> Any:
+        """The pickle's object: re-bound from ``like`` when the bytes repeat, else by the one-pass plain
+        reader when it can (most metadata pickles), else the full way (allow-list scan, then torch's
+        weights_only unpickler), which also words every refusal. ``remember``: keep a plain read's
+        :class:`_Template` for the next file."""
+        assert self._mm is not None
         start, length = records[pickle_name]
-        storages: dict[str, torch.storage.TypedStorage] = {}
-        sizes: list[tuple[str, torch.UntypedStorage, int]] = []  # torch grows an empty storage a tensor overruns
+        data = self._mm[start : start + length]
+        prefix = pickle_name[: -len("data.pkl")]
+        obj, sizes = (
+            self._rebound(like, data, records, prefix) if like is not None and like.data == data else (None, [])
+        )
+        if obj is None:
+            load_storage, sizes = self._storage_loader(records, prefix)
+            try:
+                obj = load_plain(data, load_storage)
+                if remember:
+                    self._template = _Template(data, tuple(s[3] for s in sizes), _keys(sizes), obj)
+            except NotPlain as why:
+                logger.debug("%s: read by the full unpickler (%s)", self.path, why)
+                load_storage, sizes = self._storage_loader(records, prefix)  # fresh: nothing of the attempt is kept
+                obj = self._unpickle_full(data, load_storage)
+        for key, raw, nbytes, _ in sizes:
+            if raw.nbytes() != nbytes:
+                raise CorruptFileError(
+                    f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
+                )
+        _check_tensors(obj, self.path)
+        return obj
 
-        def persistent_load(saved_id: tuple) -> torch.storage.TypedStorage:
+    def _rebound(
+        self, like: _Template, data: bytes, records: dict[str, tuple[int, int]], prefix: str
+    ) -> tuple[Any, list[_Handed]]:
+        """The tree of a pickle identical to ``like``'s, re-bound onto this file's storages; (None, [])
+        when that fails in any way, so that unpickling it reports the failure in its own words."""
+        load_storage, sizes = self._storage_loader(records, prefix)
+        try:
+            # every storage the unpickler would ask for, in its order: the same checks, the same first error
+            by_key = {saved_id[2]: load_storage(saved_id) for saved_id in like.saved_ids}
+            obj = rebind(like.obj, lambda cdata: by_key[like.keys[cdata]])
+        except Exception as why:  # noqa: BLE001 - any failure: read this file the ordinary way
+            logger.debug("%s: not re-bound from the rank before (%s)", self.path, _one_line(why, 120))
+            return None, []
+        self._template = _Template(data, like.saved_ids, _keys(sizes), obj)  # only open_all passes a like
+        return obj, sizes
+
+    def _storage_loader(
+        self, records: dict[str, tuple[int, int]], prefix: str
+    ) -> tuple[Callable[[Any], torch.storage.TypedStorage], list[_Handed]]:
+        """The unpickler's ``persistent_load``: each storage a zero-copy view of its record, checked
+        against the record's length; and the list of (key, storage, bytes, persistent id) it hands out,
+        because torch grows an empty storage that a tensor overruns (checked once the pickle is read)."""
+        assert self._mm is not None
+        storages: dict[str, torch.storage.TypedStorage] = {}
+        sizes: list[_Handed] = []
+
+        def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
             if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
                 raise CorruptFileError(f"{self.path}: unexpected persistent id {saved_id!r:.80}")
             _, storage_type, key, _location, numel = saved_id
@@ -320,7 +425,7 @@ class TorchFile:
             record = records.get(f"{prefix}data/{key}")
             if record is None:
                 raise CorruptFileError(f"{self.path}: storage {key} is missing from the archive")
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = numel * dtype.itemsize
             if numel < 0 or nbytes > record[1]:
                 raise CorruptFileError(f"{self.path}: storage {key} holds {record[1]} bytes, needs {nbytes}")
             # A frombuffer view per record: zero-copy like a slice of the whole mapping, but copying from
@@ -332,17 +437,23 @@ class TorchFile:
             )
             typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
             storages[key] = typed
-            sizes.append((key, raw, nbytes))
+            sizes.append((key, raw, nbytes, saved_id))
             return typed
 
-        data = io.BytesIO(self._mm[start : start + length])
-        _check_globals(data, self.path)
-        data.seek(0)
-        unpickler = _weights_only_unpickler.Unpickler(data, encoding="utf-8")
+        return persistent_load, sizes
+
+    def _unpickle_full(self, data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
+        """The allow-list scan, then torch's weights_only unpickler with the stand-ins allowed."""
+        from torch import _weights_only_unpickler
+
+        stream = io.BytesIO(data)
+        _check_globals(stream, self.path)
+        stream.seek(0)
+        unpickler = _weights_only_unpickler.Unpickler(stream, encoding="utf-8")
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # pickle's documented hook
         try:
             with _ALLOW_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
-                obj = unpickler.load()
+                return unpickler.load()
         except (UnsafeFileError, CorruptFileError):
             raise
         except pickle.UnpicklingError as err:
@@ -351,18 +462,6 @@ class TorchFile:
             raise CorruptFileError(
                 f"{self.path} could not be unpickled: {type(err).__name__}: {_one_line(err, 160)}"
             ) from None
-        for key, raw, nbytes in sizes:
-            if raw.nbytes() != nbytes:
-                raise CorruptFileError(
-                    f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
-                )
-        for key, raw, nbytes in sizes:
-            if raw.nbytes() != nbytes:
-                raise CorruptFileError(
-                    f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
-                )
-        _check_tensors(obj, self.path)
-        return obj
 
     def span(self, tensor: torch.Tensor) -> FileSpan | None:
         """Where a contiguous tensor of this file lies on disk, for a pread instead of touching its
@@ -411,6 +510,7 @@ class TorchFile:
         unmapped memory (a segfault on the next read; seen with torch 2.13).
         """
         self.obj = None
+        self._template = None
         self._storage = None
         self._mm = None
         self._close_file()

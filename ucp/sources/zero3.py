@@ -86,10 +86,9 @@ class Zero3Source(Reader):
         self._model: list[TorchFile] = []
 
         def build() -> Facts:
-            for path in files.optim[mp_rank]:
-                self._optim.append(TorchFile(path))
-            for path in files.model[mp_rank]:
-                self._model.append(TorchFile(path))
+            # rank by rank: each model-states file repeats the module dict, read once and re-bound after
+            self._optim = TorchFile.open_all(files.optim[mp_rank])
+            self._model = TorchFile.open_all(files.model[mp_rank])
             return self._facts(optimizer)
 
         self.facts = build_facts(

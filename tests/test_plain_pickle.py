@@ -1,0 +1,244 @@
+"""ucp.io.plain_pickle: the one-pass reader for plain metadata pickles.
+
+The promise: whatever it reads, torch's weights_only unpickler reads to the same objects (it is a
+strict subset), and whatever else it meets (another global, another opcode, damage) it hands to the
+full path untouched by raising NotPlain; it never calls a global off its short list.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import warnings
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import _weights_only_unpickler
+
+from tests.support.files import resave
+from tests.support.fixtures import Built
+from ucp.io import standins, torchfile
+from ucp.io.plain_pickle import NotPlain, load_plain
+
+CALLS: list[str] = []
+
+
+def record_call(note: str) -> str:
+    CALLS.append(note)
+    return note
+
+
+class Hostile:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return record_call, ("pwned",)
+
+
+def _archive(path: Path) -> tuple[bytes, Callable[[], Callable[[Any], Any]]]:
+    """A torch.save file's pickle, and a factory of fresh ``persistent_load`` hooks over its records."""
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        pickled = zf.read(next(n for n in names if n.endswith("/data.pkl")))
+        records = {n.rsplit("/data/", 1)[1]: zf.read(n) for n in names if "/data/" in n}
+
+    def hook() -> Callable[[Any], Any]:
+        storages: dict[str, torch.storage.TypedStorage] = {}
+
+        def persistent_load(pid: Any) -> torch.storage.TypedStorage:
+            _, storage_type, key, _, numel = pid
+            if key not in storages:  # as TorchFile makes them: fixed-size views, a growable empty one
+                data = bytearray(records[key])
+                raw = torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)
+                storages[key] = torch.storage.TypedStorage(wrap_storage=raw, dtype=storage_type.dtype, _internal=True)
+            return storages[key]
+
+        return persistent_load
+
+    return pickled, hook
+
+
+def _weights_only(pickled: bytes, persistent_load: Callable[[Any], Any]) -> Any:
+    """What torch's own weights_only unpickler reads (with no user globals allowed)."""
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return unpickler.load()
+
+
+def assert_same(got: Any, want: Any, where: str = "obj") -> None:
+    """Same types, same values (NaN equal to NaN), tensors equal in layout and bits, OrderedDict attributes too."""
+    assert type(got) is type(want), (where, type(got), type(want))
+    if torch.is_tensor(want):
+        layout = (want.dtype, want.shape, want.stride(), want.storage_offset(), want.requires_grad)
+        assert (got.dtype, got.shape, got.stride(), got.storage_offset(), got.requires_grad) == layout, where
+        got_raw, want_raw = got.untyped_storage(), want.untyped_storage()
+        assert got_raw.nbytes() == want_raw.nbytes(), where
+        if not want_raw.resizable():  # an empty storage a damaged tensor grew holds garbage (TorchFile refuses it)
+            assert bytes(got_raw) == bytes(want_raw), where
+        assert got._backward_hooks == want._backward_hooks, where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for key in want:
+            assert_same(got[key], want[key], f"{where}[{key!r}]")
+        if isinstance(want, OrderedDict):
+            assert_same(vars(got), vars(want), f"{where}.__dict__")
+    elif isinstance(want, (list, tuple)) and not isinstance(want, torch.Size):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), where
+    else:
+        assert got == want, (where, got, want)
+
+
+def _plain_sample() -> dict[str, Any]:
+    base = torch.arange(24, dtype=torch.float32)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    return {
+        "module": module.state_dict(),  # an OrderedDict with its _metadata (BUILD)
+        "views": [base, base[4:10], base.view(4, 6).t()],  # three tensors over one storage
+        "empty": torch.empty(0, dtype=torch.bfloat16),
+        "bf16": torch.linspace(-1, 1, 7).to(torch.bfloat16),
+        "shapes": OrderedDict(w=torch.Size([3, 2]), b=torch.Size([])),
+        "numbers": [0, 255, 65535, -1, 2**31 - 1, 2**40, -(2**70), 1.5, float("nan"), -0.0],
+        "flags": (None, True, False),
+        "text": "ünïcode ✓",
+        "nested": {"a": [{"b": ()}], "c": (1, 2, 3, 4)},
+        "lr_scheduler": {"base_lrs": [0.01, 0.02], "last_epoch": 1},
+    }
+
+
+def test_plain_reader_reads_what_weights_only_reads(tmp_path: Path) -> None:
+    torch.save(_plain_sample(), tmp_path / "f.pt")
+    pickled, hook = _archive(tmp_path / "f.pt")
+    got = load_plain(pickled, hook())
+    assert_same(got, _weights_only(pickled, hook()))
+    views = got["views"]
+    assert views[1].untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()  # shared, as saved
+
+
+def test_torchfile_reads_plain_pickles_without_the_full_unpickler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.save(_plain_sample(), tmp_path / "f.pt")
+    want = torchfile.load(tmp_path / "f.pt")
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("the full unpickler ran for a plain pickle")
+
+    monkeypatch.setattr(torchfile.TorchFile, "_unpickle_full", refuse)
+    assert_same(torchfile.load(tmp_path / "f.pt"), want)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        pytest.param({"scaler": standins.LossScaler(cur_scale=torch.tensor(8.0))}, id="deepspeed-standin"),
+        pytest.param({"dtype": torch.float32}, id="dtype-global"),
+        pytest.param({"p": torch.nn.Parameter(torch.ones(2))}, id="parameter"),
+        pytest.param({"s": {1, 2}}, id="set-by-reduce"),
+        pytest.param({"b": b"bytes"}, id="bytes-by-codecs"),
+        pytest.param({"h": Hostile()}, id="hostile-global"),
+    ],
+)
+def test_anything_else_is_left_to_the_full_unpickler(tmp_path: Path, obj: Any) -> None:
+    resave(obj, tmp_path / "f.pt") if "scaler" in obj else torch.save(obj, tmp_path / "f.pt")
+    pickled, hook = _archive(tmp_path / "f.pt")
+    with pytest.raises(NotPlain):
+        load_plain(pickled, hook())
+    assert CALLS == []
+
+
+def test_other_protocols_are_left_to_the_full_unpickler() -> None:
+    for protocol in (0, 1, 3, 4, 5):
+        with pytest.raises(NotPlain):
+            load_plain(pickle.dumps({"a": [1, 2]}, protocol=protocol), lambda pid: None)
+
+
+def test_under_any_one_byte_damage_it_reads_what_weights_only_reads_or_steps_aside(tmp_path: Path) -> None:
+    """Every byte of a small plain pickle flipped (three ways): where the plain reader accepts the bytes,
+    torch's weights_only unpickler accepts them too and reads the same objects."""
+    sample = {"w": torch.arange(6.0).view(2, 3), "m": torch.nn.Linear(2, 1).state_dict(), "n": [1, -2, 2.5, "x"]}
+    torch.save(sample, tmp_path / "f.pt")
+    pickled, hook = _archive(tmp_path / "f.pt")
+    accepted = 0
+    for pos in range(len(pickled)):
+        for damage in (pickled[pos] ^ 0x01, pickled[pos] ^ 0x20, 0):
+            data = pickled[:pos] + bytes([damage]) + pickled[pos + 1 :]
+            try:
+                got = load_plain(data, hook())
+            except NotPlain:
+                continue
+            accepted += 1
+            assert_same(got, _weights_only(data, hook()), f"byte {pos} -> {damage}")
+    assert accepted > len(pickled) // 2  # damage to values, names and lengths still reads; those were compared
+
+
+def test_model_states_of_a_real_zero3_checkpoint_read_plain_and_match(z3_bf16_dp2: Built) -> None:
+    files = sorted(z3_bf16_dp2.tag_dir.glob("*.pt"))
+    plain = 0
+    for path in files:
+        pickled, hook = _archive(path)
+        try:
+            got = load_plain(pickled, hook())
+        except NotPlain:
+            assert "optim_states" in path.name  # only the optimizer files hold DeepSpeed's stand-ins
+            continue
+        plain += 1
+        with torch.serialization.safe_globals([(cls, cls.ds_name) for cls in standins.STANDINS]):
+            assert_same(got, _weights_only(pickled, hook()), path.name)
+    assert plain >= 2  # every model-states file
+
+
+def _rank_like(step: int) -> dict[str, Any]:
+    """What each rank of one save pickles alike: the same structure, its own tensor values."""
+    fragment = torch.arange(6.0) + 100 * step
+    return {"module": torch.nn.Linear(2, 2).state_dict(), "frozen": {"w": fragment}, "views": [fragment[2:4]]}
+
+
+def test_open_all_reads_a_repeated_pickle_once_and_gives_each_file_its_own_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = [tmp_path / f"rank{r}.pt" for r in range(3)]
+    for rank, path in enumerate(paths):
+        torch.save(_rank_like(rank), path)
+    alone = [torchfile.TorchFile(path) for path in paths]
+    reads: list[int] = []
+    counted = torchfile.load_plain
+
+    def count(*args: Any) -> Any:
+        reads.append(1)
+        return counted(*args)
+
+    monkeypatch.setattr(torchfile, "load_plain", count)
+    files = torchfile.TorchFile.open_all(paths)
+    try:
+        assert len(reads) == 1  # ranks 1 and 2 were re-bound from rank 0's tree
+        for tf, want in zip(files, alone):
+            assert_same(tf.obj, want.obj)
+            views, frozen = tf.obj["views"][0], tf.obj["frozen"]["w"]
+            assert views.untyped_storage().data_ptr() == frozen.untyped_storage().data_ptr()  # still shared
+            assert tf.span(frozen) is not None  # a view on its own file, as an unpickled one is
+    finally:
+        for tf in files + alone:
+            tf.close()
+
+
+def test_open_all_reports_a_broken_repeat_as_opening_it_alone_does(tmp_path: Path) -> None:
+    torch.save(_rank_like(0), tmp_path / "rank0.pt")
+    pickled, _ = _archive(tmp_path / "rank0.pt")
+    with zipfile.ZipFile(tmp_path / "rank1.pt", "w") as zf:  # the same pickle, its tensor records missing
+        zf.writestr("archive/data.pkl", pickled)
+        zf.writestr("archive/byteorder", "little")
+    with pytest.raises(torchfile.CorruptFileError) as alone:
+        torchfile.TorchFile(tmp_path / "rank1.pt")
+    with pytest.raises(torchfile.CorruptFileError) as together:
+        torchfile.TorchFile.open_all([tmp_path / "rank0.pt", tmp_path / "rank1.pt"])
+    assert str(together.value) == str(alone.value) and "missing from the archive" in str(alone.value)
