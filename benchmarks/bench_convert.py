@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark ``ucp to-universal`` / ``ucp restore`` against DeepSpeed's own universal-checkpoint path.
+"""Benchmark ``ucp to-universal`` / ``ucp restore`` / ``ucp reshard`` against DeepSpeed's own universal path.
 
 One command builds (or reuses) a real ZeRO-3 bf16 checkpoint at DP=4 through ``ucp.harness`` and then,
 round by round with the order rotated, runs every tool as its own subprocess:
@@ -8,6 +8,7 @@ round by round with the order rotated, runs every tool as its own subprocess:
 * ``python -m deepspeed.checkpoint.ds_to_universal ...``              (DeepSpeed conversion)
 * ``cp -r TAG_DIR OUT``                                               (the floor: copying the bytes once)
 * ``python -m ucp restore UNIV OUT --dp N`` + a DP=N engine loading that native checkpoint
+* ``python -m ucp reshard SRC OUT --dp M``                            (DeepSpeed to DeepSpeed, no universal copy)
 * a DP=4 engine with ``checkpoint.load_universal`` loading DeepSpeed's universal directory
 * a DP=4 engine that loads nothing (engine start-up, subtracted from both load paths)
 * ``python -c "import torch"`` / ``python -c "import deepspeed"``     (bare import cost)
@@ -17,7 +18,9 @@ Wall time is ``time.perf_counter`` around each subprocess; peak memory is the ch
 descendants' maximum, not their sum) plus, by default, a sampled sum of RSS over the whole process tree
 (catches ``ds_to_universal``'s worker pool; counts shared pages once per process, so an upper bound).
 
-Results go to ``benchmarks/out/results-<size>mb.{json,md}``; see benchmarks/README.md. This script parses the
+Each run records the 1-minute load average it started under. A size whose checkpoint and outputs would not fit
+on the disk (``bench.disk.NEED_FACTOR`` times its size) is skipped with a note, so ``--sizes 500,1000,2000,8000``
+is safe to run anywhere. Results go to ``benchmarks/out/results-<size>mb.{json,md}``; see benchmarks/README.md. This script parses the
 command line and writes the results; the work is done by the package next to it, ``benchmarks/bench/``.
 """
 
@@ -35,16 +38,22 @@ from typing import Any
 
 if __package__:  # python -m benchmarks.bench_convert
     from .bench.common import REPO, BenchConfig, logger
+    from .bench.disk import space_note
     from .bench.environment import environment, tool_env
+    from .bench.fixtures import cached_bytes
     from .bench.measure import measure_size
     from .bench.process import run_measured
     from .bench.report import plot, render_markdown, render_scaling
+    from .bench.summary import series_checks
 else:  # python benchmarks/bench_convert.py: this folder is sys.path[0]
     from bench.common import REPO, BenchConfig, logger
+    from bench.disk import space_note
     from bench.environment import environment, tool_env
+    from bench.fixtures import cached_bytes
     from bench.measure import measure_size
     from bench.process import run_measured
     from bench.report import plot, render_markdown, render_scaling
+    from bench.summary import series_checks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dp", type=int, default=4, help="DP size of the checkpoint that is built")
     parser.add_argument("--restore-dp", type=int, default=None, help="DP size for `ucp restore` (default: --dp)")
+    parser.add_argument("--reshard-dp", type=int, default=2, help="DP size for `ucp reshard` of the checkpoint")
     parser.add_argument("--hidden", type=int, default=1023, help="fixed; odd so every partition is padded")
     parser.add_argument("--ffn", type=int, default=1021, help="fixed; the model grows with layers only")
     parser.add_argument("--vocab", type=int, default=1031)
@@ -119,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         rounds=args.rounds,
         dp=args.dp,
         restore_dp=restore_dp,
+        reshard_dp=args.reshard_dp,
         hidden=args.hidden,
         ffn=args.ffn,
         vocab=args.vocab,
@@ -151,7 +162,12 @@ def measure_environment(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def run_size(cfg: BenchConfig, size: int, env: dict[str, Any]) -> dict[str, Any]:
-    """Measure one size, write results-<size>mb.{json,md} and print the Markdown."""
+    """Measure one size, write results-<size>mb.{json,md} and print the Markdown; a size whose checkpoint
+    and outputs do not fit on the disk is skipped with a note (``{"size_mb", "skipped"}``)."""
+    note = space_note(cfg.out_dir, size, cached_bytes(cfg, size))
+    if note is not None:
+        logger.warning("%s", note)
+        return {"size_mb": size, "skipped": note}
     result = measure_size(cfg, size)
     result["environment"] = env
     result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
@@ -165,14 +181,14 @@ def run_size(cfg: BenchConfig, size: int, env: dict[str, Any]) -> dict[str, Any]
     return result
 
 
-def write_scaling(cfg: BenchConfig, results: list[dict[str, Any]]) -> None:
-    """results-scaling.{md,json} across sizes, and print the table."""
-    table = render_scaling(results)
+def write_scaling(cfg: BenchConfig, results: list[dict[str, Any]], series: list[dict[str, Any]]) -> None:
+    """results-scaling.{md,json} across sizes (skipped sizes as their note), and print the tables."""
+    notes = [r["skipped"] for r in results if "skipped" in r]
+    table = render_scaling(results, series, notes)
     (cfg.out_dir / "results-scaling.md").write_text(table)
-    keys = ("size_mb", "checkpoint", "tools", "derived", "ratios")
-    (cfg.out_dir / "results-scaling.json").write_text(
-        json.dumps([{k: r[k] for k in keys} for r in results], indent=2) + "\n"
-    )
+    keys = ("size_mb", "checkpoint", "loadavg_before", "loadavg_after", "loadavg_runs", "tools", "derived", "ratios")
+    sizes = [{k: r[k] for k in keys} if "tools" in r else r for r in results]
+    (cfg.out_dir / "results-scaling.json").write_text(json.dumps({"sizes": sizes, "series": series}, indent=2) + "\n")
     print(table)
 
 
@@ -181,14 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     env = measure_environment(cfg)
     results = [run_size(cfg, size, env) for size in cfg.sizes_mb]
+    measured = [r for r in results if "tools" in r]
+    series = series_checks(measured)
     if len(results) > 1:
-        write_scaling(cfg, results)
-    if cfg.plot:
-        plot(results, cfg.out_dir / ("scaling.png" if len(results) > 1 else f"results-{results[0]['size_mb']}mb.png"))
+        write_scaling(cfg, results, series)
+    if cfg.plot and measured:
+        plot(measured, cfg.out_dir / ("scaling.png" if len(results) > 1 else f"results-{results[0]['size_mb']}mb.png"))
     if cfg.check:
-        missed = [
-            f"{r['size_mb']} MB {x['name']}" for r in results for x in r["ratios"] if x["checked"] and not x["met"]
-        ]
+        rows = [(f"{r['size_mb']} MB", x) for r in measured for x in r["ratios"]] + [("series", x) for x in series]
+        missed = [f"{where} {x['name']}" for where, x in rows if x["checked"] and not x["met"]]
         if missed:
             logger.error("targets missed or not measured: %s", ", ".join(missed))
             return 1

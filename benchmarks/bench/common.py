@@ -51,6 +51,7 @@ class BenchConfig:
     rounds: int
     dp: int
     restore_dp: int
+    reshard_dp: int
     hidden: int
     ffn: int
     vocab: int

@@ -56,14 +56,27 @@ def model_for_size(size_mb: int, hidden: int, ffn: int, vocab: int) -> ModelSpec
     return base
 
 
+def _home(cfg: BenchConfig, size_mb: int) -> tuple[ModelSpec, Path]:
+    """The model for ``size_mb`` and the cache folder its build lives in (the key names everything it depends on)."""
+    model = model_for_size(size_mb, cfg.hidden, cfg.ffn, cfg.vocab)
+    key = f"ckpt-{size_mb}mb-dp{cfg.dp}-v{cfg.vocab}-h{cfg.hidden}-f{cfg.ffn}-l{model.layers}-s{cfg.steps}"
+    return model, cfg.out_dir / "ckpt" / key
+
+
+def cached_bytes(cfg: BenchConfig, size_mb: int) -> int:
+    """Bytes a finished cached build of ``size_mb`` holds on disk; 0 when there is none (or --rebuild)."""
+    marker = _home(cfg, size_mb)[1] / "build.json"
+    if cfg.rebuild or not marker.is_file():
+        return 0
+    return int(json.loads(marker.read_text())["bytes_on_disk"])
+
+
 def build_checkpoint(cfg: BenchConfig, size_mb: int) -> Checkpoint:
     """Train ``steps`` steps at DP=cfg.dp with real DeepSpeed and save; reuse a finished earlier build.
 
     The marker ``build.json`` is written last, so a half-built folder is never taken for a cache hit.
     """
-    model = model_for_size(size_mb, cfg.hidden, cfg.ffn, cfg.vocab)
-    key = f"ckpt-{size_mb}mb-dp{cfg.dp}-v{cfg.vocab}-h{cfg.hidden}-f{cfg.ffn}-l{model.layers}-s{cfg.steps}"
-    home = cfg.out_dir / "ckpt" / key
+    model, home = _home(cfg, size_mb)
     marker = home / "build.json"
     if marker.is_file() and not cfg.rebuild:
         meta = json.loads(marker.read_text())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -16,37 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from .common import BenchConfig, LoadSpec, RunSpec, dir_bytes, global_batch, logger
+from .disk import fresh_dir, native_load_target, prewarm, remove
 from .environment import tool_env
 from .fixtures import Checkpoint, build_checkpoint
 from .process import Sample, rank_jobs, run_measured
 from .summary import summarize
 
 
-def _remove(path: Path) -> None:
-    """Delete an output and flush dirty pages, outside any timing, so the next tool starts clean."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()
-    os.sync()
-
-
-def _fresh_dir(path: Path) -> None:
-    """``_remove`` then create ``path`` empty."""
-    _remove(path)
-    path.mkdir(parents=True)
-
-
-def _native_load_target(out: Path) -> tuple[Path, str | None]:
-    """Where DeepSpeed should load ucp's native output from: (load_dir, tag), tolerant of the layout."""
-    if (out / "latest").is_file():
-        return out, None
-    if any(out.glob("*model_states.pt")):
-        return out.parent, out.name
-    tags = [d for d in out.iterdir() if d.is_dir() and any(d.glob("*model_states.pt"))] if out.is_dir() else []
-    if len(tags) == 1:
-        return out, tags[0].name
-    raise FileNotFoundError(f"no `latest` and no single tag folder with *model_states.pt under {out}")
+def _ucp_cmd(verb: str, *args: object) -> list[str]:
+    """``python -m ucp VERB ARGS...``: each ucp tool as its own process, as a user runs it."""
+    return [sys.executable, "-m", "ucp", verb, *(str(a) for a in args)]
 
 
 def _ds_to_universal_cmd(src: Path, out: Path, workers: int, *extra: str) -> list[str]:
@@ -130,31 +110,27 @@ class SizeRun:
     def unit_ucp(self, r: int) -> None:
         src = self.ckpt.tag_dir if self.cfg.ucp_src == "tag" else self.ckpt.root
         univ = self.work / "ucp-univ"
-        _remove(univ)
-        sample = self.run("ucp-to-universal", r, [sys.executable, "-m", "ucp", "to-universal", str(src), str(univ)])
+        remove(univ)
+        sample = self.run("ucp-to-universal", r, _ucp_cmd("to-universal", src, univ))
         if sample.ok:
             self.note_disk("ucp-universal", univ)
             self._ucp_restore(r, univ)
-        _remove(univ)
+        remove(univ)
 
     def _ucp_restore(self, r: int, univ: Path) -> None:
         """``ucp restore`` of ucp's universal output, then (unless --skip-loads) an engine loading it."""
         native = self.work / "ucp-native"
-        _remove(native)
-        restored = self.run(
-            "ucp-restore",
-            r,
-            [sys.executable, "-m", "ucp", "restore", str(univ), str(native), "--dp", str(self.cfg.restore_dp)],
-        )
+        remove(native)
+        restored = self.run("ucp-restore", r, _ucp_cmd("restore", univ, native, "--dp", self.cfg.restore_dp))
         if restored.ok:
             self.note_disk("ucp-native", native)
             if not self.cfg.skip_loads:
                 self._ucp_native_load(r, native)
-        _remove(native)
+        remove(native)
 
     def _ucp_native_load(self, r: int, native: Path) -> None:
         try:
-            load_dir, tag = _native_load_target(native)
+            load_dir, tag = native_load_target(native)
         except FileNotFoundError as exc:
             self.record(Sample("ucp-native-load", r, False, 0.0, 0, error=str(exc)))
         else:
@@ -165,22 +141,31 @@ class SizeRun:
                 LoadSpec(path=str(load_dir), kind="native", tag=tag),
             )
 
+    def unit_reshard(self, r: int) -> None:
+        """``ucp reshard`` of the same checkpoint to --reshard-dp: DeepSpeed to DeepSpeed, no universal copy."""
+        out = self.work / "ucp-reshard"
+        remove(out)
+        sample = self.run("ucp-reshard", r, _ucp_cmd("reshard", self.ckpt.tag_dir, out, "--dp", self.cfg.reshard_dp))
+        if sample.ok:
+            self.note_disk("ucp-reshard", out)
+        remove(out)
+
     def unit_ds(self, r: int) -> None:
         root = self.work / "ds-univ"
-        _fresh_dir(root)
+        fresh_dir(root)
         out = root / self.ckpt.tag  # ds_to_universal writes `latest_universal` next to its output folder
         sample = self.run("ds-to-universal", r, _ds_to_universal_cmd(self.ckpt.tag_dir, out, self.cfg.ds_workers))
         if sample.ok:
             self.note_disk("ds-universal", out)
             if not self.cfg.skip_loads:
                 self.run_engine("ds-universal-load", r, self.cfg.dp, LoadSpec(path=str(root), kind="ds-universal"))
-        _remove(root)
+        remove(root)
 
     def unit_cp(self, r: int) -> None:
         out = self.work / "cp-copy"
-        _remove(out)
+        remove(out)
         self.run("cp", r, ["cp", "-r", str(self.ckpt.tag_dir), str(out)])
-        _remove(out)
+        remove(out)
 
     def unit_engine(self, r: int) -> None:
         if not self.cfg.skip_loads:
@@ -189,7 +174,7 @@ class SizeRun:
     def ds_temp_probe(self) -> None:
         """One untimed extra ds_to_universal with --keep_temp_folder: how much scratch it needs on disk."""
         root = self.work / "ds-probe"
-        _fresh_dir(root)
+        fresh_dir(root)
         out = root / self.ckpt.tag
         cmd = _ds_to_universal_cmd(self.ckpt.tag_dir, out, self.cfg.ds_workers, "--keep_temp_folder")
         sample = run_measured(
@@ -203,13 +188,14 @@ class SizeRun:
                 self.disk["ds-optimizer_state.pt"] = {"bytes": state.stat().st_size, "files": 1}
         else:
             self.notes.append(f"ds temp probe failed: {(sample.error or '').splitlines()[0]}")
-        _remove(root)
+        remove(root)
 
     def run_rounds(self) -> None:
         """``cfg.rounds`` rounds of every unit, the order rotated each round so no tool always goes first."""
         units: list[tuple[str, Callable[[int], None]]] = [
             ("imports", self.unit_imports),
             ("ucp", self.unit_ucp),
+            ("reshard", self.unit_reshard),
             ("ds", self.unit_ds),
             ("cp", self.unit_cp),
             ("engine", self.unit_engine),
@@ -221,14 +207,10 @@ class SizeRun:
                 unit(r)
 
 
-def _prewarm(path: Path) -> None:
-    """Read the source once so that round 1's first tool does not pay the cold-cache read alone."""
-    buf = bytearray(1 << 20)  # small and reused: this process's peak RSS is every child's floor
-    for file in sorted(path.rglob("*")):
-        if file.is_file():
-            with open(file, "rb", buffering=0) as fh:
-                while fh.readinto(buf):
-                    pass
+def _load_stats(samples: list[Sample]) -> dict[str, float | None]:
+    """The 1-minute load average as each measured run started: median and max over the size's runs."""
+    loads = sorted(s.loadavg_1m for s in samples if s.loadavg_1m is not None)
+    return {"median": statistics.median(loads) if loads else None, "max": loads[-1] if loads else None}
 
 
 def measure_size(cfg: BenchConfig, size_mb: int) -> dict[str, Any]:
@@ -239,7 +221,7 @@ def measure_size(cfg: BenchConfig, size_mb: int) -> dict[str, Any]:
     shutil.rmtree(run.logs, ignore_errors=True)
     run.work.mkdir(parents=True, exist_ok=True)
     run.disk["source"] = dict(zip(("bytes", "files"), dir_bytes(ckpt.tag_dir)))
-    _prewarm(ckpt.tag_dir)
+    prewarm(ckpt.tag_dir)
     load_before = os.getloadavg()
     started = time.perf_counter()
     run.run_rounds()
@@ -247,7 +229,7 @@ def measure_size(cfg: BenchConfig, size_mb: int) -> dict[str, Any]:
         run.ds_temp_probe()
     if not cfg.keep_outputs:
         shutil.rmtree(run.work, ignore_errors=True)
-    result = {
+    result: dict[str, Any] = {
         "size_mb": size_mb,
         "checkpoint": {
             "path": str(ckpt.tag_dir),
@@ -262,14 +244,15 @@ def measure_size(cfg: BenchConfig, size_mb: int) -> dict[str, Any]:
         "measure_s": time.perf_counter() - started,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
+        "loadavg_runs": _load_stats(run.samples),
         "samples": [asdict(s) for s in run.samples],
         "disk": run.disk,
         "notes": run.notes,
     }
     native = run.disk.get("ucp-native")
     share = native["bytes"] / cfg.restore_dp / 2**20 if native else None
-    result.update(summarize(run.samples, rank_share_mib=share))
-    busy = max(load_before[0], result["loadavg_after"][0])
+    result.update(summarize(run.samples, size_mb, rank_share_mib=share))
+    busy = max(load_before[0], result["loadavg_after"][0], result["loadavg_runs"]["max"] or 0.0)
     if busy > (os.cpu_count() or 1):
         result["notes"].append(
             f"machine was busy (1-min load average up to {busy:.1f} on {os.cpu_count()} cores): "

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -39,6 +40,7 @@ class Sample:
     cpu_s: float = 0.0  # user+sys over every process started and the descendants each waited for
     rank_maxrss_kib: list[int] = field(default_factory=list)  # one per process started (ranks)
     tree_rss_peak_kib: int | None = None  # sampled sum of RSS over every process of the run
+    loadavg_1m: float | None = None  # the machine's 1-minute load average as the run started
     returncode: int | None = None
     error: str | None = None
     log: str | None = None
@@ -105,7 +107,7 @@ class _ProcessGroup:
                     except ProcessLookupError:
                         pass
 
-    def start(self, jobs: list[Job], handles: list[IO[bytes]]) -> None:
+    def start(self, jobs: list[Job], handles: Sequence[IO[bytes]]) -> None:
         """Start every job with its output to its log, then the timeout timer and the RSS sampler."""
         for (cmd, env), handle in zip(jobs, handles):
             self.procs.append(
@@ -165,6 +167,7 @@ def run_measured(tool: str, round_: int, jobs: list[Job], logs: list[Path], cfg:
         log.parent.mkdir(parents=True, exist_ok=True)
     handles = [open(log, "wb") for log in logs]
     group = _ProcessGroup(cfg.timeout_s, cfg.sample_interval_s)
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     try:
         group.start(jobs, handles)
@@ -174,7 +177,9 @@ def run_measured(tool: str, round_: int, jobs: list[Job], logs: list[Path], cfg:
         group.close()
         for handle in handles:
             handle.close()
-    return _to_sample(tool, round_, group, wall, logs, cfg.timeout_s)
+    sample = _to_sample(tool, round_, group, wall, logs, cfg.timeout_s)
+    sample.loadavg_1m = load
+    return sample
 
 
 def _to_sample(tool: str, round_: int, group: _ProcessGroup, wall: float, logs: list[Path], timeout_s: float) -> Sample:
