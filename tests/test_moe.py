@@ -21,6 +21,8 @@ import torch
 import ucp
 from tests.support.ds_convert import ds_to_universal
 from tests.support.moe_runs import BuiltMoe, build_moe, run_moe_from
+from tests.test_reliability import assert_one_line_error, run_cli
+from ucp.cli import main
 from ucp.deepspeed.moe import expert_order
 from ucp.errors import ConfigError, InputError
 from ucp.harness import LoadSpec
@@ -190,3 +192,55 @@ def test_deepspeeds_ds_to_universal_cannot_convert_a_legacy_moe_run(moe, tmp_pat
     assert found, done.stderr[-2000:]  # which parameter fails first depends on the merge workers' order
     shape, size = [int(d) for d in found.group(1).split(",")], int(found.group(2))
     assert size == 2 * math.prod(shape)  # two experts' halves joined (ranks r and r+2 hold different experts)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize(
+    "flags,world,ep",
+    [((), 4, 2), (("--ep", "1"), 2, 1), (("--ep", "4", "--stage", "1"), 4, 4)],
+    ids=["default-ep", "ep1-dp2", "ep4-zero1"],
+)
+def test_cli_restore_of_a_moe_source_writes_what_write_moe_writes(universal, tmp_path, capsys, flags, world, ep):
+    """Without --ep the source's ep_size (2) and stage (2) are kept; the files are byte for byte the Python
+    API's, whose resumes the tests above measure."""
+    code = main(["restore", str(universal), str(tmp_path / "cli"), "--dp", str(world), *flags])
+    assert code == 0, capsys.readouterr().err
+    assert f"wrote a MoE checkpoint for dp={world} at ep_size={ep}" in capsys.readouterr().out
+    stage = 1 if "--stage" in flags else 2
+    write_moe(universal, tmp_path / "api", dp=world, ep=ep, stage=stage)
+    assert _files(tmp_path / "cli") == _files(tmp_path / "api")
+
+
+def test_cli_reshard_of_deepspeeds_moe_checkpoint_writes_what_write_moe_writes(moe, tmp_path, capsys):
+    assert main(["reshard", str(moe.path), str(tmp_path / "r"), "--dp", "4", "--ep", "4"]) == 0
+    write_moe(moe.path, tmp_path / "api", dp=4, ep=4, stage=2)
+    assert _files(tmp_path / "r") == _files(tmp_path / "api")
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (("--dp", "3"), "the source's ep_size=2 does not divide --dp 3: give the new run's --ep"),
+        (("--dp", "4", "--ep", "3"), "ep_size=3 must divide the number of ranks (4)"),
+        (("--dp", "4", "--stage", "3"), "a MoE target is ZeRO-1 or ZeRO-2"),
+        (("--dp", "4", "--pp", "2", "--pp-parts", "0,2,4"), "mixture-of-experts run, which --pp cannot write"),
+        (("--dp", "4", "--ep", "2", "--format", "dcp"), "--ep describes a DeepSpeed MoE output"),
+        (("--dp", "4", "--ep", "2", "--distributed"), "--ep writes a legacy MoE checkpoint at PP=1 in one process"),
+    ],
+    ids=["ep-does-not-divide-dp", "bad-ep", "zero3", "pp", "dcp", "distributed"],
+)
+def test_cli_refuses_a_moe_restore_it_cannot_write_in_one_line(universal, tmp_path, capsys, flags, needle):
+    code, err = run_cli(capsys, "restore", str(universal), str(tmp_path / "x"), *flags)
+    assert_one_line_error(code, err, needle)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_ep_on_a_dense_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    from tests.support.pipeline_runs import build_pipe
+
+    dense = build_pipe(pp=2, dp=2, stage=1, dtype="fp32").path
+    code, err = run_cli(capsys, "restore", str(dense), str(tmp_path / "x"), "--dp", "2", "--ep", "1")
+    assert_one_line_error(code, err, "records no MoE layers")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -217,6 +218,8 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     from ucp.targets.native import write_native
 
     if args.format == "dcp":
+        if args.ep is not None:
+            raise UcpError("--ep describes a DeepSpeed MoE output; drop --format dcp")
         return _cmd_restore_dcp(args)
     if args.dcp_layout:
         raise UcpError("--dcp-layout describes a DCP output; add --format dcp")
@@ -231,13 +234,62 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     hf = find_hf_folder(args.universal)
     if hf is not None:
         return _cmd_restore_hf(args, step, hf.tag)
+    if args.ep is not None and (args.pp is not None or args.distributed):
+        raise UcpError("--ep writes a legacy MoE checkpoint at PP=1 in one process: drop --pp and --distributed")
     if args.pp is not None:
         return _cmd_restore_pipeline(args, step)
     if args.distributed:
         return _cmd_native_distributed(args, step)
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
+        if args.ep is not None or _is_moe(reader.facts):
+            plan, ep = _write_moe(args, reader, step)
+            return _moe_done(args, plan, ep)
         plan = write_native(reader, args.out, **_native_options(args, step, _stage(args, reader.facts)))
     return _native_done(args, plan)
+
+
+def _is_moe(facts: Facts) -> bool:
+    from ucp.targets.moe import is_moe
+
+    return is_moe(facts)
+
+
+def _refuse_moe(facts: Facts, flag: str) -> None:
+    """A MoE checkpoint restored any other way would load as a dense model with every expert on every rank."""
+    if _is_moe(facts):
+        raise UcpError(f"the source is a mixture-of-experts run, which {flag} cannot write: restore without it (--ep)")
+
+
+def _write_moe(args: argparse.Namespace, reader: Reader, step: int | str) -> tuple[NativePlan, int]:
+    """A legacy-MoE checkpoint for --dp ranks at --ep, which defaults to the source's expert-parallel size
+    (the one DeepSpeed setting a MoE run's checkpoint cannot be loaded without)."""
+    from ucp.targets.moe import source_ep_size, write_moe
+
+    ep = args.ep if args.ep is not None else source_ep_size(reader)
+    if args.ep is None and args.dp % ep:
+        raise UcpError(f"the source's ep_size={ep} does not divide --dp {args.dp}: give the new run's --ep")
+    # a MoE run is ZeRO-1/2: the source's stage unless told
+    options = _native_options(args, step, args.stage or reader.facts.info.zero_stage)
+    return write_moe(reader, args.out, ep=ep, **options), ep
+
+
+def _moe_done(args: argparse.Namespace, plan: NativePlan, ep: int) -> int:
+    summary = (
+        f"wrote a MoE checkpoint for dp={plan.dp} at ep_size={ep} (ZeRO-{plan.stage}, {plan.flavour.name}, "
+        f"{plan.dtype}) to {args.out}/{plan.tag}"
+    )
+    return _done(
+        args,
+        summary,
+        plan.notes,
+        format="deepspeed-moe",
+        stage=plan.stage,
+        dp=plan.dp,
+        ep=ep,
+        optimizer=plan.flavour.name,
+        dtype=plan.dtype,
+        tag=plan.tag,
+    )
 
 
 def _stage(args: argparse.Namespace, facts: Facts) -> int:
@@ -253,10 +305,15 @@ def _cmd_native_distributed(args: argparse.Namespace, step: int | str) -> int:
     fields = _native_options(args, step, None)
     for key in ("overwrite", "workers", "fsync", "stage"):
         fields.pop(key)
+
+    def options(facts: Facts) -> RestoreOptions:
+        _refuse_moe(facts, "--distributed")
+        return RestoreOptions(stage=_stage(args, facts), **fields)
+
     plan = write_native_distributed(
         args.universal,
         args.out,
-        lambda facts: RestoreOptions(stage=_stage(args, facts), **fields),
+        options,
         workers=args.workers,
         policy=_policy(args),
         fsync=args.fsync,
@@ -298,6 +355,7 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
     if layout.pp != args.pp:
         raise UcpError(f"--pp-parts {args.pp_parts} cuts {layout.pp} stages, but --pp is {args.pp}")
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
+        _refuse_moe(reader.facts, "--pp")
         # PipelineEngine runs ZeRO-0/1 only: stage 1 unless told
         plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, args.stage or 1))
     summary = (
@@ -452,6 +510,12 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY=0,5",
         help="--pp: the layers using TiedLayerSpec KEY (repeat per key)",
+    )
+    p.add_argument(
+        "--ep",
+        type=_positive,
+        help="expert-parallel size of the new run: a legacy DeepSpeed MoE checkpoint (ZeRO-1/2; default for a MoE "
+        "source: its own ep_size, and its stage)",
     )
     p.add_argument(
         "--optimizer",
@@ -613,6 +677,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     with held_signals() as held:  # every verb needs torch: import it where a Ctrl-C cannot break the import
         import torch  # noqa: F401
+    # torch's hundreds of thousands of objects live as long as the process: keep the collector's full
+    # passes (one lands in most runs, ~70 ms) off them
+    gc.freeze()
     if held:
         name = signal.Signals(held[0]).name
         print(f"ucp: interrupted by {name} while starting; nothing was written", file=sys.stderr)

@@ -22,7 +22,7 @@ What a save at world size W with expert-parallel size E holds, as verified on re
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ucp.errors import InputError
@@ -35,7 +35,6 @@ __all__ = [
     "ep_group_name",
     "expert_ranks",
     "expert_order",
-    "merge_optim_blocks",
 ]
 
 #: what sits between a MoE module's name and an expert's index in every expert parameter's name
@@ -90,37 +89,3 @@ def expert_order(names: Iterable[str]) -> list[str]:
             raise InputError(f"{name} is in a MoE param group but is not an expert parameter")
         keys.append((modules.setdefault(parts[0], len(modules)), parts[1]))
     return [name for _, name in sorted(zip(keys, names), key=lambda kv: kv[0])]
-
-
-#: the ZeRO-1/2 optim block's entries that hold one item per param group
-_PER_GROUP = (
-    "single_partition_of_fp32_groups",
-    "group_paddings",
-    "param_alignment_paddings",
-    "partition_count",
-    "param_slice_mappings",
-)
-
-
-def merge_optim_blocks(parts: Sequence[tuple[Mapping[str, Any], Sequence[int]]], count: int) -> dict[str, Any]:
-    """One rank's ZeRO-1/2 optim block from blocks written for some of its param groups each (a MoE rank's
-    dense groups at the world size, its experts' groups at the expert-data-parallel size): ``parts`` pairs a
-    block with the index each of its groups takes among the ``count`` groups of the result."""
-    placed = sorted(g for _, where in parts for g in where)
-    if placed != list(range(count)):
-        raise ValueError(f"the parts place param groups {placed}, not 0..{count - 1}")
-    out = {k: v for k, v in parts[0][0].items() if k not in _PER_GROUP and k != "base_optimizer_state"}
-    lists: dict[str, list[Any]] = {k: [None] * count for k in _PER_GROUP}
-    state: dict[int, Any] = {}
-    groups: list[Any] = [None] * count
-    for block, where in parts:
-        base = block["base_optimizer_state"]
-        for i, g in enumerate(where):
-            for key in _PER_GROUP:
-                lists[key][g] = block[key][i]
-            groups[g] = {**base["param_groups"][i], "params": [g]}
-            if i in base["state"]:
-                state[g] = base["state"][i]
-    out["base_optimizer_state"] = {"state": dict(sorted(state.items())), "param_groups": groups}
-    out.update(lists)
-    return out

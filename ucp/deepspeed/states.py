@@ -146,14 +146,18 @@ def zero12_optim_block(
     moments: bool,
     alignment_paddings: list[list[int]] | None = None,
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
+    partitions: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The dict DeepSpeedZeroOptimizer saves for rank ``index`` (and its ``load_state_dict`` takes back)."""
-    paddings = [layout.padding(index) for layout in layouts]
+    """The dict DeepSpeedZeroOptimizer saves for rank ``index`` (and its ``load_state_dict`` takes back);
+    ``partitions[g]``: the rank's partition of group g when that is not ``index`` (an expert group,
+    partitioned over the rank's expert-data-parallel group)."""
+    parts = [index] * len(layouts) if partitions is None else list(partitions)
+    paddings = [layout.padding(parts[g]) for g, layout in enumerate(layouts)]
     mappings = []
     for g, layout in enumerate(layouts):
         mapping = OrderedDict()
         for i, name in enumerate(names[g]):
-            where = layout.rank_slice(i, index)
+            where = layout.rank_slice(i, parts[g])
             if where is not None:
                 mapping[name] = FragmentAddress(numel=where[1], start=where[0])
         mappings.append(mapping)

@@ -22,15 +22,18 @@ def zero12_buffers(
     *,
     rank: int,
     whole: Sequence[Sequence[str]] = (),
+    partitions: Sequence[int] | None = None,
 ) -> RankBuffers:
     """Rank ``rank``'s flat partitions: per param group, one tensor of the partition size per key,
     except the keys ``whole[g]`` kept per whole parameter (``Zero12Group.whole_slots``), sized so;
-    ``scalars`` (per group, filled as members are read) is shared by every rank's buffers."""
+    ``scalars`` (per group, filled as members are read) is shared by every rank's buffers.
+    ``partitions[g]``: the rank's partition of group g when that is not ``rank`` (an expert group)."""
     buffers = RankBuffers.of_sizes([layout.partition_size for layout in layouts], keys, scalars)
     for g, group_keys in enumerate(whole):
         for key in group_keys:
             if key in buffers.optim[g]:
-                buffers.optim[g][key] = torch.zeros(layouts[g].whole_size(rank), dtype=torch.float32)
+                part = rank if partitions is None else partitions[g]
+                buffers.optim[g][key] = torch.zeros(layouts[g].whole_size(part), dtype=torch.float32)
     return buffers
 
 

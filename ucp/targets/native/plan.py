@@ -6,6 +6,7 @@ What ``ucp restore --dry-run`` and ``ucp migrate --dry-run`` show; the writers o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ucp.errors import ConfigError
 from ucp.model import flavours
@@ -15,10 +16,30 @@ from ucp.model.options import RestoreOptions
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
 
-__all__ = ["NativePlan", "Share", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
+__all__ = ["NativePlan", "Share", "Zero12Sets", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
 
 #: DeepSpeed's default ``zero_optimization.sub_group_size`` (0.19.8).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Zero12Sets:
+    """A ZeRO-1/2 param group whose ranks hold different members: DeepSpeed's expert groups, where
+    each expert-parallel rank holds its own experts. Set k's members are held by ranks k, k + S,
+    k + 2S, ... (S sets): rank r holds partition r // S of set r % S, so each set is partitioned over
+    dp / S ranks (its expert-data-parallel group, 0.19.8 ``get_ep_ranks``). The members live in files
+    of their own, not in the module of the model-states file."""
+
+    names: tuple[tuple[str, ...], ...]  # per set: the reader's names, in flat order
+    labels: tuple[tuple[str, ...], ...]  # per set: the names the rank files give them
+
+    def __post_init__(self) -> None:
+        if not self.names or [len(n) for n in self.names] != [len(n) for n in self.labels]:
+            raise ValueError("a Zero12Sets needs at least one set, and one label per member")
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
 
 
 @dataclass
@@ -39,6 +60,10 @@ class NativePlan:
     tp: int = 1  # tensor-parallel degree of the checkpoint written
     mp_rank: int = 0  # the TP rank whose files are being written
     offload: bool = False  # the new run offloads its optimizer (DeepSpeed Muon's ZeRO-1/2 layout follows it)
+    #: ZeRO-1/2: param group -> its sets of members when ranks hold different ones (others: one set, all ranks)
+    zero12_sets: dict[int, Zero12Sets] = field(default_factory=dict)
+    #: more fields of the model-states file (a MoE run's ``num_experts``)
+    model_fields: dict[str, Any] = field(default_factory=dict)
 
     def whole_keys(self, facts: Facts) -> list[tuple[str, ...]]:
         """Per param group, the state keys written whole per parameter at ZeRO-1/2 (Flavour.zero12_whole_keys)."""
