@@ -26,3 +26,17 @@ def test_reshard_needs_a_dp_size(source, tmp_path, capsys):
     assert cli(["reshard", str(source("z2-bf16-dp3-adamw").path), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "reshard needs --dp" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_the_python_api_reshards_as_the_cli_does(source, tmp_path):
+    """ucp.reshard keeps the source's stage and writes the CLI's bytes."""
+    import ucp
+
+    src = source("z2-bf16-dp3-adamw").path
+    plan = ucp.reshard(src, tmp_path / "api", dp=2)
+    assert (plan.stage, plan.dp) == (2, 2)
+    assert cli(["-q", "reshard", str(src), str(tmp_path / "cli"), "--dp", "2"]) == 0
+    api, by_cli = tree(tmp_path / "api"), tree(tmp_path / "cli")
+    assert sorted(api) == sorted(by_cli)
+    for name, entry in by_cli.items():
+        assert api[name]["sha256"] == entry["sha256"], name

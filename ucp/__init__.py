@@ -60,6 +60,13 @@ def write_native(source, out, **kwargs):  # type: ignore[no-untyped-def]
     return _write_native(source, out, **kwargs)
 
 
+def reshard(source, out, **kwargs):  # type: ignore[no-untyped-def]
+    """A DeepSpeed checkpoint straight to another DP size, keeping its stage (see ucp.targets.native.reshard)."""
+    from ucp.targets.native import reshard as _reshard
+
+    return _reshard(source, out, **kwargs)
+
+
 def write_dcp(source, out, **kwargs):  # type: ignore[no-untyped-def]
     """Write a torch.distributed.checkpoint folder for FSDP2 / plain torch (see ucp.targets.dcp.write_dcp)."""
     from ucp.targets.dcp import write_dcp as _write_dcp
@@ -79,5 +86,6 @@ __all__ = [
     "restore",
     "restore_torch",
     "write_native",
+    "reshard",
     "write_dcp",
 ]

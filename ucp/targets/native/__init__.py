@@ -33,6 +33,7 @@ __all__ = [
     "write_native",
     "write_plan",
     "write_files",
+    "reshard",
     "DS_DEFAULT_SUB_GROUP_SIZE",
 ]
 
@@ -100,3 +101,29 @@ def write_native(
     finally:
         if reader is not source:
             reader.close()
+
+
+def reshard(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dp: int,
+    stage: int | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+    fsync: bool = False,
+    **fields: Any,
+) -> NativePlan:
+    """A DeepSpeed checkpoint straight to another DP size (``ucp reshard``): one pass, no universal
+    directory on disk, the source's ZeRO stage unless ``stage`` is given; other ``fields`` as for
+    :func:`write_native` (``optimizer``, ``dtype``, ``tag``, ``tp``, ``step``, ...).
+
+    Example::
+
+        ucp.reshard("checkpoints/run", "checkpoints/run-dp32", dp=32)
+    """
+    with open_reader(source) as reader:
+        chosen = RestoreOptions(dp=dp, stage=stage or reader.facts.info.zero_stage or 3, **fields)
+        return write_plan(
+            reader, plan_native(reader.facts, chosen), out, overwrite=overwrite, workers=workers, fsync=fsync
+        )
