@@ -21,7 +21,8 @@ import torch
 from tests.test_reliability import assert_one_line_error, run_cli
 from ucp.io import torchfile
 from ucp.io.tensor_record import SpanCheck, find_tensor_record
-from ucp.io.torchzip import data_pickle, write_torch_file
+from ucp.io.torchpickle import data_pickle
+from ucp.io.torchzip import write_torch_file
 from ucp.model.pieces import Pieces
 from ucp.universal.manifest import MANIFEST
 from ucp.universal.reader import open_universal

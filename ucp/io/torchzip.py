@@ -11,33 +11,27 @@ second pass over the data.
 Anything ``torch.load(weights_only=True)`` can read back is fair game for ``obj``: dicts, lists,
 tuples, numbers, strings and tensors (each written from its own contiguous storage), and
 :class:`Pieces`, a tensor given as the pieces its bytes are concatenated from (written exactly as
-the joined tensor would be, without ever joining it). DeepSpeed stand-ins
-(:mod:`ucp.io.standins`) are pickled under DeepSpeed's own class names, so the rank files of a
-native checkpoint load into stock DeepSpeed exactly like files DeepSpeed wrote.
+the joined tensor would be, without ever joining it). How objects are pickled (DeepSpeed stand-ins
+under DeepSpeed's own class names, so the rank files of a native checkpoint load into stock
+DeepSpeed exactly like files DeepSpeed wrote) is :mod:`ucp.io.torchpickle`'s.
 """
 
 from __future__ import annotations
 
-import copyreg
-import io
 import os
-import pickle
 import struct
 import threading
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ucp.io.crc import crc32_combine
-from ucp.io.standins import DSEnum, DSObject
-from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Pieces, Span, part_numel
+from ucp.io.torchpickle import STREAMED, Chunk, pickle_object, tensor_bytes
+from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Span
 
-__all__ = ["WrittenFile", "write_torch_file", "data_pickle"]
+__all__ = ["WrittenFile", "write_torch_file"]
 
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -49,185 +43,6 @@ _UTF8 = 0x800
 class WrittenFile:
     bytes: int
     crc32: str
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-_Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor
-_STREAMED = (FileSpan, PathSpan, LazyTensor)
-
-
-class _Tensors:
-    """What both picklers share: tensors pickled the way torch.save does, a rebuild call over a
-    persistent storage id, with each storage's bytes (in pieces) kept as a record to write."""
-
-    records: list[tuple[str, Sequence[_Chunk]]]
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageRef):
-            key = str(len(self.records))
-            self.records.append((key, obj.data))
-            return ("storage", obj.storage_type, key, "cpu", obj.numel)
-        return None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, LazyTensor):
-            numel = obj.nbytes // obj.dtype.itemsize
-            return _rebuild(_StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
-        if isinstance(obj, torch.Tensor):  # written from its own memory; no Pieces to build and check
-            numel = obj.numel()
-            own: list[_Chunk] = [_tensor_bytes(obj.detach())] if numel else []
-            return _rebuild(_StorageRef(_storage_type(obj.dtype), own, numel), tuple(obj.shape))
-        if isinstance(obj, Pieces):
-            item = obj.dtype.itemsize
-            data = [
-                p if isinstance(p, (FileSpan, PathSpan)) else _tensor_bytes(p) for p in obj.parts if part_numel(p, item)
-            ]
-            return _rebuild(_StorageRef(_storage_type(obj.dtype), data, obj.numel), obj.shape)
-        return NotImplemented
-
-
-_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # protocol 2 NEWOBJ; the stubs leave it out
-
-
-class _FastPickler(_Tensors, pickle.Pickler):
-    """The C pickler. A DeepSpeed stand-in pickles under its own importable name in
-    ``ucp.io.standins``; :func:`_pickle` then renames those globals to DeepSpeed's. Protocol 2 has
-    no frames or offsets, so renaming a GLOBAL opcode's text is safe once each is known to occur
-    exactly where the pickler put it."""
-
-    def __init__(self, buffer: io.BytesIO) -> None:
-        super().__init__(buffer, protocol=2)
-        self.records = []
-        self.used: set[type] = set()
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, DSEnum):
-            self.used.add(type(obj))
-            return (type(obj), (int(obj),))
-        if isinstance(obj, DSObject):
-            self.used.add(type(obj))
-            return (_NEWOBJ, (type(obj),), dict(obj.__dict__))
-        return super().reducer_override(obj)
-
-
-# The pure-Python pickler: its save() is a hook for writing DeepSpeed's globals directly (the C one has
-# none); the stubs leave it out, hence getattr. Used when the C pickler's renaming cannot be trusted.
-_PyPickler: Any = pickle._Pickler
-
-
-class _Pickler(_Tensors, _PyPickler):
-    """The pure-Python pickler, DeepSpeed's globals written as GLOBAL opcodes of their own names."""
-
-    def __init__(self, buffer: io.BytesIO) -> None:
-        super().__init__(buffer, protocol=2)
-        self.records = []
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, _GlobalRef):
-            self.write(pickle.GLOBAL + obj.module.encode() + b"\n" + obj.name.encode() + b"\n")
-        elif isinstance(obj, DSEnum):
-            self.save(_GlobalRef(obj.ds_name))
-            self.save((int(obj),))
-            self.write(pickle.REDUCE)
-        elif isinstance(obj, DSObject):
-            self.save(_GlobalRef(obj.ds_name))
-            self.save(())
-            self.write(pickle.NEWOBJ)
-            self.save(dict(obj.__dict__))
-            self.write(pickle.BUILD)
-        else:
-            super().save(obj, save_persistent_id)
-
-
-_STANDIN_MODULE = DSObject.__module__.encode()
-
-
-def _pickle(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[_Chunk]]]]:
-    """``obj``'s data.pkl and its storage records: the C pickler (tens of times faster on a
-    model-states file's thousands of small objects), or the pure-Python one when a stand-in's
-    name also turns up somewhere a GLOBAL opcode did not put it."""
-    buffer = io.BytesIO()
-    fast = _FastPickler(buffer)
-    fast.dump(obj)
-    data = buffer.getvalue()
-    trusted = True
-    for cls in fast.used:
-        ours = pickle.GLOBAL + f"{cls.__module__}\n{cls.__qualname__}\n".encode()
-        module, _, name = cls.ds_name.rpartition(".")  # type: ignore[attr-defined]  # every stand-in has one
-        trusted = trusted and data.count(ours) == 1
-        data = data.replace(ours, pickle.GLOBAL + f"{module}\n{name}\n".encode())
-    if trusted and _STANDIN_MODULE not in data:
-        return data, fast.records
-    buffer = io.BytesIO()
-    slow = _Pickler(buffer)
-    slow.dump(obj)
-    return buffer.getvalue(), slow.records
-
-
-class _GlobalRef:
-    """A dotted name pickled as a GLOBAL opcode, so no module needs importing to write it."""
-
-    def __init__(self, dotted: str) -> None:
-        self.module, _, self.name = dotted.rpartition(".")
-
-
-def _rebuild(ref: _StorageRef, shape: tuple[int, ...]) -> tuple[Any, tuple]:
-    """What torch.save pickles for a contiguous tensor over a whole storage."""
-    return (torch._utils._rebuild_tensor_v2, (ref, 0, shape, _contiguous_strides(shape), False, _ordered_dict()))
-
-
-def _storage_type(dtype: torch.dtype) -> Any:
-    return getattr(torch, _storage_type_name(dtype))
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """What ``torch.empty(shape).stride()`` gives (a size-0 dim counts as 1, as in c10)."""
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-def _ordered_dict() -> Any:
-    return OrderedDict()
-
-
-_STORAGE_TYPES = {
-    torch.float32: "FloatStorage",
-    torch.bfloat16: "BFloat16Storage",
-    torch.float16: "HalfStorage",
-    torch.float64: "DoubleStorage",
-    torch.int64: "LongStorage",
-    torch.int32: "IntStorage",
-    torch.int16: "ShortStorage",
-    torch.int8: "CharStorage",
-    torch.uint8: "ByteStorage",
-    torch.bool: "BoolStorage",
-}
-
-
-def _storage_type_name(dtype: torch.dtype) -> str:
-    try:
-        return _STORAGE_TYPES[dtype]
-    except KeyError:
-        raise TypeError(f"cannot write tensors of dtype {dtype}") from None
-
-
-@dataclass
-class _StorageRef:
-    storage_type: Any
-    data: Sequence[_Chunk]  # the record's bytes, in pieces
-    numel: int
 
 
 def _local_header(name: bytes, size: int, crc: int, offset: int) -> bytes:
@@ -310,16 +125,10 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     return out
 
 
-def data_pickle(obj: Any) -> bytes:
-    """The ``data.pkl`` record :func:`write_torch_file` writes for ``obj``: it depends on the tensors'
-    shapes and dtypes, never their values, so a reader can recognise a file of a known layout by it."""
-    return _pickle(obj)[0]
-
-
 def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     """Write ``obj`` to ``path`` in torch's zip format; returns its size and whole-file crc32."""
     path = Path(path)
-    pickled, records = _pickle(obj)
+    pickled, records = pickle_object(obj)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         zip_out = _ZipStream(fd, path.stem.encode() or b"archive")
@@ -348,12 +157,12 @@ class _ZipStream:
         self.central: list[bytes] = []
         self.crc = 0  # of the whole file so far
 
-    def record(self, name: bytes, parts: Sequence[_Chunk]) -> int:
+    def record(self, name: bytes, parts: Sequence[Chunk]) -> int:
         """Place one stored member; returns its crc32."""
         full = self.prefix + b"/" + name
-        size = sum(p.nbytes if isinstance(p, _STREAMED) else len(p) for p in parts)
+        size = sum(p.nbytes if isinstance(p, STREAMED) else len(p) for p in parts)
         start = self.offset
-        streamed = any(isinstance(p, _STREAMED) for p in parts)
+        streamed = any(isinstance(p, STREAMED) for p in parts)
         crc = 0
         for part in parts if not streamed else ():
             crc = zlib.crc32(part, crc)  # type: ignore[arg-type]
@@ -405,7 +214,7 @@ def _lazy_bytes(lazy: LazyTensor) -> memoryview:
     tensor = lazy.make()
     if tuple(tensor.shape) != tuple(lazy.shape) or tensor.dtype != lazy.dtype:
         raise ValueError(f"a lazy tensor promised {lazy.dtype} {lazy.shape}, made {tensor.dtype} {tuple(tensor.shape)}")
-    return _tensor_bytes(tensor)
+    return tensor_bytes(tensor)
 
 
 _CHUNK = 2 << 20

@@ -28,7 +28,7 @@ import torch
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.io import torchfile
 from ucp.io.tensor_record import SpanCheck, find_tensor_record
-from ucp.io.torchzip import data_pickle
+from ucp.io.torchpickle import data_pickle
 from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.universal.manifest import (

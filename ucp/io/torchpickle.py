@@ -1,0 +1,215 @@
+"""Pickling objects the way torch.save does, for ucp's one torch-zip writer (:mod:`ucp.io.torchzip`).
+
+A tensor pickles as torch.save pickles it: a ``_rebuild_tensor_v2`` call over a persistent storage
+id, the storage's bytes kept aside as a record (from the tensor's memory, from :class:`Pieces` of
+files, or made late by a :class:`LazyTensor`) for the zip writer to stream. DeepSpeed stand-ins
+(:mod:`ucp.io.standins`) pickle under DeepSpeed's own class names, so a file loads into stock
+DeepSpeed exactly like one DeepSpeed wrote. The C pickler does the work (a model-states file is
+thousands of small objects); the pure-Python one, which writes DeepSpeed's names directly, takes
+over when the C pickler's renaming cannot be trusted.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ucp.io.standins import DSEnum, DSObject
+from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Pieces, part_numel
+
+__all__ = ["Chunk", "STREAMED", "StorageRef", "data_pickle", "pickle_object", "tensor_bytes"]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes as written: row-major, contiguous, on the CPU (a view when it already is)."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+#: one piece of a record's bytes: in memory, spans of files, or a tensor made when the writer reaches it
+Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor
+#: the chunks the zip writer streams (their CRC known only once written)
+STREAMED = (FileSpan, PathSpan, LazyTensor)
+
+
+class _Tensors:
+    """What both picklers share: tensors pickled the way torch.save does, a rebuild call over a
+    persistent storage id, with each storage's bytes (in pieces) kept as a record to write."""
+
+    records: list[tuple[str, Sequence[Chunk]]]
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, StorageRef):
+            key = str(len(self.records))
+            self.records.append((key, obj.data))
+            return ("storage", obj.storage_type, key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, LazyTensor):
+            numel = obj.nbytes // obj.dtype.itemsize
+            return _rebuild(StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
+        if isinstance(obj, torch.Tensor):  # written from its own memory; no Pieces to build and check
+            numel = obj.numel()
+            own: list[Chunk] = [tensor_bytes(obj.detach())] if numel else []
+            return _rebuild(StorageRef(_storage_type(obj.dtype), own, numel), tuple(obj.shape))
+        if isinstance(obj, Pieces):
+            item = obj.dtype.itemsize
+            data = [
+                p if isinstance(p, (FileSpan, PathSpan)) else tensor_bytes(p) for p in obj.parts if part_numel(p, item)
+            ]
+            return _rebuild(StorageRef(_storage_type(obj.dtype), data, obj.numel), obj.shape)
+        return NotImplemented
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # protocol 2 NEWOBJ; the stubs leave it out
+
+
+class _FastPickler(_Tensors, pickle.Pickler):
+    """The C pickler. A DeepSpeed stand-in pickles under its own importable name in
+    ``ucp.io.standins``; :func:`_pickle` then renames those globals to DeepSpeed's. Protocol 2 has
+    no frames or offsets, so renaming a GLOBAL opcode's text is safe once each is known to occur
+    exactly where the pickler put it."""
+
+    def __init__(self, buffer: io.BytesIO) -> None:
+        super().__init__(buffer, protocol=2)
+        self.records = []
+        self.used: set[type] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, DSEnum):
+            self.used.add(type(obj))
+            return (type(obj), (int(obj),))
+        if isinstance(obj, DSObject):
+            self.used.add(type(obj))
+            return (_NEWOBJ, (type(obj),), dict(obj.__dict__))
+        return super().reducer_override(obj)
+
+
+# The pure-Python pickler: its save() is a hook for writing DeepSpeed's globals directly (the C one has
+# none); the stubs leave it out, hence getattr. Used when the C pickler's renaming cannot be trusted.
+_PyPickler: Any = pickle._Pickler
+
+
+class _Pickler(_Tensors, _PyPickler):
+    """The pure-Python pickler, DeepSpeed's globals written as GLOBAL opcodes of their own names."""
+
+    def __init__(self, buffer: io.BytesIO) -> None:
+        super().__init__(buffer, protocol=2)
+        self.records = []
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, _GlobalRef):
+            self.write(pickle.GLOBAL + obj.module.encode() + b"\n" + obj.name.encode() + b"\n")
+        elif isinstance(obj, DSEnum):
+            self.save(_GlobalRef(obj.ds_name))
+            self.save((int(obj),))
+            self.write(pickle.REDUCE)
+        elif isinstance(obj, DSObject):
+            self.save(_GlobalRef(obj.ds_name))
+            self.save(())
+            self.write(pickle.NEWOBJ)
+            self.save(dict(obj.__dict__))
+            self.write(pickle.BUILD)
+        else:
+            super().save(obj, save_persistent_id)
+
+
+_STANDIN_MODULE = DSObject.__module__.encode()
+
+
+def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
+    """``obj``'s data.pkl and its storage records: the C pickler (tens of times faster on a
+    model-states file's thousands of small objects), or the pure-Python one when a stand-in's
+    name also turns up somewhere a GLOBAL opcode did not put it."""
+    buffer = io.BytesIO()
+    fast = _FastPickler(buffer)
+    fast.dump(obj)
+    data = buffer.getvalue()
+    trusted = True
+    for cls in fast.used:
+        ours = pickle.GLOBAL + f"{cls.__module__}\n{cls.__qualname__}\n".encode()
+        module, _, name = cls.ds_name.rpartition(".")  # type: ignore[attr-defined]  # every stand-in has one
+        trusted = trusted and data.count(ours) == 1
+        data = data.replace(ours, pickle.GLOBAL + f"{module}\n{name}\n".encode())
+    if trusted and _STANDIN_MODULE not in data:
+        return data, fast.records
+    buffer = io.BytesIO()
+    slow = _Pickler(buffer)
+    slow.dump(obj)
+    return buffer.getvalue(), slow.records
+
+
+class _GlobalRef:
+    """A dotted name pickled as a GLOBAL opcode, so no module needs importing to write it."""
+
+    def __init__(self, dotted: str) -> None:
+        self.module, _, self.name = dotted.rpartition(".")
+
+
+def _rebuild(ref: StorageRef, shape: tuple[int, ...]) -> tuple[Any, tuple]:
+    """What torch.save pickles for a contiguous tensor over a whole storage."""
+    return (torch._utils._rebuild_tensor_v2, (ref, 0, shape, _contiguous_strides(shape), False, _ordered_dict()))
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    return getattr(torch, _storage_type_name(dtype))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """What ``torch.empty(shape).stride()`` gives (a size-0 dim counts as 1, as in c10)."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _ordered_dict() -> Any:
+    return OrderedDict()
+
+
+_STORAGE_TYPES = {
+    torch.float32: "FloatStorage",
+    torch.bfloat16: "BFloat16Storage",
+    torch.float16: "HalfStorage",
+    torch.float64: "DoubleStorage",
+    torch.int64: "LongStorage",
+    torch.int32: "IntStorage",
+    torch.int16: "ShortStorage",
+    torch.int8: "CharStorage",
+    torch.uint8: "ByteStorage",
+    torch.bool: "BoolStorage",
+}
+
+
+def _storage_type_name(dtype: torch.dtype) -> str:
+    try:
+        return _STORAGE_TYPES[dtype]
+    except KeyError:
+        raise TypeError(f"cannot write tensors of dtype {dtype}") from None
+
+
+@dataclass
+class StorageRef:
+    storage_type: Any
+    data: Sequence[Chunk]  # the record's bytes, in pieces
+    numel: int
+
+
+def data_pickle(obj: Any) -> bytes:
+    """The ``data.pkl`` record :func:`write_torch_file` writes for ``obj``: it depends on the tensors'
+    shapes and dtypes, never their values, so a reader can recognise a file of a known layout by it."""
+    return pickle_object(obj)[0]
