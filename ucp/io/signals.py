@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -60,6 +61,23 @@ def held_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator
             signal.signal(number, old)
 
 
+def _in_import_machinery(frame: FrameType | None) -> bool:
+    """The main thread was interrupted inside importlib's own code (where an exception is lost)."""
+    return frame is not None and frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def _send_again(signum: int, active: threading.Event) -> None:
+    """Deliver ``signum`` to this process again in 10 ms, while ``active`` (the handler still installed)."""
+
+    def send() -> None:
+        if active.is_set():
+            os.kill(os.getpid(), signum)
+
+    timer = threading.Timer(0.01, send)
+    timer.daemon = True
+    timer.start()
+
+
 @contextlib.contextmanager
 def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
     """Within the block the first of ``signums`` raises :class:`Stopped`; later ones are ignored.
@@ -72,7 +90,22 @@ def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Itera
         return
     _RECEIVED.clear()
 
+    deferred: list[int] = []  # a stop noted inside importlib's clean-up, raised on the next delivery
+    active = threading.Event()  # this handler is installed (a late re-delivery must not reach the default one)
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        if _in_import_machinery(frame):
+            # an exception here (a module lock's weakref callback) is printed and dropped by Python:
+            # note the stop and deliver the signal again a moment later, outside the callback
+            if not _RECEIVED:
+                _RECEIVED.append(signum)
+                deferred.append(signum)
+            if deferred:
+                _send_again(deferred[0], active)
+            return
+        if deferred:
+            first = deferred.pop()
+            raise Stopped(first, signal.Signals(first).name)
         if _RECEIVED:  # already stopping: let the clean-up finish
             logger.info("ignoring %s while cleaning up", signal.Signals(signum).name)
             return
@@ -83,7 +116,9 @@ def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Itera
     try:
         for signum in signums:
             previous[signum] = signal.signal(signum, handler)
+        active.set()
         yield
     finally:
+        active.clear()
         for number, old in previous.items():
             signal.signal(number, old)
