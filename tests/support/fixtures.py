@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,25 @@ class Built:
         return self.path / (self.path / "latest").read_text().strip()
 
 
+def spec_key(version: str, spec: Any) -> str:
+    """A fixture's cache key: its spec (paths and port left out) and the version of its harness."""
+    raw = json.dumps({"v": version, **asdict(replace(spec, save_dir=None, record=None, port=0))}, sort_keys=True)
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def build_once(folder: Path, make: Callable[[], None]) -> None:
+    """Fill ``folder`` with ``make()`` unless an earlier build finished it (its ``DONE`` mark): one
+    builder per fixture, even across test processes; a half-built folder is started again."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "DONE").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            make()
+            (folder / "DONE").write_text("ok")
+
+
 def _key(spec: RunSpec) -> str:
     fields = asdict(replace(spec, save_dir=None, record=None, port=0))
     # fields added later: runs that leave them at their defaults keep their cached keys
@@ -63,17 +83,8 @@ def build(**fields: Any) -> Built:
     spec = RunSpec(**fields)
     tp = f"-tp{spec.tp}" if spec.tp > 1 else ""
     folder = cache_root() / f"{spec.stage}-{spec.dtype}-dp{spec.dp}{tp}-{spec.optimizer}-{_key(spec)}"
-    done = folder / "DONE"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per fixture, even across test processes
-        if not done.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
-            run_ranks(spec, log_dir=folder / "logs")
-            done.write_text("ok")
     spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
+    build_once(folder, lambda: run_ranks(spec, log_dir=folder / "logs"))
     return Built(folder / "ckpt", folder / "record.pt", spec)
 
 

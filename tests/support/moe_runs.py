@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.support.fixtures import cache_root
+from tests.support.fixtures import build_once, cache_root, spec_key
 from ucp.harness.moe import MoeSpec, run_moe
 
 __all__ = ["BuiltMoe", "build_moe", "run_moe_from", "merged_records"]
@@ -65,20 +61,11 @@ def merged_records(spec: MoeSpec) -> dict[str, Any]:
 def build_moe(**fields: Any) -> BuiltMoe:
     """Train and save a MoE checkpoint with MoeSpec(**fields), or return the cached one."""
     spec = MoeSpec(**fields)
-    raw = json.dumps({"v": _VERSION, **asdict(replace(spec, save_dir=None, record=None, port=0))}, sort_keys=True)
-    key = hashlib.sha1(raw.encode()).hexdigest()[:16]
-    folder = cache_root() / f"moe-w{spec.world}-ep{spec.ep}-z{spec.stage}-{spec.dtype}-{key}"
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder = cache_root() / f"moe-w{spec.world}-ep{spec.ep}-z{spec.stage}-{spec.dtype}-{spec_key(_VERSION, spec)}"
     spec = replace(
         spec, save_dir=str(folder / "ckpt"), save_tag=f"global_step{spec.steps}", record=str(folder / "record.pt")
     )
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per fixture, even across test processes
-        if not (folder / "DONE").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            run_moe(replace(spec), log_dir=folder / "logs")
-            (folder / "DONE").write_text("ok")
+    build_once(folder, lambda: run_moe(spec, log_dir=folder / "logs"))
     return BuiltMoe(folder / "ckpt", spec)
 
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.support.fixtures import cache_root
+from tests.support.fixtures import build_once, cache_root, spec_key
 from ucp.harness.pipeline import PipeSpec, run_pipeline
 
 __all__ = ["BuiltPipe", "build_pipe", "run_pipe", "run_through", "stage_records"]
@@ -45,18 +41,9 @@ def stage_records(spec: PipeSpec) -> list[dict[str, Any]]:
 def build_pipe(**fields: Any) -> BuiltPipe:
     """Train and save a pipeline checkpoint with PipeSpec(**fields), or return the cached one."""
     spec = PipeSpec(**fields)
-    raw = json.dumps({"v": _VERSION, **asdict(replace(spec, save_dir=None, record=None, port=0))}, sort_keys=True)
-    key = hashlib.sha1(raw.encode()).hexdigest()[:16]
-    folder = cache_root() / f"pipe-pp{spec.pp}-dp{spec.dp}-z{spec.stage}-{spec.dtype}-{key}"
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder = cache_root() / f"pipe-pp{spec.pp}-dp{spec.dp}-z{spec.stage}-{spec.dtype}-{spec_key(_VERSION, spec)}"
     spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per fixture, even across test processes
-        if not (folder / "DONE").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            run_pipeline(replace(spec), log_dir=folder / "logs")
-            (folder / "DONE").write_text("ok")
+    build_once(folder, lambda: run_pipeline(spec, log_dir=folder / "logs"))
     return BuiltPipe(folder / "ckpt", spec)
 
 
