@@ -21,7 +21,7 @@ from torch import nn
 from ucp.harness.launch import end_rank, free_port, launch
 from ucp.harness.model import batch_for_step, build_param_groups
 from ucp.harness.spec import LoadSpec, ModelSpec
-from ucp.harness.worker import _relink_optimizer_state, lr_decay
+from ucp.harness.worker import _relink_optimizer_state, lr_decay, train_step
 
 __all__ = ["MoeSpec", "MoeLM", "run_moe", "global_name", "MODULE"]
 
@@ -215,12 +215,7 @@ def main(argv: list[str]) -> None:
             rank=rank,
             dp=spec.world,
         )
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / spec.world)
+        losses.append(train_step(engine, tokens))
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
     if spec.record:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -12,6 +13,17 @@ from ucp.harness.model import TinyLM, batch_for_step, build_param_groups, tp_lay
 from ucp.harness.spec import RunSpec
 
 __all__ = ["main", "lr_decay", "record_path"]
+
+
+def train_step(engine: Any, tokens: torch.Tensor) -> float:
+    """One optimizer step of a DeepSpeed engine on this rank's tokens; the loss averaged over all ranks
+    (what every harness records, so runs at different sizes compare step by step)."""
+    loss = engine(tokens)
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().float().clone()
+    torch.distributed.all_reduce(mean)
+    return mean.item() / torch.distributed.get_world_size()
 
 
 def lr_decay(step: int) -> float:
@@ -280,12 +292,7 @@ def main(argv: list[str]) -> None:
             rank=rank,
             dp=spec.dp,
         )
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / torch.distributed.get_world_size())
+        losses.append(train_step(engine, tokens))
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag, exclude_frozen_parameters=spec.exclude_frozen)
     if spec.record:
