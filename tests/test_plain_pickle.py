@@ -23,20 +23,9 @@ from torch import _weights_only_unpickler
 
 from tests.support.files import resave
 from tests.support.fixtures import Built
+from tests.support.hostile import CALLS, Hostile
 from ucp.io import standins, torchfile
 from ucp.io.plain_pickle import NotPlain, load_plain
-
-CALLS: list[str] = []
-
-
-def record_call(note: str) -> str:
-    CALLS.append(note)
-    return note
-
-
-class Hostile:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return record_call, ("pwned",)
 
 
 def _archive(path: Path) -> tuple[bytes, Callable[[], Callable[[Any], Any]]]:

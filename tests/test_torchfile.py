@@ -19,21 +19,9 @@ import pytest
 import torch
 
 from tests.support.files import resave
+from tests.support.hostile import CALLS, Hostile, record_call
 from ucp.errors import CorruptFileError, UnsafeFileError
 from ucp.io import standins, torchfile
-
-CALLS: list[str] = []
-
-
-def record_call(note: str) -> str:
-    """What a hostile pickle asks to run; if it ever runs, CALLS shows it."""
-    CALLS.append(note)
-    return note
-
-
-class Hostile:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return record_call, ("pwned",)
 
 
 class SystemCall:
