@@ -272,7 +272,11 @@ def main(argv: list[str]) -> None:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay),
         config=_config(spec),
     )
-    if spec.load is not None:
+    if spec.load is not None and spec.load.kind == "ucp":
+        import ucp
+
+        ucp.restore(engine, spec.load.path, load_optimizer_states=spec.load.load_optimizer_states)
+    elif spec.load is not None:
         path, _ = engine.load_checkpoint(spec.load.path, tag=spec.load.tag)
         if path is None:
             raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
