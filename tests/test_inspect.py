@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.files import resave
 from ucp.cli import main
+from ucp.errors import CorruptFileError
 from ucp.io import torchfile
 from ucp.ops.convert import to_universal
 from ucp.ops.inspect import format_report, inspect_path
@@ -144,3 +145,54 @@ def test_inspect_cli_bad_path_is_one_line_exit_2(tmp_path, capsys):
 def test_inspect_report_is_plain_json(z3_fp32_dp3):
     report = inspect_path(z3_fp32_dp3.path)
     assert json.loads(json.dumps(report)) == report
+
+
+@pytest.fixture(scope="module")
+def layered_sources() -> dict[str, Path]:
+    """A real PP=2 x DP=2 PipelineModule run and a real MoE run (W=4, ep_size 2), cached like every fixture."""
+    from tests.support.moe_runs import build_moe
+    from tests.support.pipeline_runs import build_pipe
+
+    return {
+        "pipeline": build_pipe(pp=2, dp=2, stage=1, dtype="fp32").path,
+        "moe": build_moe(world=4, ep=2, experts=4, stage=2, dtype="fp32").path,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pipeline", "moe"])
+def test_inspect_of_a_universal_dir_shows_its_sources_stages_and_experts(layered_sources, layout, tmp_path, capsys):
+    """ucp.json keeps the source's pipeline stages (files, layers, parameters, tied modules) or MoE layers,
+    so inspecting the universal directory shows what inspecting the source showed."""
+    source = layered_sources[layout]
+    to_universal(source, tmp_path / "u")
+    direct = inspect_path(source)
+    assert json.loads((tmp_path / "u" / "ucp.json").read_text())[layout] == direct[layout]
+    assert main(["inspect", "--json", str(tmp_path / "u")]) == 0
+    assert json.loads(capsys.readouterr().out)[layout] == direct[layout]
+    other = {"pipeline": "moe", "moe": "pipeline"}[layout]
+    assert other not in direct and other not in inspect_path(tmp_path / "u")
+    assert main(["inspect", str(tmp_path / "u")]) == 0
+    text = capsys.readouterr().out.splitlines()
+    head = {"pipeline": "  pipeline: 2 stages x dp=2", "moe": "  mixture of experts: 1 MoE layers on 4 ranks"}[layout]
+    start = next(i for i, line in enumerate(text) if line.startswith(head))
+    shown = text[start : next(i for i, line in enumerate(text) if line.startswith("  optimizer"))]
+    assert shown == format_report(direct).splitlines()[2 : 2 + len(shown)]
+    assert len(shown) > 1  # a line per stage or MoE layer
+
+
+@pytest.mark.slow
+def test_a_universal_dir_without_the_source_layout_still_reads_and_a_bad_one_is_refused(layered_sources, tmp_path):
+    """Directories written before ucp.json kept the pipeline have no such key: they read as before; a key of
+    the wrong type is damage, refused in one line."""
+    to_universal(layered_sources["pipeline"], tmp_path / "u")
+    manifest = json.loads((tmp_path / "u" / "ucp.json").read_text())
+    del manifest["pipeline"]
+    (tmp_path / "u" / "ucp.json").write_text(json.dumps(manifest))
+    report = inspect_path(tmp_path / "u")
+    assert "pipeline" not in report and report["num_params"] == 17
+    manifest["pipeline"] = [0, 3, 6]
+    (tmp_path / "u" / "ucp.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptFileError, match=r"pipeline") as caught:
+        inspect_path(tmp_path / "u")
+    assert len(str(caught.value).splitlines()) == 1

@@ -661,3 +661,82 @@ def test_relative_paths_resolve_against_the_config_folder(z3_bf16_dp2, tmp_path,
     monkeypatch.chdir("/")
     run_migration(path)
     assert (tmp_path / "out/universal/ucp.json").is_file()
+
+
+# -- target.pipeline: a PipelineEngine checkpoint ---------------------------------------------
+@pytest.fixture(scope="module")
+def pipe_universal(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The universal directory of the real PP=2 x DP=2 PipelineModule run (tests/test_pipeline.py)."""
+    from tests.support.pipeline_runs import build_pipe
+    from ucp.ops.convert import to_universal
+
+    out = tmp_path_factory.mktemp("pipe") / "u"
+    to_universal(build_pipe(pp=2, dp=2, stage=1, dtype="fp32").path, out)
+    return out
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_pipeline_target_writes_what_ucp_restore_pp_writes_byte_for_byte(pipe_universal, tmp_path):
+    """The same partition in YAML and on the command line: the same files, byte for byte (the CLI's output
+    loads into a PipelineEngine, tests/test_pipeline.py), ZeRO-1 unless told."""
+    path = _config(
+        tmp_path,
+        f"""
+source: {json.dumps(str(pipe_universal))}
+target:
+  dp: 1
+  output: yaml
+  pipeline: {{parts: [0, 3, 6], tied: {{embed: [0, 5]}}}}
+""",
+    )
+    plan = run_migration(path, dry_run=True)
+    assert "native pipeline (parts [0, 3, 6], tied {'embed': [0, 5]}) ZeRO-1 checkpoint for dp=1 x pp=2" in plan
+    assert not (tmp_path / "yaml").exists()
+    assert "wrote a pipeline checkpoint for pp=2 x dp=1 (ZeRO-1" in run_migration(path)
+    argv = ["-q", "restore", str(pipe_universal), str(tmp_path / "cli"), "--pp", "2", "--dp", "1"]
+    assert main([*argv, "--pp-parts", "0,3,6", "--pp-tied", "embed=0,5"]) == 0
+    ours, theirs = _files(tmp_path / "yaml"), _files(tmp_path / "cli")
+    assert any(name.endswith("layer_05-model_states.pt") for name in ours)
+    assert ours == theirs
+
+
+PIPELINE_BAD = [
+    ("parts not rising", "pipeline: {parts: [0, 3, 3], tied: {embed: [0, 5]}}", r"target\.pipeline\.parts: layer partition \[0, 3, 3\] is not one"),
+    ("parts as a string", "pipeline: {parts: '0,3,6'}", r"target\.pipeline\.parts: must be a list of integers, got '0,3,6'"),
+    ("parts missing", "pipeline: {tied: {embed: [0, 5]}}", r"target\.pipeline\.parts: is required"),
+    ("tied not a mapping of lists", "pipeline: {parts: [0, 3, 6], tied: {embed: 5}}", r"target\.pipeline\.tied: must be a mapping of strings to a list of integers"),
+    ("tied without layers", "pipeline: {parts: [0, 3, 6], tied: {embed: []}}", r"target\.pipeline\.tied: tied module 'embed' needs the indices"),
+    ("tied key missing", "pipeline: {parts: [0, 3, 6]}", r"target\.pipeline: tied_modules\.embed\.weight belongs to tied module 'embed'"),
+    ("layer outside the partition", "pipeline: {parts: [0, 3, 5], tied: {embed: [0, 5]}}", r"target\.pipeline: layer 5 is outside the partition \[0, 3, 5\]"),
+    ("stage 2", "stage: 2\n  pipeline: {parts: [0, 3, 6], tied: {embed: [0, 5]}}", r"target\.stage: a pipeline target is ZeRO-1 \(PipelineEngine refuses ZeRO-2/3\)"),
+    ("tp 2 without rules", "tp: 2\n  pipeline: {parts: [0, 3, 6], tied: {embed: [0, 5]}}", r"target\.tp: no tensor-parallel rule for 'tied_modules\.embed\.weight'"),
+    ("dcp", "format: dcp\n  pipeline: {parts: [0, 3, 6]}", r"target\.pipeline: does not apply to format dcp"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, section, message", PIPELINE_BAD, ids=[case for case, _, _ in PIPELINE_BAD])
+def test_a_bad_pipeline_target_is_one_line_and_writes_nothing(case, section, message, pipe_universal, tmp_path, capsys):
+    dp = "" if "dcp" in section else "dp: 1\n  "
+    body = f"source: {json.dumps(str(pipe_universal))}\ntarget:\n  {dp}output: out\n  {section}\n"
+    assert main(["migrate", str(_config(tmp_path, body))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_pipeline_target_refuses_a_mixture_of_experts_source(tmp_path, capsys):
+    from tests.support.moe_runs import build_moe
+
+    moe = build_moe(world=4, ep=2, experts=4, stage=2, dtype="fp32")
+    body = f"source: {json.dumps(str(moe.path))}\ntarget:\n  dp: 2\n  output: out\n  pipeline: {{parts: [0, 2]}}\n"
+    assert main(["migrate", str(_config(tmp_path, body))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("target.pipeline: the source is a mixture-of-experts run, which a pipeline target cannot "
+                        "write; remove pipeline"), err  # fmt: skip
+    assert not (tmp_path / "out").exists()

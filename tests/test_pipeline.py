@@ -27,7 +27,7 @@ import ucp
 from tests.support.digest import tree
 from tests.support.ds_convert import ds_to_universal
 from tests.support.files import resave
-from tests.support.pipeline_runs import BuiltPipe, build_pipe, run_pipe, run_through
+from tests.support.pipeline_runs import BuiltPipe, build_pipe, merged_record, run_pipe, run_through
 from ucp.cli import main as cli
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
@@ -50,26 +50,6 @@ def pipe() -> BuiltPipe:
 def universal(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pipe") / "u"
     ucp.to_universal(pipe.path, out)
-    return out
-
-
-def merged_record(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The stages' records as one model: each parameter from the first stage holding it. A tied module's
-    copies on later stages must be the same bytes (DeepSpeed all-reduces their gradients)."""
-    out: dict[str, Any] = {"params": {}, "state": {}, "module": {}, "buffers": {}, "frozen": [], "steps": set()}
-    for rec in records:
-        for name, value in rec["params"].items():
-            if name in out["params"]:
-                assert torch.equal(out["params"][name], value), name
-                assert all(torch.equal(out["state"][k][name], rec["state"][k][name]) for k in rec["state"]), name
-                continue
-            out["params"][name] = value
-            for key, per_param in rec["state"].items():
-                out["state"].setdefault(key, {})[name] = per_param[name]
-        out["module"].update(rec["module"])
-        out["buffers"].update(rec["buffers"])
-        out["frozen"] += rec["frozen"]
-        out["steps"] |= set(rec["state_steps"])
     return out
 
 
@@ -221,10 +201,10 @@ def _copy(pipe: BuiltPipe, tmp_path: Path) -> Path:
     return copy / pipe.tag_dir.name
 
 
-def test_pipeline_with_tensor_parallelism_is_refused_in_one_line(pipe, tmp_path):
+def test_layer_files_of_another_tp_degree_are_refused_in_one_line(pipe, tmp_path):
     tag = _copy(pipe, tmp_path)
     (tag / "layer_01-model_states.pt").rename(tag / "layer_01-model_01-model_states.pt")
-    with pytest.raises(InputError, match=r"pipeline-parallel checkpoint with 2 tensor-parallel ranks.*not pipeline"):
+    with pytest.raises(InputError, match=r"layer files are for tensor-parallel ranks \[1\].*tp_degree=1"):
         open_reader(tag.parent)
 
 

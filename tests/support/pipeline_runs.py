@@ -11,7 +11,16 @@ import torch
 from tests.support.fixtures import build_once, cache_root, spec_key
 from ucp.harness.pipeline import PipeSpec, run_pipeline
 
-__all__ = ["BuiltPipe", "build_pipe", "run_pipe", "run_through", "stage_records"]
+__all__ = [
+    "BuiltPipe",
+    "build_pipe",
+    "merged_record",
+    "tp_merged",
+    "run_pipe",
+    "run_through",
+    "stage_records",
+    "tp_records",
+]
 
 _VERSION = "1"  # bump when the pipeline harness model or data change
 
@@ -33,23 +42,31 @@ class BuiltPipe:
 
 
 def stage_records(spec: PipeSpec) -> list[dict[str, Any]]:
-    """Each stage's record of a finished run (one for a plain run)."""
+    """Each stage's record of a finished run (one for a plain run; TP rank 0's under tensor parallelism)."""
     stages = 1 if spec.plain else spec.pp
     return [torch.load(spec.record_path(s), weights_only=True) for s in range(stages)]
+
+
+def tp_records(spec: PipeSpec) -> list[list[dict[str, Any]]]:
+    """Each stage's records, one per TP rank, of a finished pipeline run."""
+    return [[torch.load(spec.record_path(s, t), weights_only=True) for t in range(spec.tp)] for s in range(spec.pp)]
 
 
 def build_pipe(**fields: Any) -> BuiltPipe:
     """Train and save a pipeline checkpoint with PipeSpec(**fields), or return the cached one."""
     spec = PipeSpec(**fields)
-    folder = cache_root() / f"pipe-pp{spec.pp}-dp{spec.dp}-z{spec.stage}-{spec.dtype}-{spec_key(_VERSION, spec)}"
+    tp = f"-tp{spec.tp}" if spec.tp > 1 else ""
+    folder = cache_root() / f"pipe-pp{spec.pp}{tp}-dp{spec.dp}-z{spec.stage}-{spec.dtype}-{spec_key(_VERSION, spec)}"
     spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
     build_once(folder, lambda: run_pipeline(spec, log_dir=folder / "logs"))
     return BuiltPipe(folder / "ckpt", spec)
 
 
-def run_pipe(base: BuiltPipe, *, name: str, work: Path, steps: int = 3, **overrides: Any) -> list[dict[str, Any]]:
-    """Continue ``base``'s run for ``steps`` more steps as ``overrides`` say (a load, another PP or DP
-    size, a plain engine); return each stage's live record."""
+def run_pipe(
+    base: BuiltPipe, *, name: str, work: Path, steps: int = 3, per_tp: bool = False, **overrides: Any
+) -> list[Any]:
+    """Continue ``base``'s run for ``steps`` more steps as ``overrides`` say (a load, another PP, TP or DP
+    size, a plain engine); return each stage's live record (with ``per_tp``, each stage's list of them)."""
     spec = replace(
         base.spec,
         steps=steps,
@@ -60,11 +77,55 @@ def run_pipe(base: BuiltPipe, *, name: str, work: Path, steps: int = 3, **overri
         **overrides,
     )
     run_pipeline(spec, log_dir=work / f"{name}-logs")
-    return stage_records(spec)
+    return tp_records(spec) if per_tp else stage_records(spec)
 
 
-def run_through(base: BuiltPipe, *, name: str, work: Path, steps: int = 3) -> list[dict[str, Any]]:
+def run_through(base: BuiltPipe, *, name: str, work: Path, steps: int = 3, per_tp: bool = False) -> list[Any]:
     """``base``'s run without the interruption: its steps and ``steps`` more in one go, nothing loaded."""
     spec = replace(base.spec, steps=base.spec.steps + steps, save_dir=None, record=str(work / f"{name}.pt"), port=0)
     run_pipeline(spec, log_dir=work / f"{name}-logs")
-    return stage_records(spec)
+    return tp_records(spec) if per_tp else stage_records(spec)
+
+
+def merged_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stages' records as one model: each parameter from the first stage holding it. A tied module's
+    copies on later stages must be the same bytes (DeepSpeed all-reduces their gradients)."""
+    out: dict[str, Any] = {"params": {}, "state": {}, "module": {}, "buffers": {}, "frozen": [], "steps": set()}
+    for rec in records:
+        for name, value in rec["params"].items():
+            if name in out["params"]:
+                assert torch.equal(out["params"][name], value), name
+                assert all(torch.equal(out["state"][k][name], rec["state"][k][name]) for k in rec["state"]), name
+                continue
+            out["params"][name] = value
+            for key, per_param in rec["state"].items():
+                out["state"].setdefault(key, {})[name] = per_param[name]
+        out["module"].update(rec["module"])
+        out["buffers"].update(rec["buffers"])
+        out["frozen"] += rec["frozen"]
+        out["steps"] |= set(rec["state_steps"])
+    return out
+
+
+def tp_full(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """A harness parameter whole from its TP ranks' shards, as the harness cuts them (ucp.harness.pipeline):
+    fc1 by rows, fc2's weight by columns, the rest replicated (whose copies must be equal)."""
+    if ".fc1." in name:
+        return torch.cat(shards, 0)
+    if name.endswith(".fc2.weight"):
+        return torch.cat(shards, 1)
+    assert all(torch.equal(shards[0], s) for s in shards[1:]), f"{name}: replicated, but TP ranks differ"
+    return shards[0]
+
+
+def tp_merged(stage: list[dict[str, Any]]) -> dict[str, Any]:
+    """One stage's records, one per TP rank, as the record of one rank holding whole parameters."""
+    first = stage[0]
+    out = dict(first)
+    out["params"] = {n: tp_full(n, [r["params"][n] for r in stage]) for n in first["params"]}
+    out["state"] = {k: {n: tp_full(n, [r["state"][k][n] for r in stage]) for n in v} for k, v in first["state"].items()}
+    out["module"] = {n: tp_full(n, [r["module"][n] for r in stage]) for n in first["module"]}
+    for rec in stage[1:]:
+        assert rec["losses"] == first["losses"] and rec["state_steps"] == first["state_steps"]
+        assert all(torch.equal(v, first["buffers"][k]) for k, v in rec["buffers"].items())
+    return out

@@ -5,6 +5,11 @@ The model is a ``deepspeed.pipe.PipelineModule`` of TinyLM's parts: a tied embed
 MLP blocks (one with a frozen projection and a persistent buffer), a LayerNorm. ``plain=True``
 builds the same layers, under the same names, as an ordinary module for a non-pipeline engine, so
 a checkpoint restored at PP=1 can be resumed without PipelineEngine.
+
+With ``tp > 1`` the run is 3D (PP x DP x TP, DeepSpeed's ``PipeModelDataParallelTopology``) and each
+block is Megatron-style: ``fc1`` cut by rows (column parallel), ``fc2``'s weight by columns (row
+parallel, its output summed over the TP group, its bias added after), the rest replicated. Like
+Megatron-DeepSpeed, the run saves a ``universal_checkpoint_info`` describing that split.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from ucp.harness.launch import end_rank, free_port, launch
 from ucp.harness.model import batch_for_step, build_param_groups
 from ucp.harness.spec import LoadSpec, ModelSpec
 from ucp.harness.worker import _relink_optimizer_state, lr_decay
+from ucp.model.tp import shard_widths
 
-__all__ = ["PipeSpec", "PipeBlock", "layer_specs", "PlainPipe", "run_pipeline", "MODULE"]
+__all__ = ["PipeSpec", "PipeBlock", "TpGroup", "layer_specs", "PlainPipe", "run_pipeline", "tp_info", "MODULE"]
 
 #: the module each rank of a pipeline run executes
 MODULE = "ucp.harness.pipeline"
@@ -37,6 +43,7 @@ class PipeSpec:
 
     pp: int = 2
     dp: int = 2
+    tp: int = 1  # tensor-parallel ranks per stage (Megatron-style blocks)
     stage: int = 1  # PipelineEngine takes ZeRO-0/1 only
     dtype: str = "fp32"
     micro_batches: int = 2  # gradient accumulation steps: the pipeline's micro-batches per step
@@ -52,7 +59,7 @@ class PipeSpec:
     load: LoadSpec | None = None
     save_dir: str | None = None
     save_tag: str | None = None
-    record: str | None = None  # each stage's DP rank 0 writes its live state to RECORD.stageS.pt
+    record: str | None = None  # DP rank 0 of each stage (and TP rank) writes its live state: record_path
     port: int = 0
 
     def to_json(self) -> str:
@@ -65,19 +72,73 @@ class PipeSpec:
         raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
         return cls(**raw)
 
-    def record_path(self, stage: int) -> str:
+    def record_path(self, stage: int, tp_rank: int = 0) -> str:
+        """RECORD.stageS.pt (RECORD.stageS.tpT.pt under tensor parallelism)."""
         assert self.record is not None
-        return self.record.removesuffix(".pt") + f".stage{stage}.pt"
+        return self.record.removesuffix(".pt") + f".stage{stage}" + (f".tp{tp_rank}" if self.tp > 1 else "") + ".pt"
+
+
+@dataclass
+class TpGroup:
+    """The stage's tensor-parallel group, shared by the blocks of one PipelineModule (its grid makes
+    the group only once the module exists, after the blocks are built)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+
+class _CopyToTp(torch.autograd.Function):
+    """Identity forward; the input's gradient summed over the TP group (the column-parallel entry)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: object) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTp(torch.autograd.Function):
+    """The partial outputs summed over the TP group (the row-parallel exit); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: object) -> torch.Tensor:
+        x = x.contiguous().clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class PipeBlock(nn.Module):
     """A residual MLP block; with ``extras`` also a frozen projection and a persistent buffer, which a
-    pipeline checkpoint keeps only in its layer files."""
+    pipeline checkpoint keeps only in its layer files. Under ``tp`` the MLP is split Megatron-style;
+    the parameter names are the same at every TP size."""
 
-    def __init__(self, hidden: int, ffn: int, extras: bool = False) -> None:
+    def __init__(self, hidden: int, ffn: int, extras: bool = False, tp: TpGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.fc1 = nn.Linear(hidden, ffn)
         self.fc2 = nn.Linear(ffn, hidden)
+        if self.tp is not None:  # this rank's slices of the full layers: the same model at every TP size
+            widths = shard_widths(ffn, self.tp.size)  # uneven when it must: the first ranks one row more
+            start = sum(widths[: self.tp.rank])
+            cut = slice(start, start + widths[self.tp.rank])
+            with torch.no_grad():
+                self.fc1.weight = nn.Parameter(self.fc1.weight[cut].clone())
+                self.fc1.bias = nn.Parameter(self.fc1.bias[cut].clone())
+                self.fc2.weight = nn.Parameter(self.fc2.weight[:, cut].clone())
+            for param in (self.fc1.weight, self.fc1.bias, self.fc2.weight):
+                # as Megatron marks them: DeepSpeed's gradient norm counts such a parameter on every TP
+                # rank, a replicated one on TP rank 0 only
+                param.tensor_model_parallel = True  # type: ignore[attr-defined]
         self.proj: nn.Linear | None = None
         if extras:
             self.proj = nn.Linear(hidden, hidden)
@@ -89,8 +150,15 @@ class PipeBlock(nn.Module):
             with torch.no_grad():
                 calls: torch.Tensor = self.calls  # type: ignore[assignment]  # a registered buffer
                 calls += torch.tensor([1.0, 0.5], dtype=calls.dtype)
-        x = x + self.fc2(nn.functional.gelu(self.fc1(x)))
+        x = x + self._mlp(x)
         return x if self.proj is None else x + 0.1 * self.proj(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.fc2(nn.functional.gelu(self.fc1(x)))
+        inner = nn.functional.gelu(self.fc1(_CopyToTp.apply(x, self.tp.group)))
+        partial = nn.functional.linear(inner, self.fc2.weight)
+        return _SumOverTp.apply(partial, self.tp.group) + self.fc2.bias
 
 
 def _embed(module: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
@@ -105,11 +173,13 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def layer_specs(spec: ModelSpec) -> list:
+def layer_specs(spec: ModelSpec, tp: TpGroup | None = None) -> list:
     """embed (tied) | blocks | norm | head (tied to embed): ``layers + 3`` layers."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    blocks = [LayerSpec(PipeBlock, spec.hidden, spec.ffn, extras=(i == 0 and spec.frozen)) for i in range(spec.layers)]
+    blocks = [
+        LayerSpec(PipeBlock, spec.hidden, spec.ffn, extras=(i == 0 and spec.frozen), tp=tp) for i in range(spec.layers)
+    ]
     return [
         TiedLayerSpec(TIED_KEY, nn.Embedding, spec.vocab, spec.hidden, forward_fn=_embed),
         *blocks,
@@ -145,17 +215,34 @@ class PlainPipe(nn.Module):
         return _loss(x, tokens[:, 1:])
 
 
+def tp_info() -> dict:
+    """The ``universal_checkpoint_info`` of a TP run, as Megatron-DeepSpeed saves one: what is
+    replicated, what is cut along dim 1 (row parallel); everything else is cut along dim 0."""
+    return {
+        "universal_checkpoint_version": 0.2,
+        "tp_replicated_parameter_patterns": [r"^tied_modules\.", r"^\d+\.(weight|bias)$", r"^\d+\.(fc2\.bias|proj\.)"],
+        "parameter_with_row_parallelism_patterns": [r"^\d+\.fc2\.weight$"],
+    }
+
+
 def _pipe_module(spec: PipeSpec):
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    return PipelineModule(
-        layers=layer_specs(spec.model),
-        num_stages=spec.pp,
+    tp = TpGroup(spec.tp, rank=torch.distributed.get_rank() % spec.tp)  # the topology's innermost axis
+    # without TP, DeepSpeed's default topology: no model axis, so no "-model_00" in the layer files' names
+    topology = PipeModelDataParallelTopology(num_pp=spec.pp, num_mp=spec.tp, num_dp=spec.dp) if spec.tp > 1 else None
+    module = PipelineModule(
+        layers=layer_specs(spec.model, tp),
+        num_stages=None if topology else spec.pp,
+        topology=topology,
         loss_fn=_loss,
         partition_method="uniform",
         seed_layers=True,
         base_seed=spec.seed,
     )
+    tp.group = module._grid.get_slice_parallel_group()
+    return module
 
 
 def _config(spec: PipeSpec) -> dict:
@@ -193,7 +280,7 @@ def _state_keys(base) -> list[str]:
     return sorted({k for s in base.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 1})
 
 
-def _record(engine, spec: PipeSpec, losses: list[float], stage: int, dp_rank: int) -> None:
+def _record(engine, spec: PipeSpec, losses: list[float], stage: int, dp_rank: int, tp_rank: int = 0) -> None:
     """What this stage's live engine holds, per parameter (every rank of the stage takes part in the
     gathers); DP rank 0 of each stage writes it."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -227,7 +314,7 @@ def _record(engine, spec: PipeSpec, losses: list[float], stage: int, dp_rank: in
     }
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     if dp_rank == 0:
-        torch.save(out, spec.record_path(stage))
+        torch.save(out, spec.record_path(stage, tp_rank))
 
 
 def _train_pipe(engine, spec: PipeSpec, dp_rank: int) -> list[float]:
@@ -261,8 +348,8 @@ def main(argv: list[str]) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(spec.seed)
-    if spec.plain and spec.pp != 1:
-        raise SystemExit("plain=True runs at pp=1")
+    if spec.plain and (spec.pp != 1 or spec.tp != 1):
+        raise SystemExit("plain=True runs at pp=1, tp=1")
     model = PlainPipe(spec.model, spec.seed) if spec.plain else _pipe_module(spec)
     groups = build_param_groups(model, 2, spec.lr)
     optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95))
@@ -281,22 +368,24 @@ def main(argv: list[str]) -> None:
         if path is None:
             raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
     if spec.plain:
-        stage, dp_rank = 0, torch.distributed.get_rank()
+        stage, dp_rank, tp_rank = 0, torch.distributed.get_rank(), 0
         losses = _train_plain(engine, spec, dp_rank)
     else:
         stage, dp_rank = engine.stage_id, engine.grid.get_data_parallel_rank()
+        tp_rank = engine.grid.get_slice_parallel_rank()
         losses = _train_pipe(engine, spec, dp_rank)
     if spec.save_dir:
-        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
+        client = {"universal_checkpoint_info": tp_info()} if spec.tp > 1 else {}
+        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag, client_state=client)
     if spec.record:
-        _record(engine, spec, losses, stage, dp_rank)
+        _record(engine, spec, losses, stage, dp_rank, tp_rank)
 
 
 def run_pipeline(spec: PipeSpec, *, timeout: float = 900.0, log_dir: str | os.PathLike | None = None) -> None:
-    """Run ``spec`` on ``pp x dp`` local processes and wait for all of them."""
+    """Run ``spec`` on ``pp x dp x tp`` local processes and wait for all of them."""
     if not spec.port:
         spec.port = free_port()
-    launch(spec.pp * spec.dp, spec.to_json(), port=spec.port, module=MODULE, timeout=timeout, log_dir=log_dir)
+    launch(spec.pp * spec.dp * spec.tp, spec.to_json(), port=spec.port, module=MODULE, timeout=timeout, log_dir=log_dir)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,10 @@ def _type_ok(hint: Any, value: Any) -> bool:
             # items that are config nodes are checked one by one, each at its own path
             if isinstance(value, list) and (is_dataclass(item) or all(_type_ok(item, v) for v in value)):
                 return True
+        elif typing.get_origin(option) is dict:
+            key, item = typing.get_args(option)
+            if isinstance(value, dict) and all(_type_ok(key, k) and _type_ok(item, v) for k, v in value.items()):
+                return True
         elif isinstance(option, type) and is_dataclass(option):
             if isinstance(value, option):
                 return True
@@ -94,7 +98,10 @@ def _type_name(hint: Any) -> str:
             names.append("a path (a non-empty string)")
         elif typing.get_origin(option) is list:
             (item,) = typing.get_args(option)
-            names.append("a list of strings" if item is str else "a list")
+            names.append({str: "a list of strings", int: "a list of integers"}.get(item, "a list"))
+        elif typing.get_origin(option) is dict:
+            key, item = typing.get_args(option)
+            names.append(f"a mapping of {_type_name(key).removeprefix('a ')}s to {_type_name(item)}")
         elif is_dataclass(option):
             keys = [f.name for f in fields(option) if f.metadata.get("yaml", True)]
             names.append(f"a mapping with keys {', '.join(keys)}")

@@ -10,7 +10,14 @@ from typing import Any
 from ucp.errors import ConfigError, UcpError
 from ucp.migrate.dcp_target import describe_dcp, plan_dcp_target
 from ucp.migrate.issues import Issue, KeyPath, config_error, raise_issues, show_path
-from ucp.migrate.schema import EXPORT_SUFFIXES, MigrationConfig, ResetConfig, TargetConfig, TensorParallelConfig
+from ucp.migrate.schema import (
+    EXPORT_SUFFIXES,
+    MigrationConfig,
+    PipelineConfig,
+    ResetConfig,
+    TargetConfig,
+    TensorParallelConfig,
+)
 from ucp.model import flavours
 from ucp.model.records import DTYPES, Facts, Reader
 from ucp.sources.hf import find_hf_folder
@@ -222,6 +229,8 @@ def _plan_target(
                 "the transforms leave no trained parameter; a native checkpoint needs at least one param group",
             )
         )
+    if target.pipeline is not None:
+        _check_pipeline(target.pipeline, facts, hf, issues)
     if len(issues) > start:
         return None
     step: str | int = target.step
@@ -242,6 +251,27 @@ def _plan_target(
     if step == "keep":
         issues += _step_conflicts(config, reader, tplan, plan)
     return plan
+
+
+def _check_pipeline(pipeline: PipelineConfig, facts: Facts, hf: Any | None, issues: list[Issue]) -> None:
+    """What a pipeline target would refuse half-way: a source that is no single pipeline-able model, a name
+    that the partition places on no stage."""
+    from ucp.targets.moe import is_moe
+
+    at: KeyPath = ("target", "pipeline")
+    if hf is not None or is_moe(facts):
+        what = "a Hugging Face folder" if hf is not None else "a mixture-of-experts run"
+        issues.append(Issue(at, f"the source is {what}, which a pipeline target cannot write; remove pipeline"))
+        return
+    if facts.tied:
+        issues.append(Issue(at, "a pipeline target cannot carry tied aliases; tie layers with TiedLayerSpec"))
+        return
+    layout = pipeline.layout()
+    try:
+        for name in [p.name for p in facts.params] + list(facts.buffer_names):
+            layout.stages_of(name)
+    except ConfigError as err:
+        issues.append(Issue(at, str(err)))
 
 
 def _param_steps(reader: Reader, tplan: TransformPlan) -> dict[str, int]:
@@ -377,6 +407,10 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
         )
         tp = f" tp={native.tp}" if native.tp > 1 else ""
         kind = "native" if plan.hf is None else f"a whole {plan.hf.kind} folder with a"
+        pipeline = config.target.pipeline
+        if pipeline is not None:
+            kind = f"native pipeline (parts {pipeline.parts}, tied {pipeline.tied})"
+            tp = f" x pp={len(pipeline.parts) - 1}{tp}"
         out.append(
             f"write      {config.target.output}: {kind} ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"

@@ -75,6 +75,21 @@ def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: 
     )
 
 
+def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
+    """A PipelineEngine checkpoint for the target's partition: what ``ucp restore --pp`` writes."""
+    from ucp.targets.pipeline import write_pipeline
+
+    target = plan.config.target
+    if target is None or target.pipeline is None:
+        raise ValueError("the plan has no pipeline target")
+    layout = target.pipeline.layout()
+    native = write_pipeline(reader, target.output, layout, target.options(), overwrite=overwrite, workers=workers)
+    return (
+        f"wrote a pipeline checkpoint for pp={layout.pp} x dp={native.dp} (ZeRO-{native.stage}, "
+        f"{native.flavour.name}, {native.dtype}) to {target.output}/{native.tag}"
+    )
+
+
 def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
     from ucp.targets.native import write_plan
 
@@ -85,6 +100,8 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
         raise ValueError("the plan has no target")
     if plan.hf is not None:
         return _write_hf(plan, reader, overwrite=overwrite, workers=workers)
+    if target.pipeline is not None:
+        return _write_pipeline(plan, reader, overwrite=overwrite, workers=workers)
     try:
         native = write_plan(reader, plan.native, target.output, overwrite=overwrite, workers=workers)
     except StepConflictError as err:

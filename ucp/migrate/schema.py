@@ -9,11 +9,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ucp.errors import ConfigError
 from ucp.migrate.checking import Check, Node, checked
 from ucp.migrate.issues import Issue, KeyPath, Origin
 from ucp.model import flavours
 from ucp.model.options import RestoreOptions
 from ucp.model.records import DTYPES
+from ucp.targets.pipeline import PipelineLayout
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step
 
 EXPORT_FORMATS = ("safetensors", "torch")
@@ -152,6 +154,25 @@ class TensorParallelConfig(Node):
         return [(r.pattern, r.to_rule()) for r in self.rules]
 
 
+@dataclass
+class PipelineConfig(Node):
+    """The new run's layer partition, for a PipelineEngine checkpoint: stage ``s`` holds layers
+    ``parts[s] .. parts[s+1]-1`` (``PipelineModule.parts``), ``tied`` the layers using each TiedLayerSpec
+    key. Neither is in a checkpoint, so both are given (``ucp restore --pp-parts 0,3,6 --pp-tied embed=0,5``)."""
+
+    parts: list[int]
+    tied: dict[str, list[int]] = field(default_factory=dict)
+
+    def cross_issues(self) -> Iterator[Issue]:
+        try:
+            self.layout()
+        except ConfigError as err:
+            yield Issue(("tied",) if "tied module" in str(err) else ("parts",), str(err))
+
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout(tuple(self.parts), {key: tuple(layers) for key, layers in self.tied.items()})
+
+
 TARGET_FORMATS = ("deepspeed", "dcp")
 #: what a dcp target may name: torch optimizers, AdamW included (ucp.targets.dcp.DCP_OPTIMIZERS)
 DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith("torch-")))
@@ -167,6 +188,7 @@ _NATIVE_ONLY = {
     "sub_group_size": None,
     "tp": 1,
     "offload": None,
+    "pipeline": None,
 }
 
 
@@ -187,6 +209,7 @@ class TargetConfig(Node):
     sub_group_size: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
     tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
     offload: bool | None = None  # the new run offloads its optimizer (None: as the source did)
+    pipeline: PipelineConfig | None = None  # a PipelineEngine checkpoint (ZeRO-1) for this partition
 
     def cross_issues(self) -> Iterator[Issue]:
         if self.format == "dcp" and self.optimizer is not None and self.optimizer not in DCP_OPTIMIZERS:
@@ -200,6 +223,8 @@ class TargetConfig(Node):
                 "torch-adam with decoupled weight decay, kept from the source)",
             )
         if self.format == "deepspeed":
+            if self.pipeline is not None:
+                yield from self._pipeline_issues()
             if self.dp is None:
                 yield Issue(("dp",), "is required: the data-parallel size of the new run (or set format: dcp)")
             if self.layout != "torch":
@@ -213,13 +238,20 @@ class TargetConfig(Node):
                     "and DCP reshards on load at any world size; remove it",
                 )
 
+    def _pipeline_issues(self) -> Iterator[Issue]:
+        """What ``ucp restore --pp`` refuses too, before anything is written: PipelineEngine runs ZeRO-0/1.
+        (``tp`` is checked against the source's rules as for every native target.)"""
+        if self.stage not in (None, 1):
+            yield Issue(("stage",), f"a pipeline target is ZeRO-1 (PipelineEngine refuses ZeRO-2/3), got {self.stage}")
+
     def option_fields(self) -> dict[str, Any]:
         """The RestoreOptions fields as given (None: not given)."""
         return {name: getattr(self, name) for name in RestoreOptions.field_names()}
 
     def options(self) -> RestoreOptions:
         """The same choices as the CLI's and the API's: one RestoreOptions, planned once."""
-        return RestoreOptions(**{**self.option_fields(), "stage": 3 if self.stage is None else self.stage})
+        default = 1 if self.pipeline is not None else 3  # PipelineEngine runs ZeRO-1, as ucp restore --pp
+        return RestoreOptions(**{**self.option_fields(), "stage": default if self.stage is None else self.stage})
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ucp.model import flavours
 from ucp.model.records import Facts, Reader
 from ucp.sources import is_universal, open_reader
 from ucp.sources.hf import find_hf_folder
+from ucp.universal.manifest import source_layouts
 
 __all__ = ["inspect_path", "inspect_reader", "format_report"]
 
@@ -113,12 +114,9 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "warnings": list(facts.warnings),
         "tensor_parallel": dict(facts.tp_rules),
     }
-    pipeline = getattr(reader, "pipeline", None)  # a pipeline-parallel source: its stages
-    if pipeline:
-        report["pipeline"] = pipeline
-    moe = getattr(reader, "moe", None)  # a mixture-of-experts source: its MoE layers
-    if moe:
-        report["moe"] = moe
+    # a pipeline-parallel source's stages, a mixture-of-experts source's MoE layers (a universal directory
+    # keeps its source's in ucp.json)
+    report.update(source_layouts(reader))
     if universal:
         manifest = getattr(reader, "manifest", {}) or {}
         report["format_version"] = manifest.get("format_version")

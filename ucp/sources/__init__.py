@@ -61,7 +61,7 @@ def open_reader(
     if files.layers:
         from ucp.sources.pipeline import PipelineSource
 
-        return PipelineSource(files, optimizer=optimizer)
+        return PipelineSource(files, optimizer=optimizer, rules=tp_rules)
     if files.experts:
         from ucp.sources.moe import MoeSource
 

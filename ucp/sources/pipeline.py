@@ -1,10 +1,13 @@
-"""A pipeline-parallel DeepSpeed checkpoint (``deepspeed.pipe.PipelineModule``, PP x DP, ZeRO-0/1 or
-BF16_Optimizer) -> one reader of the whole model.
+"""A pipeline-parallel DeepSpeed checkpoint (``deepspeed.pipe.PipelineModule``, PP x DP or PP x TP x DP,
+ZeRO-0/1 or BF16_Optimizer) -> one reader of the whole model.
 
 Each stage's model-states and optim files form an ordinary ZeRO-1/2 checkpoint of that stage's
 parameters (:mod:`ucp.deepspeed.pipeline` has the layout), read by one
-:class:`~ucp.sources.zero12.Zero12Source` per stage; the stage's model-states file holds no module, so
-frozen parameters and buffers come from the layer files, read here. Names are the PipelineModule's
+:class:`~ucp.sources.zero12.Zero12Source` per stage, or under tensor parallelism by one
+:class:`~ucp.sources.tensor_parallel.TensorParallelSource` over the stage's TP ranks (merged by the
+checkpoint's ``universal_checkpoint_info`` or given rules, as for any TP checkpoint); the stage's
+model-states file holds no module, so frozen parameters and buffers come from the layer files, read
+here (a frozen parameter merged by its rule, a buffer equal on every TP rank). Names are the PipelineModule's
 own (``tied_modules.embed.weight``, ``3.fc1.weight``): what ``engine.module.state_dict()`` holds on
 each stage, and what a PipelineModule at any other PP size names the same weights. A tied module is
 an optimized parameter of every stage that uses it; it is kept once, with the first such stage's state
@@ -14,9 +17,10 @@ an optimized parameter of every stage that uses it; it is kept once, with the fi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +31,17 @@ from ucp.deepspeed.model_states import module_buffers, zero12_frozen_values
 from ucp.deepspeed.pipeline import TIED_PREFIX, layer_prefix, pipeline_degrees
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
+from ucp.model import tp as tpl
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, dtype_name
+from ucp.sources.tensor_parallel import (
+    INFO_KEY,
+    TensorParallelSource,
+    checkpoint_tp_info,
+    given_rules,
+    merge_shards,
+    rank_layouts_of,
+)
 from ucp.sources.zero12 import Zero12Source
 
 __all__ = ["PipelineSource"]
@@ -55,9 +68,13 @@ class PipelineSource(Reader):
 
     streams = True
 
-    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None) -> None:
+    def __init__(
+        self, files: CheckpointFiles, *, optimizer: str | None = None, rules: Sequence[tuple[str, tpl.TpRule]] = ()
+    ) -> None:
         self.files = files
-        self._stages: list[Zero12Source] = []
+        self.tp = 1
+        self._rules = rules
+        self._stages: list[Reader] = []
         self._layers: list[TorchFile] = []
         self.facts = build_facts(
             lambda: self._build(optimizer),
@@ -66,39 +83,54 @@ class PipelineSource(Reader):
         )
 
     # -- facts -------------------------------------------------------------------------------
-    def _degrees(self) -> int:
-        """The number of stages; refuses pipeline x tensor parallelism before any layer file is read."""
+    def _degrees(self) -> tuple[int, int]:
+        """(pp, tp) from the first model-states file, checked against the layer files' TP ranks."""
         first = self.files.model[0][0]
         with TorchFile(first) as tf:
             head = need_mapping(tf.obj, first.name)
             pp, tp = pipeline_degrees(head, self.files.mp, first.name)
-        degree = max(tp, 1 + max((t for _, t, _ in self.files.layers if t is not None), default=0))
-        if degree > 1:
+        found = sorted({t for _, t, _ in self.files.layers if t is not None})
+        if found and found != list(range(tp)):
             raise InputError(
-                f"{self.files.tag_dir} is a pipeline-parallel checkpoint with {degree} tensor-parallel "
-                "ranks (layer_XX-model_YY files); ucp merges tensor-parallel ranks or pipeline stages, not pipeline "
-                "stages combined with tensor parallelism yet"
+                f"{self.files.tag_dir}: the layer files are for tensor-parallel ranks {found}, but {first.name} "
+                f"says tp_degree={tp}: files of different runs are mixed"
             )
-        return pp
+        return pp, tp
 
-    def _build(self, optimizer: str | None) -> Facts:
-        pp = self._degrees()
-        for stage in range(pp):
+    def _stage_reader(self, stage: int, optimizer: str | None) -> Reader:
+        """One stage's parameters: its ZeRO-1/2 files, merged over its TP ranks (mp ranks ``stage*tp+t``)."""
+
+        def rank(mp_rank: int) -> Reader:
             # the stage's model-states file says module=None; an empty module leaves frozen weights and
             # buffers to the layer files, read below
-            self._stages.append(Zero12Source(self.files, optimizer=optimizer, mp_rank=stage, module={}))
+            return Zero12Source(self.files, optimizer=optimizer, mp_rank=mp_rank, module={})
+
+        if self.tp == 1:
+            return rank(stage)
+        ranks = range(stage * self.tp, (stage + 1) * self.tp)
+        return TensorParallelSource(
+            self.files, optimizer=optimizer, rules=self._rules, mp_ranks=ranks, rank_reader=rank
+        )
+
+    def _build(self, optimizer: str | None) -> Facts:
+        pp, self.tp = self._degrees()
+        self.streams = self.tp == 1  # TP shards are merged in memory
+        for stage in range(pp):
+            self._stages.append(self._stage_reader(stage, optimizer))
         first = self._stages[0].facts
         for stage, reader in enumerate(self._stages[1:], 1):
             self._check_stage(stage, reader.facts, first)
         groups, params, warnings = self._merge_groups()
         buffer_names = [n for reader in self._stages for n in reader.facts.buffer_names]
-        self._module = self._layer_module({p.name for p in params} | set(buffer_names))
+        self._module = self._layer_module({p.name for p in params} | set(buffer_names), set(buffer_names))
         head = {"module": self._module, "buffer_names": buffer_names}
         optimized = [p.name for p in params]
         self._frozen = zero12_frozen_values(head, optimized, {}, buffer_names, self.files.tag_dir.name)
         params += [ParamMeta(n, tuple(v.shape), dtype_name(v.dtype), None, True) for n, v in self._frozen.items()]
         self.pipeline = self._describe(buffer_names)
         steps = [g.step for g in groups if g.step is not None]
+        rules = {n: r for reader in self._stages for n, r in reader.facts.tp_rules.items()}
+        rules.update({n: r.to_json() for n, r in self._frozen_rules.items() if n in self._frozen})
         return replace(
             first,
             info=replace(first.info, mp_world_size=1),
@@ -106,13 +138,17 @@ class PipelineSource(Reader):
             groups=groups,
             params=params,
             tied={},
+            tp_rules=rules,
             buffer_names=buffer_names,
             warnings=list(dict.fromkeys(w for r in self._stages for w in r.facts.warnings)) + warnings,
         )
 
+    def _model_file(self, stage: int) -> str:
+        return self.files.model[stage * self.tp][0].name
+
     def _check_stage(self, stage: int, facts: Facts, first: Facts) -> None:
         """Stages of one run share the DP size, optimizer, param groups' settings and counters."""
-        name = self.files.model[stage][0].name
+        name = self._model_file(stage)
         if facts.info.dp_world_size != first.info.dp_world_size:
             raise InputError(
                 f"{name}: stage {stage} has {facts.info.dp_world_size} optim rank files, stage 0 "
@@ -176,20 +212,71 @@ class PipelineSource(Reader):
             groups.append(replace(head, params=names, step=step, state_keys=keys.pop() if keys else ()))
         return groups, params, warnings
 
-    def _layer_module(self, known: set[str]) -> dict[str, torch.Tensor]:
+    def _layer_module(self, known: set[str], buffers: set[str]) -> dict[str, torch.Tensor]:
         """Every layer file's tensors under the PipelineModule's names. A tied module written by several
-        stages (one used without a ``forward_fn``) appears once, from its first layer."""
+        stages (one used without a ``forward_fn``) appears once, from its first layer. Under tensor
+        parallelism each layer has a file per TP rank, merged by :meth:`_merge_layer`."""
         module: dict[str, torch.Tensor] = {}
         self._layer_names: dict[int, list[str]] = {}
-        for layer, _, path in self.files.layers:
-            tf = TorchFile(path)
-            self._layers.append(tf)
-            obj = need_mapping(tf.obj, path.name)
-            prefix = layer_prefix(layer, obj, known)
-            self._layer_names[layer] = [prefix + str(k) for k in obj]
-            for key, value in obj.items():
-                module.setdefault(prefix + str(key), need_tensor(value, f"{path.name}: {key}", floating=False))
+        self._frozen_rules: dict[str, tpl.TpRule] = {}
+        by_layer: dict[int, list[Path]] = {}
+        for layer, _, path in self.files.layers:  # sorted by layer, then TP rank
+            by_layer.setdefault(layer, []).append(path)
+        for layer, paths in by_layer.items():
+            ranks = []
+            for path in paths:
+                tf = TorchFile(path)
+                self._layers.append(tf)
+                obj = need_mapping(tf.obj, path.name)
+                ranks.append({str(k): need_tensor(v, f"{path.name}: {k}", floating=False) for k, v in obj.items()})
+            prefix = layer_prefix(layer, ranks[0], known)
+            self._layer_names[layer] = [prefix + k for k in ranks[0]]
+            for key in ranks[0]:
+                name = prefix + key
+                if name not in module:
+                    module[name] = self._merge_layer(name, [r.get(key) for r in ranks], paths, known, buffers)
         return module
+
+    def _merge_layer(
+        self, name: str, copies: list[torch.Tensor | None], paths: list[Path], known: set[str], buffers: set[str]
+    ) -> torch.Tensor:
+        """One layer tensor from its TP ranks' files: an optimized parameter's (its masters are the
+        optimizer's; rank 0's copy only marks it), a buffer equal on every rank, a frozen parameter merged
+        by its rule (the checkpoint's ``universal_checkpoint_info`` or given rules)."""
+        if any(c is None for c in copies):
+            missing = paths[copies.index(None)].name
+            raise InputError(f"{missing} lacks {name!r}, which TP rank 0's layer file holds: files of different runs?")
+        tensors: list[torch.Tensor] = [c for c in copies if c is not None]
+        if len(tensors) == 1 or (name in known and name not in buffers):
+            return tensors[0]
+        if name in buffers:
+            if any(not torch.equal(tensors[0], t) for t in tensors[1:]):
+                raise InputError(
+                    f"{self.files.tag_dir}: buffer {name!r} differs between TP ranks; ucp cannot tell how a buffer "
+                    "is split"
+                )
+            return tensors[0]
+        shapes = [tuple(t.shape) for t in tensors]
+        info = self._info()
+        try:
+            rules = tpl.rules_from_info(info, {name: shapes}) if info else {}
+        except (tpl.TpInfoError, ValueError, TypeError) as err:
+            raise InputError(f"{self.files.tag_dir}: {INFO_KEY}: {err}") from None
+        rules.update(given_rules(self._rules, [name]))
+        if name not in rules:
+            raise InputError(
+                f"{self.files.tag_dir}: frozen parameter {name!r} is saved by {len(tensors)} TP ranks but no rule "
+                f"says how to merge it: the checkpoint carries no {INFO_KEY}; give the rules in the migration "
+                "YAML (tensor_parallel.rules)"
+            )
+        rule = self._frozen_rules[name] = rules[name]
+        full, layouts = rank_layouts_of(info, name, rule, shapes, f"{self.files.tag_dir}: {name}")
+        return merge_shards(tensors, layouts, full, f"{self.files.tag_dir}: {name}")
+
+    def _info(self) -> dict[str, Any]:
+        if not hasattr(self, "_tp_info"):
+            self._tp_info = checkpoint_tp_info(self.files)
+        return self._tp_info
 
     def _describe(self, buffer_names: list[str]) -> dict[str, Any]:
         """The stages as ``ucp inspect`` shows them: files, layers, parameters, tied modules."""
@@ -200,8 +287,8 @@ class PipelineSource(Reader):
             stages.append(
                 {
                     "stage": stage,
-                    "model_file": self.files.model[stage][0].name,
-                    "optim_files": len(self.files.optim[stage]),
+                    "model_file": self._model_file(stage),
+                    "optim_files": sum(len(self.files.optim[stage * self.tp + t]) for t in range(self.tp)),
                     "layers": layers,
                     "layer_files": [path.name for layer, _, path in self.files.layers if layer in layers],
                     "params": sorted(names - set(buffer_names)),
@@ -209,7 +296,7 @@ class PipelineSource(Reader):
                 }
             )
         tied = {n: [self._owner[n], *stages_] for n, stages_ in self._copies.items()}
-        return {"pp": len(self._stages), "stages": stages, "tied_across_stages": tied}
+        return {"pp": len(self._stages), "tp": self.tp, "stages": stages, "tied_across_stages": tied}
 
     # -- tensors -----------------------------------------------------------------------------
     def _check_copies(self, name: str, moments: bool) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +25,14 @@ from ucp.io.torchfile import TorchFile
 from ucp.model import tp as tpl
 from ucp.model.records import Facts, ParamMeta, ParamState, Reader, ReaderView
 
-__all__ = ["TensorParallelSource", "checkpoint_tp_info", "given_rules", "with_tp_rules"]
+__all__ = [
+    "TensorParallelSource",
+    "checkpoint_tp_info",
+    "given_rules",
+    "with_tp_rules",
+    "rank_layouts_of",
+    "merge_shards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +90,65 @@ def with_tp_rules(reader: Reader, patterns: Sequence[tuple[str, tpl.TpRule]]) ->
     return ReaderView(reader, replace(reader.facts, tp_rules=rules))
 
 
+def rank_layouts_of(
+    info: Mapping[str, Any], name: str, rule: tpl.TpRule, shapes: Sequence[Sequence[int]], where: str
+) -> tuple[tuple[int, ...], list[tpl.RankLayout]]:
+    """(full shape, per-rank layouts) of one parameter saved at TP=len(shapes): the info's affine map
+    when it names the parameter, else the rule; each rank's shard shape is checked against them."""
+    tp = len(shapes)
+    try:
+        affine = tpl.affine_layouts(info, name, tp) if info else None
+        if affine is not None:
+            full, layouts = affine
+        else:
+            full = tpl.full_shape(rule, shapes)
+            layouts = tpl.layouts_for(rule, full, tp)
+    except _BAD_INFO as err:
+        raise InputError(f"{where}: {INFO_KEY}: {first_line(err)}") from None
+    for r, (shape, layout) in enumerate(zip(shapes, layouts)):
+        if tuple(shape) != tuple(layout.shard_shape):
+            raise InputError(
+                f"{where}: TP rank {r} holds shape {tuple(shape)}, but its rule "
+                f"{rule.to_json()} gives {tuple(layout.shard_shape)} at TP={tp}"
+            )
+    return full, layouts
+
+
+def merge_shards(
+    shards: Sequence[torch.Tensor], layouts: Sequence[tpl.RankLayout], full: Sequence[int], where: str
+) -> torch.Tensor:
+    """The full tensor from the TP ranks' shards (a replicated one from rank 0's copy alone)."""
+    try:
+        return tpl.gather(list(shards), list(layouts[: len(shards)]), full)
+    except tpl.TpInfoError as err:
+        raise InputError(f"{where}: {err}") from None
+
+
 class TensorParallelSource(Reader):
-    """A ZeRO checkpoint saved at TP degree > 1, read as full parameters."""
+    """A ZeRO checkpoint saved at TP degree > 1, read as full parameters.
+
+    ``mp_ranks`` and ``rank_reader`` name the mp ranks that make up the model and how to read one
+    (every mp rank of the folder, each by its ZeRO stage's reader, unless given: a pipeline stage
+    passes its own TP ranks)."""
 
     def __init__(
-        self, files: CheckpointFiles, *, optimizer: str | None = None, rules: Sequence[tuple[str, tpl.TpRule]] = ()
+        self,
+        files: CheckpointFiles,
+        *,
+        optimizer: str | None = None,
+        rules: Sequence[tuple[str, tpl.TpRule]] = (),
+        mp_ranks: Sequence[int] | None = None,
+        rank_reader: Callable[[int], Reader] | None = None,
     ) -> None:
         self.files = files
-        self.tp = files.mp
+        mp_ranks = list(range(files.mp) if mp_ranks is None else mp_ranks)
+        self.tp = len(mp_ranks)
         self._ranks: list[Reader] = []
         try:
-            for mp_rank in range(self.tp):
-                self._ranks.append(_rank_reader(files, mp_rank, optimizer))
+            for mp_rank in mp_ranks:
+                self._ranks.append(
+                    _rank_reader(files, mp_rank, optimizer) if rank_reader is None else rank_reader(mp_rank)
+                )
             self.info = checkpoint_tp_info(files)
             self.facts = self._facts(rules)
         except BaseException:
@@ -135,32 +189,13 @@ class TensorParallelSource(Reader):
             if rule.vocab is not None and rule.padded is None:
                 rule = replace(rule, padded=sum(s[0] for s in shapes[meta.name]))
             self.rules[meta.name] = rule
-            full, layouts = self._layouts(meta.name, rule, shapes[meta.name])
+            full, layouts = rank_layouts_of(
+                self.info, meta.name, rule, shapes[meta.name], f"{self.files.tag_dir}: {meta.name}"
+            )
             self.layouts[meta.name] = layouts
             params.append(ParamMeta(meta.name, full, meta.dtype, meta.group, meta.frozen))
         info = replace(first.info, mp_world_size=self.tp)
         return replace(first, info=info, params=params, tp_rules={n: r.to_json() for n, r in self.rules.items()})
-
-    def _layouts(
-        self, name: str, rule: tpl.TpRule, shapes: list[tuple[int, ...]]
-    ) -> tuple[tuple[int, ...], list[tpl.RankLayout]]:
-        where = f"{self.files.tag_dir}: {name}"
-        try:
-            affine = tpl.affine_layouts(self.info, name, self.tp) if self.info else None
-            if affine is not None:
-                full, layouts = affine
-            else:
-                full = tpl.full_shape(rule, shapes)
-                layouts = tpl.layouts_for(rule, full, self.tp)
-        except _BAD_INFO as err:
-            raise InputError(f"{where}: {INFO_KEY}: {first_line(err)}") from None
-        for r, (shape, layout) in enumerate(zip(shapes, layouts)):
-            if tuple(shape) != tuple(layout.shard_shape):
-                raise InputError(
-                    f"{where}: TP rank {r} holds shape {tuple(shape)}, but its rule "
-                    f"{rule.to_json()} gives {tuple(layout.shard_shape)} at TP={self.tp}"
-                )
-        return full, layouts
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         layouts = self.layouts[name]
@@ -181,17 +216,14 @@ class TensorParallelSource(Reader):
             )
 
         def merge(shards: list[torch.Tensor]) -> torch.Tensor:
-            return tpl.gather(shards, layouts[: len(shards)], full)
+            return merge_shards(shards, layouts, full, f"{self.files.tag_dir}: {name}")
 
-        try:
-            return ParamState(
-                fp32=merge([s.fp32 for s in states]),
-                optim={k: merge([s.optim[k] for s in states]) for k in keys},
-                step=states[0].step,
-                scalars=states[0].scalars,  # TP ranks step together: one value (the ZeRO source checked its ranks)
-            )
-        except tpl.TpInfoError as err:
-            raise InputError(f"{self.files.tag_dir}: {name}: {err}") from None
+        return ParamState(
+            fp32=merge([s.fp32 for s in states]),
+            optim={k: merge([s.optim[k] for s in states]) for k in keys},
+            step=states[0].step,
+            scalars=states[0].scalars,  # TP ranks step together: one value (the ZeRO source checked its ranks)
+        )
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return self._ranks[0].buffers()

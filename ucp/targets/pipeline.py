@@ -1,18 +1,18 @@
 """Universal (or any reader) -> a native pipeline-parallel checkpoint that DeepSpeed's PipelineEngine loads
-at PP x DP (ZeRO-0/1, TP=1), given the new run's layer partition.
+at PP x TP x DP (ZeRO-0/1), given the new run's layer partition.
 
 Call order: :class:`PipelineLayout` says which layers each stage holds (DeepSpeed's ``PipelineModule.parts``)
-and which layers use each tied module; :func:`write_pipeline` plans one ZeRO-1 write and, per stage, hands
-the stage's parameters (a view of the reader) to the ZeRO-1/2 native writer under the stage's mp rank,
-then moves the stage's module out of its model-states file into layer files, as PipelineEngine saves
-them (:mod:`ucp.deepspeed.pipeline`).
+and which layers use each tied module; :func:`write_pipeline` plans one ZeRO-1 write and, per stage and TP
+rank, hands the stage's parameters (a view of the reader, cut for the TP rank by the recorded rules) to the
+ZeRO-1/2 native writer under the mp rank ``stage * tp + tp_rank``, then moves the module out of that
+model-states file into layer files, as PipelineEngine saves them (:mod:`ucp.deepspeed.pipeline`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,9 @@ from ucp.model.records import Facts, Reader, ReaderView
 from ucp.sources import open_reader
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.zero12 import write_zero12
+from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
 
-__all__ = ["PipelineLayout", "write_pipeline"]
+__all__ = ["PipelineLayout", "StageView", "write_pipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,20 +104,29 @@ class PipelineLayout:
         return sorted({self.stage_of_layer(layer) for layer in self.layers_of(name)})
 
 
-class _StageReader(ReaderView):
-    """The reader seen as one stage's model: its parameters (group by group, in order) and buffers."""
+class StageView(ReaderView):
+    """The reader seen as one stage's model: the parameters (group by group, in order) and buffers that
+    ``holds`` names. A stage's files are written from one; a live PipelineEngine stage restores from one
+    built from its module's names (:mod:`ucp.targets.engine.pipeline`)."""
 
-    def __init__(self, inner: Reader, layout: PipelineLayout, stage: int) -> None:
+    def __init__(self, inner: Reader, holds: Callable[[str], bool]) -> None:
         facts = inner.facts
-        keep = {p.name for p in facts.params if stage in layout.stages_of(p.name)}
-        self._buffers = [n for n in facts.buffer_names if stage in layout.stages_of(n)]
         if facts.tied:
             raise ConfigError("a pipeline target cannot carry tied aliases; tie layers with TiedLayerSpec")
+        keep = {p.name for p in facts.params if holds(p.name)}
+        self._buffers = [n for n in facts.buffer_names if holds(n)]
         super().__init__(inner, _stage_facts(facts, keep, self._buffers))
 
     def buffers(self) -> dict[str, torch.Tensor]:
         every = self.inner.buffers()
         return {n: every[n] for n in self._buffers if n in every}
+
+
+class _StageReader(StageView):
+    """The reader seen as stage ``stage`` of ``layout``."""
+
+    def __init__(self, inner: Reader, layout: PipelineLayout, stage: int) -> None:
+        super().__init__(inner, lambda name: stage in layout.stages_of(name))
 
 
 def _stage_facts(facts: Facts, keep: set[str], buffers: list[str]) -> Facts:
@@ -133,19 +143,27 @@ def _local(name: str) -> str:
     return name.split(".", 1)[1]
 
 
-def _to_layer_files(tag_dir: Path, layout: PipelineLayout, stage: int) -> None:
-    """Move the stage's module from its model-states file into one file per layer (every layer of the
-    stage gets one, empty when it holds nothing: PipelineEngine loads a file for every module layer)."""
-    path = tag_dir / model_file(stage)
+def _to_layer_files(tag_dir: Path, layout: PipelineLayout, stage: int, tp: int, tp_rank: int) -> None:
+    """Move a stage's module (one TP rank's shards of it) from its model-states file into one file per
+    layer (every layer of the stage gets one, empty when it holds nothing: PipelineEngine loads a file
+    for every module layer; ``-model_YY`` in the names only under TP, as DeepSpeed's topologies do)."""
+    path = tag_dir / model_file(stage * tp + tp_rank)
     states: dict[str, Any] = dict(load(path))
     module = states["module"]
     for layer in range(layout.parts[stage], layout.parts[stage + 1]):
         held = {_local(name): value for name, value in module.items() if layer in layout.layers_of(name)}
-        write_torch_file(held, tag_dir / layer_file(layer))
-    states.update(module=None, mp_world_size=layout.pp)
-    states[PARALLEL_DIMS] = {"pp_degree": layout.pp, "tp_degree": 1}
+        write_torch_file(held, tag_dir / layer_file(layer, tp_rank if tp > 1 else None))
+    states.update(module=None, mp_world_size=layout.pp * tp)
+    states[PARALLEL_DIMS] = {"pp_degree": layout.pp, "tp_degree": tp}
     path.unlink()
     write_torch_file(states, path)
+
+
+def _tp_views(stage: Reader, tp: int) -> list[Reader]:
+    """The stage as each TP rank holds it (the stage itself at TP=1, so that it streams)."""
+    if tp == 1:
+        return [stage]
+    return [TpShardReader(stage, rank_layouts(stage, tp, t), tp=tp, rank=t) for t in range(tp)]
 
 
 def write_pipeline(
@@ -159,13 +177,11 @@ def write_pipeline(
     fsync: bool = False,
     **fields: Any,
 ) -> NativePlan:
-    """Write ``out/latest`` and ``out/<tag>/`` for a PipelineEngine at ``layout.pp`` stages x ``dp``."""
+    """Write ``out/latest`` and ``out/<tag>/`` for a PipelineEngine at ``layout.pp`` stages x ``tp`` x ``dp``
+    (``tp`` > 1 cuts each stage's parameters by the rules the reader records, as a TP restore does)."""
     options = RestoreOptions(**fields) if options is None else replace(options, **fields)
-    if options.stage not in (0, 1) or options.tp != 1:
-        raise ConfigError(
-            "a pipeline target is ZeRO-1 at TP=1: PipelineEngine refuses ZeRO-2/3, and ucp writes no pipeline x "
-            "tensor parallelism yet"
-        )
+    if options.stage not in (0, 1):
+        raise ConfigError("a pipeline target is ZeRO-0/1: PipelineEngine refuses ZeRO-2/3")
     reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
     try:
         views = [_StageReader(reader, layout, s) for s in range(layout.pp)]
@@ -178,9 +194,10 @@ def write_pipeline(
             tag_dir = root / plan.tag
             tag_dir.mkdir()
             for stage, view in enumerate(views):
-                stage_plan = replace(plan_native(view.facts, options), mp_rank=stage)
-                write_zero12(view, stage_plan, tag_dir, workers or default_workers())
-                _to_layer_files(tag_dir, layout, stage)
+                for tp_rank, shard in enumerate(_tp_views(view, options.tp)):
+                    stage_plan = replace(plan_native(view.facts, options), mp_rank=stage * options.tp + tp_rank)
+                    write_zero12(shard, stage_plan, tag_dir, workers or default_workers())
+                    _to_layer_files(tag_dir, layout, stage, options.tp, tp_rank)
             (root / LATEST).write_text(plan.tag)
         return plan
     finally:

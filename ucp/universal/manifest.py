@@ -35,6 +35,8 @@ __all__ = [
     "folder_for",
     "state_file",
     "manifest_json",
+    "SOURCE_LAYOUTS",
+    "source_layouts",
     "facts_from_manifest",
     "check_manifest",
 ]
@@ -46,6 +48,9 @@ STATE_FILE = "state.pt"
 FP32_FILE = "fp32.pt"
 STEP_FILE = "step.pt"
 SUFFIX = ".pt"
+#: how the source was laid out, as its reader describes it (``reader.pipeline``, ``reader.moe``), kept in
+#: ucp.json for ``ucp inspect``; optional keys, absent from directories of other sources and older ucp
+SOURCE_LAYOUTS = ("pipeline", "moe")
 _SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _MAX_FOLDER = 200
 
@@ -107,7 +112,21 @@ def state_file(key: str) -> str:
     return key + SUFFIX
 
 
-def manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, FileEntry]) -> dict[str, Any]:
+def source_layouts(reader: Any) -> dict[str, Any]:
+    """The source's pipeline stages and MoE layers, where its reader describes them (the universal reader
+    gives its manifest's), for :func:`manifest_json`."""
+    manifest = getattr(reader, "manifest", None) or {}
+    found = {key: getattr(reader, key, None) or manifest.get(key) for key in SOURCE_LAYOUTS}
+    return {key: value for key, value in found.items() if value}
+
+
+def manifest_json(
+    facts: Facts,
+    params: list[ParamEntry],
+    files: dict[str, FileEntry],
+    layouts: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """ucp.json's content; ``layouts`` are :func:`source_layouts`."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -129,6 +148,7 @@ def manifest_json(facts: Facts, params: list[ParamEntry], files: dict[str, FileE
             if facts.tp_rules
             else {}
         ),
+        **{key: value for key, value in (layouts or {}).items() if key in SOURCE_LAYOUTS and value},
     }
 
 
@@ -225,7 +245,9 @@ def check_manifest(raw: Any) -> None:
     _need(isinstance(raw, dict), "the manifest", raw, "an object")
     for key, kind in (("source", dict), ("params", list), ("param_groups", list)):
         _need(isinstance(raw.get(key), kind), key, raw.get(key), f"a {'list' if kind is list else 'object'}")
-    for key, kind in (("optimizer", dict), ("tied", dict), ("files", dict), ("tensor_parallel", dict)):
+    for key, kind in (("optimizer", dict), ("tied", dict), ("files", dict), ("tensor_parallel", dict)) + tuple(
+        (layout, dict) for layout in SOURCE_LAYOUTS
+    ):
         _need(isinstance(raw.get(key, {}), kind), key, raw.get(key), "an object")
     for key in ("buffers", "warnings"):
         value = raw.get(key, [])

@@ -41,6 +41,7 @@ from ucp.universal.manifest import (
     ParamEntry,
     folder_for,
     manifest_json,
+    source_layouts,
     state_file,
 )
 
@@ -129,17 +130,25 @@ def write_universal(
     with staged_output(out, overwrite=overwrite, durable=fsync) as root:
         (root / "zero").mkdir()
         entries = write_params(reader, root, reader.facts.params, workers or default_workers())
-        manifest = finish_universal(root, reader.facts, entries, reader.extras(), reader.buffers())
+        layouts = source_layouts(reader)
+        manifest = finish_universal(root, reader.facts, entries, reader.extras(), reader.buffers(), layouts=layouts)
     return manifest
 
 
 def finish_universal(
-    root: Path, facts: Facts, entries: list[ParamEntry], extras: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]
+    root: Path,
+    facts: Facts,
+    entries: list[ParamEntry],
+    extras: Mapping[str, Any],
+    buffers: Mapping[str, torch.Tensor],
+    *,
+    layouts: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the shared state and, last, the manifest of a universal directory being built at root."""
+    """Write the shared state and, last, the manifest of a universal directory being built at root;
+    ``layouts`` (:func:`~ucp.universal.manifest.source_layouts`) record the source's stages and experts."""
     files = {STATE_FILE: _save({"buffers": dict(buffers), **dict(extras)}, root / STATE_FILE)}
     _ds_compat_files(root, facts, extras, buffers)
-    manifest = manifest_json(facts, entries, files)
+    manifest = manifest_json(facts, entries, files, layouts)
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, root / MANIFEST)

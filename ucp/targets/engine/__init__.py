@@ -5,7 +5,8 @@ engine's own flat layout (its sub-groups, partition sizes and parameter names), 
 groups to the checkpoint's by member names, build this rank's ZeRO block from the universal state,
 and hand it to DeepSpeed's own ``load_state_dict`` (the path a native resume takes, so the fp32
 masters, moments, steps and refreshed low-precision weights land exactly as DeepSpeed puts them).
-Frozen parameters, buffers, the lr scheduler and engine counters follow.
+Frozen parameters, buffers, the lr scheduler and engine counters follow. A PipelineEngine's rank
+restores its stage alone: the reader is first cut to the parameters and buffers its module holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ucp.model.records import Reader
 from ucp.model.steps import step_chooser
 from ucp.sources import open_reader
 from ucp.targets.engine.common import match_groups, restore_common
+from ucp.targets.engine.pipeline import live_stage_view
 from ucp.targets.engine.zero3 import restore_zero3
 from ucp.targets.engine.zero12 import restore_zero12
 from ucp.targets.tensor_parallel import live_tp_view
@@ -48,7 +50,8 @@ def restore(
     step_of = step_chooser(step)
     source = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
     try:
-        reader = live_tp_view(engine, source)  # this rank's shards under tensor parallelism
+        # this rank's pipeline stage (a PipelineEngine), then its shards under tensor parallelism
+        reader = live_tp_view(engine, live_stage_view(engine, source, strict=strict))
         stage = int(engine.zero_optimization_stage())
         if stage != 3:
             restore_zero12(
