@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ucp
+from tests.support.digest import tree
 from tests.support.ds_convert import ds_to_universal
 from tests.support.pipeline_runs import (
     BuiltPipe,
@@ -29,9 +30,10 @@ from tests.support.pipeline_runs import (
     tp_merged,
     tp_records,
 )
+from ucp.cli import main as cli
 from ucp.harness import LoadSpec
 from ucp.io.torchfile import load
-from ucp.ops.inspect import inspect_path
+from ucp.ops.inspect import format_report, inspect_path
 from ucp.sources import open_reader
 from ucp.targets.pipeline import PipelineLayout, write_pipeline
 
@@ -119,7 +121,9 @@ def test_to_universal_is_bit_exact_against_every_ranks_live_engine(pipe, univers
 
 
 def test_inspect_shows_the_stages_and_tp(pipe):
-    pipeline = inspect_path(pipe.path)["pipeline"]
+    report = inspect_path(pipe.path)
+    assert "pipeline: 2 stages x tp=2 x dp=2" in format_report(report)
+    pipeline = report["pipeline"]
     assert (pipeline["pp"], pipeline["tp"]) == (2, 2)
     assert [s["model_file"] for s in pipeline["stages"]] == ["mp_rank_00_model_states.pt", "mp_rank_02_model_states.pt"]
     assert [s["optim_files"] for s in pipeline["stages"]] == [4, 4]
@@ -164,7 +168,11 @@ def test_restore_at_pp2_tp1_dp2_resumes_like_deepspeeds_native_resume(pipe, univ
 
 
 def test_restore_at_pp1_tp2_dp2_resumes_like_deepspeeds_native_resume(pipe, universal, native, tmp_path):
-    write_pipeline(universal, tmp_path / "p", ONE_STAGE, dp=2, stage=1, tp=2)
+    """On the command line; the same bytes as the Python call."""
+    argv = ["-q", "restore", str(universal), str(tmp_path / "p"), "--pp", "1", "--tp", "2", "--dp", "2"]
+    assert cli([*argv, "--pp-parts", "0,6", "--pp-tied", "embed=0,5"]) == 0
+    write_pipeline(universal, tmp_path / "api", ONE_STAGE, dp=2, stage=1, tp=2)
+    assert tree(tmp_path / "p") == tree(tmp_path / "api")
     resumed = run_pipe(pipe, name="pp1tp2", work=tmp_path, load=LoadSpec(str(tmp_path / "p")), pp=1, per_tp=True)
     assert_resumed_alike(whole(resumed), native, atol=1e-5)
 

@@ -342,7 +342,7 @@ def _native_done(args: argparse.Namespace, plan: NativePlan) -> int:
 
 
 def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
-    """A native pipeline-parallel checkpoint: per-stage ZeRO-1 files and layer files for --pp x --dp."""
+    """A native pipeline-parallel checkpoint: per-stage ZeRO-1 files and layer files for --pp x --tp x --dp."""
     from ucp.sources import open_reader
     from ucp.targets.pipeline import PipelineLayout, write_pipeline
 
@@ -359,7 +359,8 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
         # PipelineEngine runs ZeRO-0/1 only: stage 1 unless told
         plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, args.stage or 1))
     summary = (
-        f"wrote a pipeline checkpoint for pp={layout.pp} x dp={plan.dp} (ZeRO-{plan.stage}, {plan.flavour.name}, "
+        f"wrote a pipeline checkpoint for pp={layout.pp} x tp={plan.tp} x dp={plan.dp} (ZeRO-{plan.stage}, "
+        f"{plan.flavour.name}, "
         f"{plan.dtype}) to {args.out}/{plan.tag}"
     )
     return _done(
@@ -370,6 +371,7 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
         stage=plan.stage,
         pp=layout.pp,
         parts=list(layout.parts),
+        tp=plan.tp,
         dp=plan.dp,
         optimizer=plan.flavour.name,
         dtype=plan.dtype,

@@ -169,7 +169,8 @@ def _layout_line(report: dict[str, Any]) -> str:
 
 def _pipeline_lines(pipeline: dict[str, Any], dp: int) -> list[str]:
     """A pipeline source's stages: the files each wrote, its layers and parameters, the tied modules."""
-    lines = [f"  pipeline: {pipeline['pp']} stages x dp={dp}, merged into whole parameters"]
+    tp = f" x tp={pipeline['tp']}" if pipeline.get("tp", 1) > 1 else ""
+    lines = [f"  pipeline: {pipeline['pp']} stages{tp} x dp={dp}, merged into whole parameters"]
     for stage in pipeline["stages"]:
         layers = ", ".join(map(str, stage["layers"])) or "none"
         lines.append(
