@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -80,6 +81,38 @@ def launch(
     """
     logs = Path(log_dir or tempfile.mkdtemp(prefix="ucp-ranks-"))
     logs.mkdir(parents=True, exist_ok=True)
+    for attempt in range(_PORT_ATTEMPTS):
+        failed = _run_once(world, payload, port=port, module=module, timeout=timeout, logs=logs, env=env, cwd=cwd)
+        if not failed:
+            return logs
+        rank, code = failed[0]
+        tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-4000:]
+        if "EADDRINUSE" in tail and attempt + 1 < _PORT_ATTEMPTS:
+            port = free_port()  # another process took the free port between free_port() and rank 0's bind
+            continue
+        raise RankFailure(f"{module} rank {rank} exited with {code} (logs in {logs}):\n{tail}")
+    raise AssertionError("unreachable")
+
+
+#: launches tried when rank 0 finds MASTER_PORT taken
+_PORT_ATTEMPTS = 3
+#: seconds the other ranks get to exit on their own once one has failed (they would wait for it until
+#: gloo's timeout), before they are killed
+_GRACE = 10.0
+
+
+def _run_once(
+    world: int,
+    payload: str,
+    *,
+    port: int,
+    module: str,
+    timeout: float,
+    logs: Path,
+    env: Mapping[str, str] | None,
+    cwd: str | os.PathLike | None,
+) -> list[tuple[int, int | str]]:
+    """Start every rank, wait for all; the ranks that failed, in rank order ((rank, exit code or why))."""
     procs = []
     for rank in range(world):
         rank_env = dict(os.environ)
@@ -97,26 +130,26 @@ def launch(
         rank_env.update(env or {})
         log = open(logs / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", module, payload]
-        procs.append((rank, subprocess.Popen(cmd, env=rank_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
+        procs.append((subprocess.Popen(cmd, env=rank_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
+    codes: dict[int, int | str] = {}
     try:
-        for rank, proc, log in procs:
-            code: int | str
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = "timeout"
-            log.close()
-            if code != 0:
-                failed.append((rank, code))
+        deadline = time.monotonic() + timeout
+        while len(codes) < world:
+            for rank, (proc, _) in enumerate(procs):
+                if rank not in codes and (code := proc.poll()) is not None:
+                    codes[rank] = code
+            if any(code != 0 for code in codes.values()):
+                deadline = min(deadline, time.monotonic() + _GRACE)
+            if time.monotonic() > deadline:
+                why = "timeout" if all(code == 0 for code in codes.values()) else "killed: another rank failed"
+                codes.update({rank: why for rank in range(world) if rank not in codes})
+                break
+            time.sleep(0.05)
     finally:
-        for _, proc, _ in procs:
+        for proc, log in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    if failed:
-        rank, code = failed[0]
-        tail = (logs / f"rank{rank}.log").read_text(errors="replace")[-4000:]
-        raise RankFailure(f"{module} rank {rank} exited with {code} (logs in {logs}):\n{tail}")
-    return logs
+            log.close()
+    first = [(rank, code) for rank, code in sorted(codes.items()) if isinstance(code, int) and code != 0]
+    return first + [(rank, code) for rank, code in sorted(codes.items()) if isinstance(code, str)]

@@ -168,19 +168,27 @@ def target_tp_info(reader: Reader, tp: int) -> dict[str, Any]:
     return info
 
 
+def _live_tp_degree(engine: Any) -> tuple[int, int]:
+    """(TP size, TP rank) of this rank of a live engine: from the engine's mpu when it has one (a
+    PipelineEngine's grid, Megatron's mpu), else from DeepSpeed's groups (AutoTP); (1, 0) without TP."""
+    mpu = getattr(engine, "mpu", None)
+    try:
+        if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_world_size"):
+            return int(mpu.get_tensor_model_parallel_world_size()), int(mpu.get_tensor_model_parallel_rank())
+        from deepspeed.utils import groups
+
+        return int(groups.get_tensor_model_parallel_world_size()), int(groups.get_tensor_model_parallel_rank())
+    except (ImportError, AttributeError, AssertionError, RuntimeError):
+        return 1, 0
+
+
 def live_tp_view(engine: Any, reader: Reader) -> Reader:
     """``reader`` as this rank of a live tensor-parallel engine sees it (``reader`` itself at TP=1).
 
     The live model's own ``universal_checkpoint_info`` (DeepSpeed AutoTP attaches it) gives the
     exact layout of each parameter it names; the rest follow the checkpoint's rules.
     """
-    try:
-        from deepspeed.utils import groups
-
-        tp = int(groups.get_tensor_model_parallel_world_size())
-        rank = int(groups.get_tensor_model_parallel_rank())
-    except (ImportError, AttributeError, AssertionError, RuntimeError):
-        tp, rank = 1, 0
+    tp, rank = _live_tp_degree(engine)
     if tp <= 1:
         return reader
     module = getattr(engine, "module", engine)
