@@ -39,7 +39,8 @@ def open_reader(
     tensor parallelism (several ``mp_rank_XX``) is read as full parameters, merged by the rules in
     its ``universal_checkpoint_info``; ``tp_rules`` (regex, rule) pairs add to or override them. A
     pipeline-parallel one (``layer_XX-model_states.pt`` files) is read as the whole model, and so is a
-    legacy mixture-of-experts one (``layer_L_expert_E_*`` files), every expert under its global index.
+    legacy mixture-of-experts one (``layer_L_expert_E_*`` files) or an AutoEP one (``ds_autoep_layers``),
+    every expert under its global index.
     """
     path = Path(path)
     if is_universal(path):
@@ -62,6 +63,11 @@ def open_reader(
         from ucp.sources.pipeline import PipelineSource
 
         return PipelineSource(files, optimizer=optimizer, rules=tp_rules)
+    if files.experts or files.stage3:
+        from ucp.sources.autoep import AutoEpSource, is_autoep
+
+        if is_autoep(files):  # AutoEP at ZeRO-3 writes no expert files: AutoEpSource refuses it in one line
+            return AutoEpSource(files, optimizer=optimizer)
     if files.experts:
         from ucp.sources.moe import MoeSource
 

@@ -1,0 +1,231 @@
+"""DeepSpeed AutoEP (0.19.8 ``expert_parallel``): a tiny Hugging Face Mixtral (2 layers, 4 experts) trained on gloo
+ranks at ep_size 2, ZeRO-1 on 2 ranks and ZeRO-2 on 4 (each expert-parallel rank's experts partitioned over 2
+expert-data-parallel ranks), fp32 AdamW; converted to a universal directory in which every expert is an ordinary
+parameter named by its global index, bit for bit against every rank's live engine; written back as a native AutoEP
+checkpoint and resumed by DeepSpeed, bit-identically to its own resume at the same sizes and within 3e-7 at others.
+
+The fixtures are real runs of ucp.harness.autoep; each rank records what its engine holds, its experts' slices of
+the fused ``experts.w1/w2/w3`` under their global names.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucp
+from tests.support.autoep_runs import BuiltAutoEp, build_autoep, run_autoep_from
+from tests.support.ds_convert import ds_to_universal
+from tests.test_moe import assert_resumed_alike
+from tests.test_reliability import assert_one_line_error, run_cli
+from ucp.deepspeed.autoep import autoep_layers, expert_name
+from ucp.deepspeed.layout import find_checkpoint
+from ucp.errors import ConfigError, InputError
+from ucp.harness import LoadSpec
+from ucp.io.torchfile import TorchFile
+from ucp.sources import open_reader
+from ucp.sources.autoep import AutoEpSource
+from ucp.targets.autoep import write_autoep
+
+pytestmark = pytest.mark.slow
+
+RUNS = {"zero1-w2": dict(world=2, ep=2, stage=1), "zero2-w4": dict(world=4, ep=2, stage=2, global_batch=8)}
+PREFIXES = [f"lm.model.layers.{i}.mlp.experts" for i in range(2)]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def run(request: pytest.FixtureRequest) -> BuiltAutoEp:
+    return build_autoep(**RUNS[request.param])
+
+
+@pytest.fixture(scope="module")
+def universal(run: BuiltAutoEp, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("autoep") / "u"
+    ucp.to_universal(run.path, out)
+    return out
+
+
+def test_deepspeed_writes_one_file_per_expert_and_records_the_autoep_layers(run):
+    names = sorted(p.name for p in run.tag_dir.iterdir())
+    experts = [f"layer_{i}_expert_{e}_mp_rank_00_model_states.pt" for i in range(2) for e in range(4)]
+    assert [n for n in names if "expert" in n] == experts
+    assert [n for n in names if "optim" in n] == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(run.spec.world)
+    ]
+    with TorchFile(run.tag_dir / "mp_rank_00_model_states.pt") as tf:
+        layers = autoep_layers(tf.obj, "model states")
+        local = [list(g) for g in tf.obj["param_shapes"]][2]
+    assert layers is not None
+    assert [(x.module, x.prefix, x.experts, x.ep_size, x.placement) for x in layers] == [
+        (p.removesuffix(".experts"), p, 4, 2, ((0, 1), (2, 3))) for p in PREFIXES
+    ]
+    assert layers[0].shapes == {"w1": (4, 23, 16), "w2": (4, 16, 23), "w3": (4, 23, 16)}
+    assert local == [f"{p}.{w}" for p in PREFIXES for w in ("w1", "w2", "w3")]  # rank 0's local fused tensors
+    with TorchFile(run.tag_dir / experts[5]) as tf:  # layer 1, expert 1
+        assert sorted(tf.obj) == [expert_name(PREFIXES[1], w, 1) for w in ("w1", "w2", "w3")]
+
+
+def assert_reader_matches_ranks(reader, run: BuiltAutoEp) -> None:
+    """Every parameter (dense ones and each expert), state tensor and step is what the ranks' engines held."""
+    expected = run.record
+    assert expected["steps"] == {float(run.spec.steps)}
+    facts = reader.facts
+    assert [p.name for p in facts.params if not p.frozen] == [n for g in facts.groups for n in g.params]
+    assert {p.name for p in facts.params} == set(expected["params"])
+    assert sum(expert_name(p, "w2", 3) in expected["params"] for p in PREFIXES) == 2
+    assert facts.step == run.spec.steps and facts.info.dp_world_size == run.spec.world
+    keys = sorted(expected["state"])
+    assert keys == ["exp_avg", "exp_avg_sq"]
+    for meta in facts.params:
+        state = reader.read(meta.name)
+        assert state.fp32.shape == expected["params"][meta.name].shape, meta.name
+        assert torch.equal(state.fp32, expected["params"][meta.name]), meta.name
+        assert sorted(state.optim) == keys, meta.name
+        for key, value in state.optim.items():
+            assert torch.equal(value, expected["state"][key][meta.name]), (meta.name, key)
+        assert state.step == run.spec.steps, meta.name
+
+
+def test_to_universal_is_bit_exact_against_every_ranks_live_engine(run, universal):
+    for path in (run.path, universal):
+        with open_reader(path) as reader:
+            assert_reader_matches_ranks(reader, run)
+
+
+def test_every_expert_is_an_ordinary_parameter_with_its_own_files(run, universal):
+    for prefix in PREFIXES:
+        for e in range(4):
+            folder = universal / "zero" / expert_name(prefix, "w1", e)
+            assert sorted(p.name for p in folder.iterdir()) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+            fp32 = torch.load(folder / "fp32.pt", weights_only=True)["param"]
+            assert fp32.shape == (23, 16) and torch.equal(fp32, run.record["params"][expert_name(prefix, "w1", e)])
+
+
+def test_the_expert_group_lists_every_expert_by_global_index_with_its_settings(run, universal):
+    live = run.record
+    with open_reader(universal) as reader:
+        groups = reader.facts.groups
+        assert [g.raw["name"] for g in groups] == ["decay", "no_decay", "ep_size_2"]
+        assert [g.raw.get("moe", False) for g in groups] == [False, False, True]
+        assert groups[2].params == [
+            expert_name(p, w, e) for p in PREFIXES for w in ("w1", "w2", "w3") for e in range(4)
+        ]
+        for rank_groups in live["group_params"]:  # each rank held its own experts in group 2
+            assert set(rank_groups[2]) < set(groups[2].params) and len(rank_groups[2]) == 12
+        assert groups[0].params == live["group_params"][0][0]
+        assert [(g.hyper.lr, g.hyper.weight_decay) for g in groups] == [
+            (h["lr"], h["weight_decay"]) for h in live["group_hparams"]
+        ]
+        layers = reader.extras()["autoep"]
+        assert layers["ep_size"] == 2 and layers["world"] == run.spec.world
+        assert [(x["prefix"], x["experts"], x["shapes"]["w2"]) for x in layers["layers"]] == [
+            (p, 4, [4, 16, 23]) for p in PREFIXES
+        ]
+
+
+def test_a_missing_expert_file_is_refused_in_one_line(run, tmp_path, capsys):
+    broken = tmp_path / "ckpt"
+    shutil.copytree(run.tag_dir, broken)
+    (broken / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(InputError, match="AutoEP layer 1 .* lacks expert file 2"):
+        AutoEpSource(find_checkpoint(broken, None))
+    code, err = run_cli(capsys, "to-universal", str(broken), str(tmp_path / "u"))
+    assert_one_line_error(code, err, "lacks expert file 2")
+    assert not (tmp_path / "u").exists()
+
+
+def test_an_expert_file_of_another_layer_is_refused_in_one_line(run, tmp_path, capsys):
+    broken = tmp_path / "ckpt"
+    shutil.copytree(run.tag_dir, broken)
+    shutil.copy(
+        broken / "layer_0_expert_1_mp_rank_00_model_states.pt", broken / "layer_1_expert_1_mp_rank_00_model_states.pt"
+    )
+    code, err = run_cli(capsys, "to-universal", str(broken), str(tmp_path / "u"))
+    assert_one_line_error(code, err, "layer_1_expert_1_mp_rank_00_model_states.pt should hold")
+
+
+def test_a_zero3_autoep_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    z3 = build_autoep(world=2, ep=2, stage=3)
+    with TorchFile(z3.tag_dir / "zero_pp_rank_1_mp_rank_00_model_states.pt") as tf:
+        assert tf.obj["ds_autoep_layers"][0]["checkpoint_format"] == "zero3_partitioned"
+        assert tf.obj["ds_autoep_layers"][0]["ep_rank"] == 1  # each rank's file has its own view
+    assert not [p for p in z3.tag_dir.iterdir() if "expert" in p.name]
+    code, err = run_cli(capsys, "to-universal", str(z3.path), str(tmp_path / "u"))
+    assert_one_line_error(code, err, "a ZeRO-3 AutoEP checkpoint")
+
+
+def test_a_restore_of_the_universal_directory_is_refused_in_one_line_until_a_native_autoep_target_exists(
+    universal, tmp_path, capsys
+):
+    """The experts are per-expert parameters there; a dense-shaped or legacy-MoE restore would hand the AutoEP
+    run names it lacks, so the CLI refuses rather than writes."""
+    code, err = run_cli(capsys, "restore", str(universal), str(tmp_path / "n"), "--dp", "2", "--ep", "2")
+    assert_one_line_error(code, err, "records no MoE layers")
+    assert not (tmp_path / "n").exists()
+
+
+@pytest.fixture(scope="module")
+def native(run: BuiltAutoEp, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """DeepSpeed's own resume of the fixture at its own sizes."""
+    return run_autoep_from(run, name="native", work=tmp_path_factory.mktemp("native"), load=LoadSpec(str(run.path)))
+
+
+def test_restore_at_the_same_sizes_reads_back_and_resumes_bit_identically_to_deepspeed(
+    run, universal, native, tmp_path
+):
+    spec = run.spec
+    write_autoep(universal, tmp_path / "n", dp=spec.world, ep=spec.ep, stage=spec.stage)
+    with open_reader(tmp_path / "n") as back:
+        assert isinstance(back, AutoEpSource)  # its ds_autoep_layers are DeepSpeed's shape
+        assert_reader_matches_ranks(back, run)
+    ours = run_autoep_from(run, name="same", work=tmp_path, load=LoadSpec(str(tmp_path / "n")))
+    assert_resumed_alike(ours, native, atol=0.0)
+
+
+@pytest.fixture(scope="module")
+def wide() -> BuiltAutoEp:
+    return build_autoep(**RUNS["zero2-w4"])
+
+
+@pytest.fixture(scope="module")
+def wide_native(wide: BuiltAutoEp, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_autoep_from(wide, name="native", work=tmp_path_factory.mktemp("wide"), load=LoadSpec(str(wide.path)))
+
+
+@pytest.mark.parametrize("world, ep", [(2, 1), (2, 2), (4, 4)])
+def test_restore_at_another_world_and_ep_size_resumes_like_deepspeeds_native_resume(
+    wide, wide_native, world, ep, tmp_path
+):
+    """Measured: losses within 2.4e-7, fp32 within 1.2e-7, moments within 2.8e-9 of DeepSpeed's resume at 4 x ep 2."""
+    ucp.to_universal(wide.path, tmp_path / "u")
+    write_autoep(tmp_path / "u", tmp_path / "n", dp=world, ep=ep, stage=2)
+    ours = run_autoep_from(wide, name="ours", work=tmp_path, load=LoadSpec(str(tmp_path / "n")), world=world, ep=ep)
+    assert_resumed_alike(ours, wide_native, atol=3e-7)
+
+
+def test_sizes_deepspeed_refuses_are_refused_before_anything_is_written(universal, tmp_path):
+    with pytest.raises(ConfigError, match="must divide the number of ranks"):
+        write_autoep(universal, tmp_path / "n", dp=4, ep=3, stage=2)
+    with pytest.raises(ConfigError, match="ZeRO-1 or ZeRO-2"):
+        write_autoep(universal, tmp_path / "n", dp=2, ep=2, stage=3)
+    assert not (tmp_path / "n").exists()
+
+
+def test_deepspeeds_ds_to_universal_keeps_each_fused_tensor_whole_with_the_same_values(run, universal, tmp_path):
+    """DeepSpeed's converter handles AutoEP (its save carries universal_checkpoint_info): one folder per fused
+    ``experts.w1`` of shape [experts, ...]; stacking ucp's per-expert parameters gives the same bytes."""
+    done = ds_to_universal(run.tag_dir, tmp_path / "ds")
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open_reader(universal) as ours:
+        for prefix in PREFIXES:
+            folder = tmp_path / "ds" / "zero" / f"{prefix}.w2"
+            assert not (tmp_path / "ds" / "zero" / expert_name(prefix, "w2", 0)).exists()
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                theirs = torch.load(folder / f"{key}.pt", weights_only=True)
+                theirs = theirs["param"] if isinstance(theirs, dict) else theirs
+                states = [ours.read(expert_name(prefix, "w2", e)) for e in range(4)]
+                stacked = torch.stack([s.fp32 if key == "fp32" else s.optim[key] for s in states])
+                assert theirs.shape == (4, 16, 23) and torch.equal(theirs, stacked), (prefix, key)

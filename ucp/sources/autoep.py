@@ -1,0 +1,207 @@
+"""A DeepSpeed AutoEP checkpoint (0.19.8 ``expert_parallel``, ZeRO-1/2) -> one reader of the whole model,
+every expert an ordinary parameter.
+
+AutoEP keeps each layer's experts as fused tensors ``{module}.experts.w1/w2/w3`` of shape ``[L, ...]``, rank by
+rank (:mod:`ucp.deepspeed.autoep` has the layout). The optim files partition them like the legacy MoE expert
+groups, so the readers are the same: one :class:`~ucp.sources.zero12.Zero12Source` for the dense groups over
+all files, one per expert-parallel rank for the expert groups over its expert-data-parallel files. Each local
+fused tensor is then cut into its experts, each named by its **global** index as DeepSpeed's own expert files
+name it: ``{module}.experts.w1.{e}`` of shape ``[...]``. An expert group lists, layer by layer and weight by
+weight, experts ``0 .. n-1``: the flat order of the fused tensors at ep_size 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+from ucp.deepspeed.autoep import WEIGHTS, AutoEpLayer, autoep_layers, expert_name
+from ucp.deepspeed.fields import need_mapping
+from ucp.deepspeed.layout import CheckpointFiles
+from ucp.deepspeed.moe import expert_ranks
+from ucp.errors import InputError
+from ucp.io.torchfile import TorchFile
+from ucp.model.pieces import Pieces
+from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState
+from ucp.sources.moe import MoeSource
+from ucp.sources.zero12 import Zero12Source
+
+__all__ = ["AutoEpSource", "AUTOEP_EXTRAS", "is_autoep"]
+
+logger = logging.getLogger(__name__)
+
+#: the ``extras`` entry (kept in the universal directory's state.pt) describing the AutoEP layers:
+#: ``{"world": W, "ep_size": E, "layers": [{"layer", "module", "prefix", "experts", "ep_size", "shapes"}]}``
+AUTOEP_EXTRAS = "autoep"
+
+
+def is_autoep(files: CheckpointFiles) -> bool:
+    """Whether the checkpoint was saved by AutoEP layers (its first model-states file lists them)."""
+    path = files.model[0][0]
+    with TorchFile(path) as tf:
+        obj = tf.obj
+        return isinstance(obj, dict) and obj.get("ds_autoep_layers") is not None
+
+
+def _cut(pieces: Pieces, index: int, count: int, shape: tuple[int, ...]) -> Pieces:
+    """Expert ``index`` of ``count`` fused along dim 0: a contiguous flat range, still without a copy."""
+    size = pieces.numel // count
+    part = pieces.slice(index * size, (index + 1) * size)
+    return Pieces(part.parts, shape, part.dtype)
+
+
+class AutoEpSource(MoeSource):
+    """An AutoEP ZeRO-1/2 checkpoint as a :class:`~ucp.model.records.Reader`.
+
+    Call order: construct (reads ``ds_autoep_layers``, rank 0's param groups, the expert files' names and every
+    reader's facts, then cuts the fused expert tensors into experts); ``read``/``read_pieces`` per parameter
+    from any thread (an expert reads only its own slice of the fused tensor's spans); ``buffers``/``extras``;
+    ``close``. ``autoep`` describes the layers (``extras()["autoep"]``, kept in state.pt).
+    """
+
+    def _build(self, optimizer: str | None) -> Facts:
+        files = self.files
+        if files.stage3:
+            raise InputError(f"{files.tag_dir}: a ZeRO-3 AutoEP checkpoint; ucp reads AutoEP runs at ZeRO-1/2")
+        if files.mp > 1:
+            raise InputError(f"{files.tag_dir}: AutoEP with AutoTP folding ({files.mp} mp ranks) is not supported yet")
+        with TorchFile(files.model[0][0]) as tf:
+            layers = autoep_layers(need_mapping(tf.obj, tf.path.name), tf.path.name)
+        if layers is None:
+            raise InputError(f"{files.model[0][0].name} lists no ds_autoep_layers: not an AutoEP checkpoint")
+        self._autoep_layers = layers
+        self._check_expert_files(layers)
+        sizes, _ = self._heads()
+        self._dense = Zero12Source(files, optimizer=optimizer, groups=[g for g, s in enumerate(sizes) if s is None])
+        self._readers.append(self._dense)
+        size = layers[0].ep_size
+        expert_groups = [g for g, s in enumerate(sizes) if s is not None]
+        if any(sizes[g] != size for g in expert_groups):
+            raise InputError(f"{files.tag_dir}: expert param groups of another ep size than the layers' {size}")
+        experts = []
+        for ep_rank in range(size):
+            view = replace(files, optim=(tuple(files.optim[0][r] for r in expert_ranks(files.dp, size, ep_rank)),))
+            reader = Zero12Source(
+                view,
+                optimizer=optimizer,
+                module={},  # the experts' weights are in their own files; the fp32 masters are read
+                groups=expert_groups,
+                head={"dp_world_size": files.dp // size},
+            )
+            self._readers.append(reader)
+            experts.append(reader)
+        return self._merge_autoep(experts, expert_groups)
+
+    def _check_expert_files(self, layers: list[AutoEpLayer]) -> None:
+        """Every layer's expert files present, each holding its expert's three slices under the global name."""
+        found = {(layer, expert): path for layer, expert, _, path in self.files.experts}
+        for x in layers:
+            for e in range(x.experts):
+                path = found.pop((x.layer, e), None)
+                if path is None:
+                    raise InputError(f"{self.files.tag_dir}: AutoEP layer {x.layer} ({x.module}) lacks expert file {e}")
+                with TorchFile(path) as tf:
+                    names = {str(k) for k in need_mapping(tf.obj, path.name)}
+                want = {expert_name(x.prefix, w, e) for w in WEIGHTS}
+                if names != want:
+                    raise InputError(f"{path.name} should hold {sorted(want)}; it holds {sorted(names)[:4]}")
+        if found:
+            layer, expert = min(found)
+            raise InputError(f"{found[layer, expert].name}: no AutoEP layer {layer} with expert {expert}")
+
+    def _merge_autoep(self, experts: list[Zero12Source], expert_groups: list[int]) -> Facts:
+        """The dense reader's facts, each fused expert tensor of each expert group cut into its experts."""
+        head = self._dense.facts
+        fused = {x.fused(w): (x, w) for x in self._autoep_layers for w in WEIGHTS}
+        self._slices: dict[str, tuple[Zero12Source, str, int, int, tuple[int, ...]]] = {}
+        groups: list[GroupMeta] = []
+        params: list[ParamMeta] = []
+        warnings = list(head.warnings)
+        for g, meta in enumerate(head.groups):
+            if g not in expert_groups:
+                self._owner.update(dict.fromkeys(meta.params, self._dense))
+                params += [head.param(n) for n in meta.params]
+                groups.append(meta)
+                continue
+            metas = [r.facts.groups[g] for r in experts]
+            if len({tuple(m.params) for m in metas}) != 1:
+                raise InputError(f"param group {g} lists other fused expert tensors on different expert ranks")
+            names: list[str] = []
+            for local in metas[0].params:
+                if local not in fused:
+                    raise InputError(f"{local} is in an expert param group but no ds_autoep_layers entry holds it")
+                layer, weight = fused[local]
+                shape = layer.shapes[weight]
+                for ep_rank, reader in enumerate(experts):
+                    have = reader.facts.param(local)
+                    if have.shape != (layer.local, *shape[1:]):
+                        raise InputError(
+                            f"{local} on expert-parallel rank {ep_rank} has shape {list(have.shape)}, but "
+                            f"ds_autoep_layers gives [{layer.local}, {', '.join(map(str, shape[1:]))}]"
+                        )
+                for e in range(layer.experts):
+                    ep_rank, j = divmod(e, layer.local)
+                    name = expert_name(layer.prefix, weight, layer.placement[ep_rank][j])
+                    self._slices[name] = (experts[ep_rank], local, j, layer.local, tuple(shape[1:]))
+                    names.append(name)
+                    params.append(replace(experts[0].facts.param(local), name=name, shape=tuple(shape[1:])))
+            steps = {m.step for m in metas}
+            if len(steps) > 1:
+                warnings.append(f"param group {g} has different steps across expert ranks: {sorted(map(str, steps))}")
+            if len({m.state_keys for m in metas}) > 1:
+                raise InputError(f"param group {g} keeps other optimizer state on different expert ranks")
+            step = max((s for s in steps if s is not None), default=None)
+            groups.append(replace(metas[0], params=names, step=step))
+        frozen = [p for p in head.params if p.frozen]
+        self._owner.update(dict.fromkeys((p.name for p in frozen), self._dense))
+        untrained = sorted(set(fused) - {local for _, local, *_ in self._slices.values()})
+        if untrained:
+            raise InputError(f"{untrained[0]} is an AutoEP expert tensor no optimizer group trains: not supported yet")
+        self.autoep: dict[str, Any] = {
+            "world": head.info.dp_world_size,
+            "ep_size": self._autoep_layers[0].ep_size,
+            "layers": [
+                {
+                    "layer": x.layer,
+                    "module": x.module,
+                    "prefix": x.prefix,
+                    "experts": x.experts,
+                    "ep_size": x.ep_size,
+                    "shapes": {w: list(s) for w, s in x.shapes.items()},
+                }
+                for x in self._autoep_layers
+            ],
+        }
+        step_values = [g.step for g in groups if g.step is not None]
+        return replace(
+            head, groups=groups, params=params + frozen, step=max(step_values, default=None), warnings=warnings
+        )
+
+    # -- tensors -----------------------------------------------------------------------------
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        cut = self._slices.get(name)
+        if cut is None:
+            with self._reader(name).read_pieces(name, moments=moments) as state:
+                yield state
+            return
+        reader, local, j, count, shape = cut
+        with reader.read_pieces(local, moments=moments) as state:
+            yield PieceState(
+                fp32=_cut(state.fp32, j, count, shape),
+                optim={k: _cut(v, j, count, shape) for k, v in state.optim.items()},
+                step=state.step,
+                scalars=dict(state.scalars),
+            )
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        if name not in self._slices:
+            return self._reader(name).read(name, moments=moments)
+        with self.read_pieces(name, moments=moments) as state:
+            return state.joined()
+
+    def extras(self) -> dict[str, Any]:
+        return {**self._dense.extras(), AUTOEP_EXTRAS: self.autoep}

@@ -1,0 +1,226 @@
+"""Universal (or any reader of an AutoEP run) -> a native AutoEP ZeRO-1/2 checkpoint that DeepSpeed loads at world
+size W with ``expert_parallel.autoep_size`` E.
+
+Call order: :func:`write_autoep` reads the run's AutoEP layers (the reader's ``extras()["autoep"]``, which
+:class:`~ucp.sources.autoep.AutoEpSource` records) and checks the sizes; :class:`_FusedExperts` shows the reader with
+each expert group's per-expert parameters stacked into the fused tensors ``{module}.experts.w1/w2/w3`` that each
+expert-parallel rank holds (``[L, ...]``, L = experts / E) and the group renamed ``ep_size_E``; one ZeRO-1/2 write
+cuts that group in E sets (``NativePlan.zero12_sets``, as the legacy MoE target does), set p holding rank p's fused
+tensors under their local names, partitioned over its W / E expert-data-parallel ranks. The model-states file gets
+``num_experts``, ``ds_autoep_layers`` and ``universal_checkpoint_info`` for the new sizes, and every expert its
+``layer_L_expert_E`` file (:mod:`ucp.deepspeed.autoep`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp.deepspeed.autoep import (
+    AUTOEP_LAYERS,
+    WEIGHTS,
+    AutoEpLayer,
+    autoep_entry,
+    expert_name,
+    expert_parts,
+    universal_info,
+)
+from ucp.deepspeed.layout import LATEST, expert_file
+from ucp.deepspeed.moe import ep_group_name
+from ucp.deepspeed.states import config_for_stage
+from ucp.errors import ConfigError, InputError
+from ucp.io.atomic import staged_output
+from ucp.io.pool import default_workers
+from ucp.io.torchzip import write_torch_file
+from ucp.model.options import RestoreOptions
+from ucp.model.records import GroupMeta, ParamMeta, ParamState, PieceState, Reader, ReaderView, torch_dtype
+from ucp.sources import open_reader
+from ucp.sources.autoep import AUTOEP_EXTRAS
+from ucp.targets.native import NativePlan, plan_native
+from ucp.targets.native.plan import Zero12Sets
+from ucp.targets.native.zero12 import write_zero12
+
+__all__ = ["autoep_layers_of", "write_autoep"]
+
+logger = logging.getLogger(__name__)
+
+
+def autoep_layers_of(reader: Reader) -> list[AutoEpLayer]:
+    """The AutoEP layers a reader of an AutoEP run records, in layer order."""
+    record = reader.extras().get(AUTOEP_EXTRAS)
+    if not isinstance(record, Mapping) or not record.get("layers"):
+        raise ConfigError("the checkpoint records no AutoEP layers: it was not read from a DeepSpeed AutoEP run")
+    return sorted(
+        (
+            AutoEpLayer(
+                layer=int(x["layer"]),
+                module=str(x["module"]),
+                prefix=str(x["prefix"]),
+                experts=int(x["experts"]),
+                ep_size=int(x["ep_size"]),
+                placement=(),
+                shapes={w: tuple(int(d) for d in s) for w, s in x["shapes"].items()},
+            )
+            for x in record["layers"]
+        ),
+        key=lambda x: x.layer,
+    )
+
+
+def _check_sizes(layers: list[AutoEpLayer], world: int, ep: int) -> None:
+    if ep < 1 or world % ep:
+        raise ConfigError(f"autoep_size={ep} must divide the number of ranks ({world}): DeepSpeed refuses it")
+    for x in layers:
+        if x.experts % ep:
+            raise ConfigError(f"{x.module} has {x.experts} experts, which autoep_size={ep} does not divide")
+
+
+class _FusedExperts(ReaderView):
+    """The reader with each expert group's experts stacked into the fused tensors of each expert-parallel rank:
+    ``{prefix}.{w}@ep{p}`` of shape ``[L, ...]``, labelled ``{prefix}.{w}`` in the rank files."""
+
+    def __init__(self, inner: Reader, layers: list[AutoEpLayer], ep: int) -> None:
+        facts = inner.facts
+        by_prefix = {x.prefix: x for x in layers}
+        self.members: dict[str, list[str]] = {}
+        self.sets: dict[int, Zero12Sets] = {}
+        groups: list[GroupMeta] = []
+        params: list[ParamMeta] = []
+        for meta in facts.groups:
+            if not meta.raw.get("moe"):
+                groups.append(meta)
+                params += [facts.param(n) for n in meta.params]
+                continue
+            pairs = _fused_pairs(meta, by_prefix)
+            names: list[list[str]] = [[] for _ in range(ep)]
+            for p in range(ep):
+                for x, weight in pairs:
+                    local = x.experts // ep
+                    fused = f"{x.fused(weight)}@ep{p}"
+                    self.members[fused] = [expert_name(x.prefix, weight, e) for e in range(p * local, (p + 1) * local)]
+                    first = facts.param(self.members[fused][0])
+                    params.append(replace(first, name=fused, shape=(local, *first.shape)))
+                    names[p].append(fused)
+            labels = tuple(tuple(n.rsplit("@", 1)[0] for n in set_names) for set_names in names)
+            self.sets[meta.index] = Zero12Sets(tuple(map(tuple, names)), labels)
+            name = ep_group_name(ep)
+            groups.append(
+                replace(
+                    meta,
+                    params=[n for set_names in names for n in set_names],
+                    raw={**meta.raw, "name": name},
+                    hyper=replace(meta.hyper, extra={**meta.hyper.extra, "name": name}),
+                )
+            )
+        params += [p for p in facts.params if p.frozen]
+        super().__init__(inner, replace(facts, groups=groups, params=params))
+
+    def param_steps(self) -> dict[str, int | None]:
+        steps = self.inner.param_steps()
+        return {m.name: steps[self.members[m.name][0] if m.name in self.members else m.name] for m in self.facts.params}
+
+    def read(self, name: str, *, moments: bool = True) -> ParamState:
+        members = self.members.get(name)
+        if members is None:
+            return self.inner.read(name, moments=moments)
+        states = [self.inner.read(m, moments=moments) for m in members]
+        if len({s.step for s in states}) != 1 or len({tuple(s.optim) for s in states}) != 1:
+            raise InputError(f"the experts stacked into {name} disagree on their step or state keys")
+        return ParamState(
+            fp32=torch.stack([s.fp32 for s in states]),
+            optim={k: torch.stack([s.optim[k] for s in states]) for k in states[0].optim},
+            step=states[0].step,
+            scalars=dict(states[0].scalars),
+        )
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        if name not in self.members:
+            with self.inner.read_pieces(name, moments=moments) as state:
+                yield state
+            return
+        yield PieceState.of(self.read(name, moments=moments))
+
+
+def _fused_pairs(meta: GroupMeta, layers: Mapping[str, AutoEpLayer]) -> list[tuple[AutoEpLayer, str]]:
+    """The (layer, weight) fused tensors an expert group holds, in its order; each with all its experts."""
+    seen: dict[tuple[str, str], set[int]] = {}
+    for name in meta.params:
+        parts = expert_parts(name)
+        if parts is None or parts[0] not in layers:
+            raise ConfigError(f"{name} is in an expert param group but is not an AutoEP expert slice")
+        seen.setdefault((parts[0], parts[1]), set()).add(parts[2])
+    out = []
+    for (prefix, weight), experts in seen.items():
+        x = layers[prefix]
+        if experts != set(range(x.experts)):
+            raise ConfigError(f"param group {meta.index} holds only some experts of {x.fused(weight)}")
+        out.append((x, weight))
+    return out
+
+
+def _write_experts(reader: Reader, tag_dir: Path, layers: list[AutoEpLayer], dtype: str) -> None:
+    """One ``layer_L_expert_E`` file per expert: its three slices in the run's dtype, under global names."""
+    lp = torch_dtype(dtype)
+    for x in layers:
+        for e in range(x.experts):
+            names = [expert_name(x.prefix, w, e) for w in WEIGHTS]
+            weights = {n: reader.read(n, moments=False).fp32.to(lp) for n in names}
+            write_torch_file(weights, tag_dir / expert_file(x.layer, e))
+
+
+def _model_fields(reader: Reader, layers: list[AutoEpLayer], world: int, ep: int, stage: int) -> dict[str, Any]:
+    entries = [autoep_entry(x, ep=ep, world=world) for x in layers]
+    config = config_for_stage(reader.facts.info.ds_config, stage)
+    if isinstance(config.get("expert_parallel"), Mapping):
+        config = {**config, "expert_parallel": {**config["expert_parallel"], "autoep_size": ep}}
+    return {
+        "num_experts": [x.experts for x in layers],
+        AUTOEP_LAYERS: entries,
+        "universal_checkpoint_info": universal_info(entries),
+        "ds_config": config,
+    }
+
+
+def write_autoep(
+    source: Reader | str | os.PathLike,
+    out: str | os.PathLike,
+    options: RestoreOptions | None = None,
+    *,
+    ep: int,
+    overwrite: bool = False,
+    workers: int | None = None,
+    fsync: bool = False,
+    **fields: Any,
+) -> NativePlan:
+    """Write ``out/latest`` and ``out/<tag>/`` for an AutoEP run of ``dp`` ranks at ``autoep_size`` ``ep``
+    (``fsync``: flushed to disk before it is published)."""
+    options = RestoreOptions(**fields) if options is None else replace(options, **fields)
+    if options.stage not in (1, 2) or options.tp != 1:
+        raise ConfigError("an AutoEP target is ZeRO-1 or ZeRO-2 at TP=1")
+    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
+    try:
+        layers = autoep_layers_of(reader)
+        _check_sizes(layers, options.dp, ep)
+        view = _FusedExperts(reader, layers, ep)
+        plan = plan_native(view.facts, options)
+        plan.zero12_sets = dict(view.sets)
+        plan.model_fields = _model_fields(reader, layers, options.dp, ep, options.stage)
+        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+            tag_dir = root / plan.tag
+            tag_dir.mkdir()
+            write_zero12(view, plan, tag_dir, workers or default_workers())
+            _write_experts(reader, tag_dir, layers, plan.dtype)
+            (root / LATEST).write_text(plan.tag)
+        logger.debug("wrote an AutoEP checkpoint for %d ranks at autoep_size=%d to %s", options.dp, ep, out)
+        return plan
+    finally:
+        if reader is not source:
+            reader.close()
