@@ -29,7 +29,7 @@ from tests.support.ds_convert import ds_to_universal
 from tests.support.files import resave
 from tests.support.pipeline_runs import BuiltPipe, build_pipe, merged_record, run_pipe, run_through
 from ucp.cli import main as cli
-from ucp.errors import InputError
+from ucp.errors import ConfigError, InputError
 from ucp.harness import LoadSpec
 from ucp.io.torchfile import load
 from ucp.ops.inspect import format_report, inspect_path
@@ -285,3 +285,33 @@ def test_deepspeeds_ds_to_universal_converts_the_trained_weights_but_drops_the_l
                 theirs = torch.load(zero / name / f"{key}.pt", weights_only=False)
                 assert torch.equal(theirs["param"] if isinstance(theirs, dict) else theirs, value), (name, key)
     assert not list((tmp_path / "dsu").glob("layer_*"))
+
+
+def test_a_partition_method_gives_deepspeeds_own_partition_and_the_run_resumes(pipe, universal, native, tmp_path):
+    """``PipelineLayout.by_method("parameters", ...)`` cuts the 6 layers for 3 stages as a PipelineModule with
+    ``partition_method="parameters"`` does ([0, 2, 3, 6], where "uniform" gives [0, 2, 4, 6]); that engine
+    loads ucp's output and trains on like DeepSpeed's native resume of the PP=2 run."""
+    with open_reader(universal) as reader:
+        layout = PipelineLayout.by_method("parameters", 3, 6, {"embed": (0, 5)}, reader.facts)
+        assert PipelineLayout.by_method("uniform", 3, 6, {"embed": (0, 5)}, reader.facts).parts == (0, 2, 4, 6)
+    assert layout.parts == (0, 2, 3, 6)
+    write_pipeline(universal, tmp_path / "p", layout, dp=1, stage=1)
+    resumed = run_pipe(
+        pipe, name="pp3", work=tmp_path, load=LoadSpec(str(tmp_path / "p")), pp=3, dp=1, partition_method="parameters"
+    )
+    assert all(rec["parts"] == [0, 2, 3, 6] for rec in resumed)
+    for a, b in zip(native[0]["losses"], resumed[0]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5, (native[0]["losses"], resumed[0]["losses"])
+    ours, theirs = merged_record(resumed), merged_record(native)
+    for name, value in theirs["params"].items():
+        assert torch.allclose(ours["params"][name], value, rtol=0, atol=1e-5), name
+
+
+def test_partition_methods_ucp_cannot_reproduce_are_refused_in_one_line(universal):
+    with open_reader(universal) as reader:
+        with pytest.raises(ConfigError, match=r"partition method 'type:PipeBlock'.*uniform and parameters"):
+            PipelineLayout.by_method("type:PipeBlock", 2, 6, {"embed": (0, 5)}, reader.facts)
+        with pytest.raises(ConfigError, match=r"5 layers cannot fill 6 pipeline stages"):
+            PipelineLayout.by_method("uniform", 6, 5, {"embed": (0, 5)}, reader.facts)
+        with pytest.raises(ConfigError, match=r"tied_modules.embed.weight is in layer 5, but the model has 5 layers"):
+            PipelineLayout.by_method("parameters", 2, 5, {"embed": (0, 5)}, reader.facts)

@@ -44,6 +44,7 @@ class PipeSpec:
     pp: int = 2
     dp: int = 2
     tp: int = 1  # tensor-parallel ranks per stage (Megatron-style blocks)
+    partition_method: str = "uniform"  # PipelineModule's: uniform | parameters
     stage: int = 1  # PipelineEngine takes ZeRO-0/1 only
     dtype: str = "fp32"
     micro_batches: int = 2  # gradient accumulation steps: the pipeline's micro-batches per step
@@ -225,6 +226,15 @@ def tp_info() -> dict:
     }
 
 
+def _seed_layer(seed: object) -> None:
+    """DeepSpeed's per-layer seeding, given a plain int: with ``partition_method="parameters"`` DeepSpeed
+    0.19.8 hands a numpy integer (its partition is a numpy array), which ``random.seed`` refuses on
+    Python 3.11. Layer weights draw from torch only, so they are what DeepSpeed's own seeding gives."""
+    from deepspeed.runtime.utils import set_random_seed
+
+    set_random_seed(int(seed))  # type: ignore[call-overload]
+
+
 def _pipe_module(spec: PipeSpec):
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -237,8 +247,9 @@ def _pipe_module(spec: PipeSpec):
         num_stages=None if topology else spec.pp,
         topology=topology,
         loss_fn=_loss,
-        partition_method="uniform",
+        partition_method=spec.partition_method,
         seed_layers=True,
+        seed_fn=_seed_layer,
         base_seed=spec.seed,
     )
     tp.group = module._grid.get_slice_parallel_group()
@@ -300,6 +311,7 @@ def _record(engine, spec: PipeSpec, losses: list[float], stage: int, dp_rank: in
             value = safe_get_full_optimizer_state(param, key)
             out["state"][key][name] = None if value is None else value.detach().cpu().clone()
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in module.named_buffers()}
+    out["parts"] = [int(x) for x in getattr(module, "parts", [])]  # the stage partition PipelineModule made
     out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     out["group_params"] = [
         [engine.param_names[p] for p in group] for group in getattr(engine.optimizer, "bit16_groups", [])

@@ -28,6 +28,7 @@ from ucp.io.torchfile import load
 from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions
 from ucp.model.records import Facts, Reader, ReaderView
+from ucp.model.stages import METHODS, balanced_parts, uniform_parts
 from ucp.sources import open_reader
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.zero12 import write_zero12
@@ -102,6 +103,35 @@ class PipelineLayout:
 
     def stages_of(self, name: str) -> list[int]:
         return sorted({self.stage_of_layer(layer) for layer in self.layers_of(name)})
+
+    @classmethod
+    def by_method(
+        cls, method: str, pp: int, layers: int, tied: Mapping[str, Sequence[int]], facts: Facts
+    ) -> PipelineLayout:
+        """The partition a PipelineModule with ``partition_method=method`` makes of ``layers`` layer specs
+        (every entry of its ``layers`` list, functions included: the checkpoint cannot tell how many
+        there are) on ``pp`` stages; ``parameters`` weighs each layer by the trainable elements
+        ``facts`` give it (a tied module's at every layer using it, as DeepSpeed counts them)."""
+        fixed: dict[str, tuple[int, ...]] = {key: tuple(used) for key, used in tied.items()}
+        if method == "uniform":
+            parts = uniform_parts(layers, pp)
+        elif method == "parameters":
+            probe = cls((0, max(layers, 1)), fixed)
+            weights = [0] * layers
+            for meta in facts.params:
+                for layer in () if meta.frozen else probe.layers_of(meta.name):
+                    if layer >= layers:
+                        raise ConfigError(f"{meta.name} is in layer {layer}, but the model has {layers} layers")
+                    weights[layer] += meta.numel
+            parts = balanced_parts(weights, pp)
+        else:
+            raise ConfigError(
+                f"partition method {method!r}: ucp reproduces {' and '.join(METHODS)}; give the layer partition "
+                "itself for any other (PipelineModule.parts)"
+            )
+        if len(set(parts)) != len(parts):
+            raise ConfigError(f"{layers} layers cannot fill {pp} pipeline stages ({method} partition {parts})")
+        return cls(tuple(parts), fixed)
 
 
 class StageView(ReaderView):
