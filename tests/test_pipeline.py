@@ -25,9 +25,9 @@ import torch
 
 import ucp
 from tests.support.digest import tree
-from tests.support.ds_convert import ds_to_universal
+from tests.support.ds_convert import assert_trained_params_match, ds_to_universal
 from tests.support.files import resave
-from tests.support.pipeline_runs import BuiltPipe, build_pipe, merged_record, run_pipe, run_through
+from tests.support.pipeline_runs import BuiltPipe, build_pipe, merged_record, run_pipe, run_through, universal_of
 from ucp.cli import main as cli
 from ucp.errors import ConfigError, InputError
 from ucp.harness import LoadSpec
@@ -48,9 +48,7 @@ def pipe() -> BuiltPipe:
 
 @pytest.fixture(scope="module")
 def universal(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pipe") / "u"
-    ucp.to_universal(pipe.path, out)
-    return out
+    return universal_of(pipe, tmp_path_factory)
 
 
 def test_stages_hold_the_tied_embedding_and_their_own_layers(pipe):
@@ -125,7 +123,7 @@ def test_inspect_shows_the_pipeline_stages(pipe):
 @pytest.fixture(scope="module")
 def through(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """The fixture's run continued without a save and load: the reference for every resume."""
-    return run_through(pipe, name="through", work=tmp_path_factory.mktemp("through"))
+    return run_through(pipe)
 
 
 def test_restore_at_pp1_dp3_resumes_like_the_uninterrupted_pipeline_run(pipe, universal, through, tmp_path):
@@ -275,15 +273,8 @@ def test_deepspeeds_ds_to_universal_converts_the_trained_weights_but_drops_the_l
     (docs/format.md section 8). When this fails, DeepSpeed changed: update the comparison there."""
     done = ds_to_universal(pipe.tag_dir, tmp_path / "dsu")
     assert done.returncode == 0, done.stderr[-2000:]
-    zero = tmp_path / "dsu" / "zero"
     with open_reader(universal) as ours:
-        trained = [p.name for p in ours.facts.params if not p.frozen]
-        assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == sorted(trained)
-        for name in trained:
-            state = ours.read(name)
-            for key, value in {"fp32": state.fp32, **state.optim}.items():
-                theirs = torch.load(zero / name / f"{key}.pt", weights_only=False)
-                assert torch.equal(theirs["param"] if isinstance(theirs, dict) else theirs, value), (name, key)
+        assert_trained_params_match(tmp_path / "dsu", ours)
     assert not list((tmp_path / "dsu").glob("layer_*"))
 
 

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import ucp
-from tests.support.pipeline_runs import BuiltPipe, build_pipe, run_pipe, run_through
+from tests.support.pipeline_runs import BuiltPipe, build_pipe, run_pipe, run_through, universal_of
 from ucp.harness import LoadSpec
 from ucp.harness.launch import RankFailure
 from ucp.harness.pipeline import run_pipeline
@@ -41,9 +40,7 @@ def pipe() -> BuiltPipe:
 
 @pytest.fixture(scope="module")
 def universal(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pipe") / "u"
-    ucp.to_universal(pipe.path, out)
-    return out
+    return universal_of(pipe, tmp_path_factory)
 
 
 def _live(pipe: BuiltPipe, universal: Path, work: Path, *, dp: int, steps: int) -> list[dict[str, Any]]:
@@ -55,9 +52,7 @@ def _live(pipe: BuiltPipe, universal: Path, work: Path, *, dp: int, steps: int) 
 @pytest.fixture(scope="module")
 def bf16_universal(tmp_path_factory: pytest.TempPathFactory) -> tuple[BuiltPipe, Path]:
     built = build_pipe(pp=2, dp=2, stage=1, dtype="bf16")
-    out = tmp_path_factory.mktemp("bf16") / "u"
-    ucp.to_universal(built.path, out)
-    return built, out
+    return built, universal_of(built, tmp_path_factory)
 
 
 @pytest.mark.parametrize("dtype, dp", [("fp32", 1), ("fp32", 2), ("bf16", 1)])
@@ -97,7 +92,7 @@ def test_each_stage_holds_the_universal_state_bit_for_bit_after_restore(
 
 @pytest.fixture(scope="module")
 def through(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_through(pipe, name="through", work=tmp_path_factory.mktemp("through"))
+    return run_through(pipe)
 
 
 @pytest.fixture(scope="module")

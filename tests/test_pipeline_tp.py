@@ -20,7 +20,7 @@ import torch
 
 import ucp
 from tests.support.digest import tree
-from tests.support.ds_convert import ds_to_universal
+from tests.support.ds_convert import assert_trained_params_match, ds_to_universal
 from tests.support.pipeline_runs import (
     BuiltPipe,
     build_pipe,
@@ -29,6 +29,7 @@ from tests.support.pipeline_runs import (
     run_through,
     tp_merged,
     tp_records,
+    universal_of,
 )
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
@@ -52,9 +53,7 @@ def pipe() -> BuiltPipe:
 
 @pytest.fixture(scope="module")
 def universal(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pipe3d") / "u"
-    ucp.to_universal(pipe.path, out)
-    return out
+    return universal_of(pipe, tmp_path_factory)
 
 
 def whole(records: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -180,7 +179,7 @@ def test_restore_at_pp1_tp2_dp2_resumes_like_deepspeeds_native_resume(pipe, univ
 @pytest.fixture(scope="module")
 def through(pipe: BuiltPipe, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The fixture's run continued without a save and load, its losses those of the 3 steps after the save."""
-    ran = whole(run_through(pipe, name="through", work=tmp_path_factory.mktemp("through3d"), per_tp=True))
+    ran = whole(run_through(pipe, per_tp=True))
     return {**ran, "losses": ran["losses"][pipe.spec.steps :]}
 
 
@@ -222,12 +221,5 @@ def test_deepspeeds_ds_to_universal_on_the_3d_run(pipe, universal, tmp_path):
     are not carried (docs/format.md section 8). When this fails, DeepSpeed changed: update the docs."""
     done = ds_to_universal(pipe.tag_dir, tmp_path / "dsu")
     assert done.returncode == 0, done.stderr[-2000:]
-    zero = tmp_path / "dsu" / "zero"
     with open_reader(universal) as ours:
-        trained = [p.name for p in ours.facts.params if not p.frozen]
-        assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == sorted(trained)
-        for name in trained:
-            state = ours.read(name)
-            for key, value in {"fp32": state.fp32, **state.optim}.items():
-                theirs = torch.load(zero / name / f"{key}.pt", weights_only=False)
-                assert torch.equal(theirs["param"] if isinstance(theirs, dict) else theirs, value), (name, key)
+        assert_trained_params_match(tmp_path / "dsu", ours)

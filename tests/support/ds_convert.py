@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ds_to_universal"]
+import torch
+
+from ucp.model.records import Reader
+
+__all__ = ["ds_to_universal", "assert_trained_params_match"]
 
 
 def ds_to_universal(tag_dir: Path, out: Path) -> subprocess.CompletedProcess:
@@ -24,3 +28,16 @@ def ds_to_universal(tag_dir: Path, out: Path) -> subprocess.CompletedProcess:
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
         timeout=600,
     )
+
+
+def assert_trained_params_match(out: Path, reader: Reader) -> None:
+    """DeepSpeed's universal folder ``out`` holds exactly the reader's trained parameters, each one's fp32
+    and optimizer state bit for bit (its files are DeepSpeed's own output, pickled with its own classes)."""
+    zero = out / "zero"
+    trained = [p.name for p in reader.facts.params if not p.frozen]
+    assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == sorted(trained)
+    for name in trained:
+        state = reader.read(name)
+        for key, value in {"fp32": state.fp32, **state.optim}.items():
+            theirs = torch.load(zero / name / f"{key}.pt", weights_only=False)
+            assert torch.equal(theirs["param"] if isinstance(theirs, dict) else theirs, value), (name, key)

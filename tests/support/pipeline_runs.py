@@ -18,6 +18,7 @@ __all__ = [
     "tp_merged",
     "run_pipe",
     "run_through",
+    "universal_of",
     "stage_records",
     "tp_records",
 ]
@@ -80,11 +81,26 @@ def run_pipe(
     return tp_records(spec) if per_tp else stage_records(spec)
 
 
-def run_through(base: BuiltPipe, *, name: str, work: Path, steps: int = 3, per_tp: bool = False) -> list[Any]:
-    """``base``'s run without the interruption: its steps and ``steps`` more in one go, nothing loaded."""
-    spec = replace(base.spec, steps=base.spec.steps + steps, save_dir=None, record=str(work / f"{name}.pt"), port=0)
-    run_pipeline(spec, log_dir=work / f"{name}-logs")
+def _through_spec(base: BuiltPipe, work: Path, steps: int) -> PipeSpec:
+    return replace(base.spec, steps=base.spec.steps + steps, save_dir=None, record=str(work / "through.pt"), port=0)
+
+
+def run_through(base: BuiltPipe, *, steps: int = 3, per_tp: bool = False) -> list[Any]:
+    """``base``'s run without the interruption: its steps and ``steps`` more in one go, nothing loaded.
+    Cached next to ``base`` (a deterministic function of it), so every test module shares one run."""
+    folder = base.path.parent / f"through-{steps}"
+    spec = _through_spec(base, folder, steps)
+    build_once(folder, lambda: run_pipeline(spec, log_dir=folder / "logs"))
     return tp_records(spec) if per_tp else stage_records(spec)
+
+
+def universal_of(base: BuiltPipe, factory: Any) -> Path:
+    """``base`` converted by ucp into a fresh universal directory (``factory``: pytest's tmp_path_factory)."""
+    import ucp
+
+    out = factory.mktemp("universal") / "u"
+    ucp.to_universal(base.path, out)
+    return out
 
 
 def merged_record(records: list[dict[str, Any]]) -> dict[str, Any]:
