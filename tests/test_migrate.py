@@ -704,10 +704,47 @@ target:
     assert ours == theirs
 
 
+@pytest.mark.slow
+def test_a_pipeline_target_cut_by_partition_method_is_the_clis(pipe_universal, tmp_path):
+    """``partition: parameters`` with stages and layers: the parts DeepSpeed's method makes ([0, 2, 3, 6] for 3
+    stages, tests/test_pipeline.py), the same files as ``ucp restore --pp 3 --pp-partition parameters``."""
+    body = f"""
+source: {json.dumps(str(pipe_universal))}
+target:
+  dp: 1
+  output: yaml
+  pipeline: {{partition: parameters, stages: 3, layers: 6, tied: {{embed: [0, 5]}}}}
+"""
+    path = _config(tmp_path, body)
+    assert "native pipeline (parameters partition of 6 layers, tied {'embed': [0, 5]})" in run_migration(
+        path, dry_run=True
+    )
+    assert "wrote a pipeline checkpoint for pp=3 x dp=1 (ZeRO-1" in run_migration(path)
+    argv = [
+        "-q",
+        "restore",
+        str(pipe_universal),
+        str(tmp_path / "cli"),
+        "--pp",
+        "3",
+        "--dp",
+        "1",
+        "--pp-tied",
+        "embed=0,5",
+    ]
+    assert main([*argv, "--pp-partition", "parameters", "--pp-layers", "6"]) == 0
+    assert main([*argv[:3], str(tmp_path / "parts"), *argv[4:], "--pp-parts", "0,2,3,6"]) == 0
+    assert _files(tmp_path / "yaml") == _files(tmp_path / "cli") == _files(tmp_path / "parts")
+
+
 PIPELINE_BAD = [
     ("parts not rising", "pipeline: {parts: [0, 3, 3], tied: {embed: [0, 5]}}", r"target\.pipeline\.parts: layer partition \[0, 3, 3\] is not one"),
     ("parts as a string", "pipeline: {parts: '0,3,6'}", r"target\.pipeline\.parts: must be a list of integers, got '0,3,6'"),
-    ("parts missing", "pipeline: {tied: {embed: [0, 5]}}", r"target\.pipeline\.parts: is required"),
+    ("parts missing", "pipeline: {tied: {embed: [0, 5]}}", r"target\.pipeline\.parts: give the layer partition \(parts: \[0, 3, 6\]\) or a partition method"),
+    ("parts and a method", "pipeline: {parts: [0, 3, 6], partition: uniform}", r"target\.pipeline\.parts: give the layer partition .*: one of them"),
+    ("unknown method", "pipeline: {partition: 'type:PipeBlock', stages: 2, layers: 6}", r"target\.pipeline\.partition: must be one of uniform, parameters"),
+    ("method without layers", "pipeline: {partition: uniform, stages: 2}", r"target\.pipeline\.layers: partition: uniform needs layers"),
+    ("too few layers", "pipeline: {partition: uniform, stages: 7, layers: 6, tied: {embed: [0, 5]}}", r"target\.pipeline: 6 layers cannot fill 7 pipeline stages"),
     ("tied not a mapping of lists", "pipeline: {parts: [0, 3, 6], tied: {embed: 5}}", r"target\.pipeline\.tied: must be a mapping of strings to a list of integers"),
     ("tied without layers", "pipeline: {parts: [0, 3, 6], tied: {embed: []}}", r"target\.pipeline\.tied: tied module 'embed' needs the indices"),
     ("tied key missing", "pipeline: {parts: [0, 3, 6]}", r"target\.pipeline: tied_modules\.embed\.weight belongs to tied module 'embed'"),

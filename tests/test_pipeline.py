@@ -257,8 +257,21 @@ def test_cli_reshard_pp_reads_a_pipeline_checkpoint_straight(pipe, universal, tm
         (["--pp", "2", "--pp-parts", "0,x,6"], "--pp-parts: give comma-separated layer indices"),
         (["--pp", "2", "--pp-parts", "0,3,6"], "tied module 'embed'; give the layers using it .*--pp-tied embed=0,5"),
         (["--pp", "2", "--pp-parts", "0,3,6", "--pp-tied", "embed=0,5", "--stage", "2"], "PipelineEngine refuses"),
+        (["--pp", "2", "--pp-partition", "uniform"], "--pp-partition needs --pp-layers"),
+        (["--pp", "2", "--pp-parts", "0,3,6", "--pp-partition", "uniform"], "--pp-parts 0,3,6 .* or --pp-partition"),
+        (["--pp", "7", "--pp-partition", "uniform", "--pp-layers", "6"], "6 layers cannot fill 7 pipeline stages"),
     ],
-    ids=["no-parts", "parts-vs-pp", "not-rising", "not-numbers", "tied-missing", "stage-2"],
+    ids=[
+        "no-parts",
+        "parts-vs-pp",
+        "not-rising",
+        "not-numbers",
+        "tied-missing",
+        "stage-2",
+        "method-no-layers",
+        "parts-and-method",
+        "method-too-few-layers",
+    ],  # fmt: skip
 )
 def test_cli_pipeline_restore_problems_are_one_line(universal, tmp_path, capsys, flags, message):
     assert cli(["restore", str(universal), str(tmp_path / "x"), "--dp", "1", *flags]) != 0

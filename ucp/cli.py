@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ucp import __version__
 from ucp.errors import Stopped, UcpError
@@ -235,20 +235,22 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     if hf is not None:
         return _cmd_restore_hf(args, step, hf.tag)
     if args.ep is not None and (args.pp is not None or args.distributed):
-        raise UcpError("--ep writes a legacy MoE checkpoint at PP=1 in one process: drop --pp and --distributed")
+        raise UcpError(
+            "--ep writes a legacy MoE checkpoint at PP=1 in one process (or an AutoEP one): drop --pp and --distributed"
+        )
     if args.pp is not None:
         return _cmd_restore_pipeline(args, step)
     if args.distributed:
         return _cmd_native_distributed(args, step)
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
         if args.ep is not None or _is_moe(reader.facts):
-            plan, ep = _write_moe(args, reader, step)
-            return _moe_done(args, plan, ep)
+            return _write_experts(args, reader, step)
         plan = write_native(reader, args.out, **_native_options(args, step, _stage(args, reader.facts)))
     return _native_done(args, plan)
 
 
 def _is_moe(facts: Facts) -> bool:
+    """Expert param groups (``moe: True``): a legacy MoE or an AutoEP run."""
     from ucp.targets.moe import is_moe
 
     return is_moe(facts)
@@ -260,29 +262,45 @@ def _refuse_moe(facts: Facts, flag: str) -> None:
         raise UcpError(f"the source is a mixture-of-experts run, which {flag} cannot write: restore without it (--ep)")
 
 
-def _write_moe(args: argparse.Namespace, reader: Reader, step: int | str) -> tuple[NativePlan, int]:
-    """A legacy-MoE checkpoint for --dp ranks at --ep, which defaults to the source's expert-parallel size
-    (the one DeepSpeed setting a MoE run's checkpoint cannot be loaded without)."""
-    from ucp.targets.moe import source_ep_size, write_moe
+class _ExpertTarget(NamedTuple):
+    """How a run with experts is written: legacy MoE (``ucp.targets.moe``) or AutoEP (``ucp.targets.autoep``)."""
 
-    ep = args.ep if args.ep is not None else source_ep_size(reader)
+    kind: str  # in the summary line
+    format: str  # --json's ``format``
+    size: str  # what DeepSpeed calls the expert-parallel size
+    write: Callable[..., NativePlan]
+    source_ep_size: Callable[[Reader], int]
+
+
+def _expert_target(reader: Reader) -> _ExpertTarget:
+    """The writer the source's experts need: AutoEP when its reader records AutoEP layers, else legacy MoE
+    (which refuses a source without MoE layers in one line)."""
+    from ucp.targets import autoep, moe
+
+    if autoep.is_autoep(reader):
+        return _ExpertTarget("an AutoEP", "deepspeed-autoep", "autoep_size", autoep.write_autoep, autoep.source_ep_size)
+    return _ExpertTarget("a MoE", "deepspeed-moe", "ep_size", moe.write_moe, moe.source_ep_size)
+
+
+def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) -> int:
+    """A legacy-MoE or AutoEP checkpoint for --dp ranks at --ep, which defaults to the source's expert-parallel
+    size (the one DeepSpeed setting a run with experts cannot load its checkpoint without)."""
+    target = _expert_target(reader)
+    ep = args.ep if args.ep is not None else target.source_ep_size(reader)
     if args.ep is None and args.dp % ep:
-        raise UcpError(f"the source's ep_size={ep} does not divide --dp {args.dp}: give the new run's --ep")
-    # a MoE run is ZeRO-1/2: the source's stage unless told
+        raise UcpError(f"the source's {target.size}={ep} does not divide --dp {args.dp}: give the new run's --ep")
+    # a run with experts is ZeRO-1/2 here: the source's stage unless told
     options = _native_options(args, step, args.stage or reader.facts.info.zero_stage)
-    return write_moe(reader, args.out, ep=ep, **options), ep
-
-
-def _moe_done(args: argparse.Namespace, plan: NativePlan, ep: int) -> int:
+    plan = target.write(reader, args.out, ep=ep, **options)
     summary = (
-        f"wrote a MoE checkpoint for dp={plan.dp} at ep_size={ep} (ZeRO-{plan.stage}, {plan.flavour.name}, "
-        f"{plan.dtype}) to {args.out}/{plan.tag}"
+        f"wrote {target.kind} checkpoint for dp={plan.dp} at {target.size}={ep} (ZeRO-{plan.stage}, "
+        f"{plan.flavour.name}, {plan.dtype}) to {args.out}/{plan.tag}"
     )
     return _done(
         args,
         summary,
         plan.notes,
-        format="deepspeed-moe",
+        format=target.format,
         stage=plan.stage,
         dp=plan.dp,
         ep=ep,
@@ -346,16 +364,23 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
     from ucp.sources import open_reader
     from ucp.targets.pipeline import PipelineLayout, write_pipeline
 
-    if args.pp_parts is None:
+    if (args.pp_parts is None) == (args.pp_partition is None):
         raise UcpError(
-            "--pp needs the new run's layer partition: --pp-parts 0,3,6 (its PipelineModule.parts), and "
-            "--pp-tied KEY=LAYERS for each TiedLayerSpec key"
+            "--pp needs the new run's layer partition: --pp-parts 0,3,6 (its PipelineModule.parts) or "
+            "--pp-partition uniform|parameters --pp-layers N (its partition_method), and --pp-tied KEY=LAYERS for "
+            "each TiedLayerSpec key"
         )
-    layout = PipelineLayout.parse(args.pp_parts, args.pp_tied or ())
-    if layout.pp != args.pp:
-        raise UcpError(f"--pp-parts {args.pp_parts} cuts {layout.pp} stages, but --pp is {args.pp}")
+    if args.pp_partition is not None and args.pp_layers is None:
+        raise UcpError("--pp-partition needs --pp-layers: the length of the PipelineModule's layer list")
+    tied = PipelineLayout.parse_tied(args.pp_tied or ())
+    if args.pp_parts is not None:
+        layout = PipelineLayout.parse(args.pp_parts, args.pp_tied or ())
+        if layout.pp != args.pp:
+            raise UcpError(f"--pp-parts {args.pp_parts} cuts {layout.pp} stages, but --pp is {args.pp}")
     with _output(args, args.universal, lambda: open_reader(args.universal), _weights(args)) as reader:
         _refuse_moe(reader.facts, "--pp")
+        if args.pp_partition is not None:
+            layout = PipelineLayout.by_method(args.pp_partition, args.pp, args.pp_layers, tied, reader.facts)
         # PipelineEngine runs ZeRO-0/1 only: stage 1 unless told
         plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, args.stage or 1))
     summary = (
@@ -504,9 +529,16 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pp",
         type=_positive,
-        help="pipeline stages of the new run: a PipelineEngine checkpoint (stage defaults to 1; needs --pp-parts)",
+        help="pipeline stages of the new run: a PipelineEngine checkpoint (stage defaults to 1; needs --pp-parts or "
+        "--pp-partition)",
     )
     p.add_argument("--pp-parts", metavar="0,3,6", help="--pp: the new run's layer partition (PipelineModule.parts)")
+    p.add_argument(
+        "--pp-partition",
+        choices=("uniform", "parameters"),
+        help="--pp: cut the layers as the new run's partition_method will (instead of --pp-parts; needs --pp-layers)",
+    )
+    p.add_argument("--pp-layers", type=_positive, metavar="N", help="--pp-partition: the PipelineModule's layer count")
     p.add_argument(
         "--pp-tied",
         action="append",
@@ -516,8 +548,8 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ep",
         type=_positive,
-        help="expert-parallel size of the new run: a legacy DeepSpeed MoE checkpoint (ZeRO-1/2; default for a MoE "
-        "source: its own ep_size, and its stage)",
+        help="expert-parallel size of the new run: a legacy DeepSpeed MoE or AutoEP checkpoint (ZeRO-1/2; default "
+        "for a source with experts: its own ep_size or autoep_size, and its stage)",
     )
     p.add_argument(
         "--optimizer",

@@ -231,6 +231,8 @@ def _plan_target(
         )
     if target.pipeline is not None:
         _check_pipeline(target.pipeline, facts, hf, issues)
+    elif hf is None:
+        _check_experts(facts, issues)
     if len(issues) > start:
         return None
     step: str | int = target.step
@@ -266,12 +268,27 @@ def _check_pipeline(pipeline: PipelineConfig, facts: Facts, hf: Any | None, issu
     if facts.tied:
         issues.append(Issue(at, "a pipeline target cannot carry tied aliases; tie layers with TiedLayerSpec"))
         return
-    layout = pipeline.layout()
     try:
+        layout = pipeline.layout(facts)
         for name in [p.name for p in facts.params] + list(facts.buffer_names):
             layout.stages_of(name)
     except ConfigError as err:
         issues.append(Issue(at, str(err)))
+
+
+def _check_experts(facts: Facts, issues: list[Issue]) -> None:
+    """A legacy MoE or AutoEP source written by the native target would put every expert on every rank under
+    names its run lacks; ``ucp restore --ep`` writes it."""
+    from ucp.targets.moe import is_moe
+
+    if is_moe(facts):
+        issues.append(
+            Issue(
+                ("target",),
+                "the source is a mixture-of-experts run (legacy MoE or AutoEP), which a migration's native target "
+                "cannot write yet: keep the universal directory and run `ucp restore UNIVERSAL OUT --dp N --ep E`",
+            )
+        )
 
 
 def _param_steps(reader: Reader, tplan: TransformPlan) -> dict[str, int]:
@@ -409,8 +426,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
         kind = "native" if plan.hf is None else f"a whole {plan.hf.kind} folder with a"
         pipeline = config.target.pipeline
         if pipeline is not None:
-            kind = f"native pipeline (parts {pipeline.parts}, tied {pipeline.tied})"
-            tp = f" x pp={len(pipeline.parts) - 1}{tp}"
+            kind = f"native pipeline ({pipeline.describe()})"
+            tp = f" x pp={pipeline.pp}{tp}"
         out.append(
             f"write      {config.target.output}: {kind} ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"

@@ -82,7 +82,7 @@ def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool, wor
     target = plan.config.target
     if target is None or target.pipeline is None:
         raise ValueError("the plan has no pipeline target")
-    layout = target.pipeline.layout()
+    layout = target.pipeline.layout(reader.facts)
     native = write_pipeline(reader, target.output, layout, target.options(), overwrite=overwrite, workers=workers)
     return (
         f"wrote a pipeline checkpoint for pp={layout.pp} x dp={native.dp} (ZeRO-{native.stage}, "

@@ -14,7 +14,8 @@ from ucp.migrate.checking import Check, Node, checked
 from ucp.migrate.issues import Issue, KeyPath, Origin
 from ucp.model import flavours
 from ucp.model.options import RestoreOptions
-from ucp.model.records import DTYPES
+from ucp.model.records import DTYPES, Facts
+from ucp.model.stages import METHODS
 from ucp.targets.pipeline import PipelineLayout
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step
 
@@ -157,20 +158,51 @@ class TensorParallelConfig(Node):
 @dataclass
 class PipelineConfig(Node):
     """The new run's layer partition, for a PipelineEngine checkpoint: stage ``s`` holds layers
-    ``parts[s] .. parts[s+1]-1`` (``PipelineModule.parts``), ``tied`` the layers using each TiedLayerSpec
-    key. Neither is in a checkpoint, so both are given (``ucp restore --pp-parts 0,3,6 --pp-tied embed=0,5``)."""
+    ``parts[s] .. parts[s+1]-1`` (``PipelineModule.parts``), or ``partition: uniform | parameters`` cuts
+    ``layers`` layers on ``stages`` stages as that ``partition_method`` will; ``tied`` the layers using
+    each TiedLayerSpec key. None of it is in a checkpoint, so it is given (``ucp restore --pp-parts 0,3,6
+    --pp-tied embed=0,5``, or ``--pp-partition parameters --pp-layers 6``)."""
 
-    parts: list[int]
+    parts: list[int] | None = None
+    partition: str | None = checked(lambda v: _one_of(METHODS)(v) if v is not None else (), default=None)
+    stages: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
+    layers: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
     tied: dict[str, list[int]] = field(default_factory=dict)
 
     def cross_issues(self) -> Iterator[Issue]:
+        if (self.parts is None) == (self.partition is None):
+            yield Issue(
+                ("parts",),
+                "give the layer partition (parts: [0, 3, 6]) or a partition method (partition: uniform or "
+                "parameters, with stages and layers): one of them",
+            )
+            return
+        if self.partition is not None:
+            for key in ("stages", "layers"):
+                if getattr(self, key) is None:
+                    yield Issue((key,), f"partition: {self.partition} needs {key} (the new run's {key})")
+            return
         try:
-            self.layout()
+            self.layout(None)
         except ConfigError as err:
             yield Issue(("tied",) if "tied module" in str(err) else ("parts",), str(err))
 
-    def layout(self) -> PipelineLayout:
-        return PipelineLayout(tuple(self.parts), {key: tuple(layers) for key, layers in self.tied.items()})
+    @property
+    def pp(self) -> int:
+        return len(self.parts) - 1 if self.parts is not None else int(self.stages or 0)
+
+    def describe(self) -> str:
+        how = f"parts {self.parts}" if self.parts is not None else f"{self.partition} partition of {self.layers} layers"
+        return f"{how}, tied {self.tied}"
+
+    def layout(self, facts: Facts | None) -> PipelineLayout:
+        """The partition; a method's needs the source's ``facts`` (``parameters`` weighs layers by them)."""
+        tied = {key: tuple(layers) for key, layers in self.tied.items()}
+        if self.parts is not None:
+            return PipelineLayout(tuple(self.parts), tied)
+        if facts is None or self.partition is None or self.stages is None or self.layers is None:
+            raise ValueError("a partition method's layout needs the source's facts, stages and layers")
+        return PipelineLayout.by_method(self.partition, self.stages, self.layers, tied, facts)
 
 
 TARGET_FORMATS = ("deepspeed", "dcp")

@@ -114,7 +114,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "warnings": list(facts.warnings),
         "tensor_parallel": dict(facts.tp_rules),
     }
-    # a pipeline-parallel source's stages, a mixture-of-experts source's MoE layers (a universal directory
+    # a pipeline-parallel source's stages, a mixture-of-experts source's MoE or AutoEP layers (a universal directory
     # keeps its source's in ucp.json)
     report.update(source_layouts(reader))
     if universal:
@@ -186,8 +186,18 @@ def _pipeline_lines(pipeline: dict[str, Any], dp: int) -> list[str]:
 
 def _moe_lines(moe: dict[str, Any]) -> list[str]:
     """A MoE source's layers: module, experts, expert-parallel size; experts named by global index."""
-    lines = [f"  mixture of experts: {len(moe['layers'])} MoE layers on {moe['world']} ranks, experts by global index"]
-    for layer in moe["layers"]:
+    return _expert_lines(f"mixture of experts: {len(moe['layers'])} MoE layers on {moe['world']} ranks", moe["layers"])
+
+
+def _autoep_lines(autoep: dict[str, Any]) -> list[str]:
+    """An AutoEP source's layers, as a MoE source's: its fused experts are read as one parameter per expert."""
+    title = f"AutoEP: {len(autoep['layers'])} layers on {autoep['world']} ranks at autoep_size={autoep['ep_size']}"
+    return _expert_lines(title, autoep["layers"])
+
+
+def _expert_lines(title: str, layers: list[dict[str, Any]]) -> list[str]:
+    lines = [f"  {title}, experts by global index"]
+    for layer in layers:
         lines.append(
             f"    layer {layer['layer']}: {layer['module']}, {layer['experts']} experts at ep_size={layer['ep_size']}"
         )
@@ -213,6 +223,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines[2:2] = _pipeline_lines(report["pipeline"], report["dp_world_size"])
     if report.get("moe"):
         lines[2:2] = _moe_lines(report["moe"])
+    if report.get("autoep"):
+        lines[2:2] = _autoep_lines(report["autoep"])
     adam = report.get("optimizer_family") in (None, "adam")
     for group in report["param_groups"]:
         hyper = group["hyperparameters"]

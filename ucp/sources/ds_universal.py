@@ -16,6 +16,12 @@ sub-group, mapped to groups by ``param_groups[g]["params"]``; ZeRO-1/2: one entr
 ZeRO-3 writes no folder for frozen parameters: they are rebuilt from every rank's
 ``frozen_param_fragments``. ZeRO-1/2 writes an fp32.pt for everything in ``module`` (frozen
 parameters, tied aliases and buffers too, cast to fp32); ucp takes those from ``module`` instead.
+
+An AutoEP run (the model states list ``ds_autoep_layers``): each fused expert tensor ``{module}.experts.w1``
+gets one folder holding the whole ``[experts, ...]`` tensor (its files add ``is_expert_param`` and
+``ep_num_experts``), while ``param_shapes`` keeps rank 0's local ``[experts / ep, ...]``. ucp reads it as
+:class:`~ucp.sources.autoep.AutoEpSource` reads the original checkpoint: one parameter per expert,
+``{module}.experts.w1.{e}``, and the same ``autoep`` record in ``extras``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ucp.deepspeed.autoep import AUTOEP_LAYERS, WEIGHTS, AutoEpLayer, autoep_layers, expert_name
 from ucp.deepspeed.fields import (
     as_int,
     build_facts,
@@ -56,6 +63,7 @@ from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, offloads_optimizer
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
+from ucp.sources.autoep import AUTOEP_EXTRAS
 from ucp.sources.common import group_meta, zero3_gather
 
 __all__ = ["DsUniversalSource"]
@@ -80,6 +88,10 @@ class DsUniversalSource(Reader):
         self._zero = self.root / "zero"
         self._models: dict[int, TorchFile] = {}
         self._step_files = False  # ZeRO-1/2 with the step in the optimizer state: zero/<name>/step.pt
+        self._fused: dict[str, tuple[AutoEpLayer, str]] = {}  # AutoEP fused tensor -> (its layer, weight)
+        self._expert_of: dict[str, tuple[str, int]] = {}  # expert parameter -> (fused tensor's folder, expert)
+        #: the AutoEP layers as :class:`~ucp.sources.autoep.AutoEpSource` records them; None without AutoEP
+        self.autoep: dict[str, Any] | None = None
         self.facts = build_facts(
             lambda: self._facts(optimizer),
             close=self.close,
@@ -140,6 +152,7 @@ class DsUniversalSource(Reader):
         stage, dp = optim["zero_stage"], optim["partition_count"]
         self._zero3 = stage == 3
         head = self._open_models(stage, dp)
+        self._read_autoep(head, dp, stage)
         shapes = [need_mapping(s, "param_shapes entry") for s in head["param_shapes"]]
         ds_config = head.get("ds_config") or {}
         groups_raw = optim["param_groups"]
@@ -183,6 +196,41 @@ class DsUniversalSource(Reader):
             warnings=warnings,
         )
 
+    def _read_autoep(self, head: Mapping[str, Any], dp: int, stage: int) -> None:
+        """The AutoEP layers of the copied model states: which folders hold fused experts, and the record
+        :func:`ucp.targets.autoep.write_autoep` reads back."""
+        if head.get(AUTOEP_LAYERS) is not None and stage == 3:
+            raise InputError(
+                f"{self.root} is ds_to_universal's output of a ZeRO-3 AutoEP checkpoint, which ucp does not read: "
+                "convert the original checkpoint with `ucp to-universal CKPT OUT` instead"
+            )
+        layers = autoep_layers(head, self._models[0].path.name)
+        if layers is None:
+            return
+        self._fused = {x.fused(w): (x, w) for x in layers for w in WEIGHTS}
+        self.autoep = _autoep_record(layers, dp)
+
+    def _members(self, pname: str, dtype: str, g: int) -> list[ParamMeta]:
+        """The parameters one folder holds: itself, or each expert of an AutoEP fused tensor under its global
+        name (ds_to_universal writes the whole ``[experts, ...]`` tensor; ``param_shapes`` lists rank 0's part)."""
+        fused = self._fused.get(pname)
+        if fused is None:
+            return [ParamMeta(pname, self._shape[pname], dtype, g, False)]
+        layer, weight = fused
+        whole = layer.shapes[weight]
+        if self._shape[pname] != (layer.local, *whole[1:]):
+            raise InputError(
+                f"{pname} has shape {list(self._shape[pname])} in param_shapes, but ds_autoep_layers gives rank 0 "
+                f"[{layer.local}, {', '.join(map(str, whole[1:]))}]: files of different checkpoints are mixed"
+            )
+        self._shape[pname] = whole
+        out = []
+        for e in range(layer.experts):
+            name = expert_name(layer.prefix, weight, e)
+            self._expert_of[name] = (pname, e)
+            out.append(ParamMeta(name, whole[1:], dtype, g, False))
+        return out
+
     def _check_groups(self, groups_raw: list[dict[str, Any]]) -> None:
         """Every param group has an lr and integer members (sub-group or group indices)."""
         for g, group in enumerate(groups_raw):
@@ -211,6 +259,7 @@ class DsUniversalSource(Reader):
         params: list[ParamMeta] = []
         groups: list[GroupMeta] = []
         for g, group in enumerate(groups_raw):
+            folders: list[str] = []
             names: list[str] = []
             for sub in members[g]:
                 for pname, shape in shapes[sub].items():
@@ -227,11 +276,13 @@ class DsUniversalSource(Reader):
                     self._group_of[pname] = g
                     for leaf in leaves:
                         self._require(pname, leaf)
-                    names.append(pname)
-                    params.append(ParamMeta(pname, self._shape[pname], dtype, g, False))
+                    folders.append(pname)
+                    members_of = self._members(pname, dtype, g)
+                    names += [m.name for m in members_of]
+                    params += members_of
             member_steps = [s for s in (sub_steps[m] for m in members[g]) if s is not None]
-            keys = tuple(sorted({k for n in names for k in self._state_keys(n)}))
-            for pname in names:  # every member holds every key of its group
+            keys = tuple(sorted({k for n in folders for k in self._state_keys(n)}))
+            for pname in folders:  # every member holds every key of its group
                 for key in keys:
                     self._require(pname, key + ".pt", keys)
                 self._keys[pname] = keys
@@ -358,22 +409,25 @@ class DsUniversalSource(Reader):
         return {k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in values.items()}
 
     # -- tensors -----------------------------------------------------------------------------
-    def _tensor(self, pname: str, leaf: str) -> torch.Tensor:
-        """One state file: ZeRO-3 writes the flat tensor, ZeRO-1/2 ``{"param": shaped tensor, ...}``."""
+    def _tensor(self, pname: str, leaf: str, expert: int | None = None) -> torch.Tensor:
+        """One state file: ZeRO-3 writes the flat tensor, ZeRO-1/2 ``{"param": shaped tensor, ...}``;
+        of an AutoEP fused tensor only ``expert``'s slice is copied out of the mapped file."""
         path = self._require(pname, leaf)
-        obj = torchfile.load(path)
-        tensor = obj.get("param") if isinstance(obj, Mapping) else obj
-        where = f"zero/{pname}/{leaf}"
-        if not torch.is_tensor(tensor):
-            raise InputError(f"{where} holds no tensor (neither the tensor itself nor one under 'param')")
-        shape = self._shape[pname]
-        if tensor.dtype != torch.float32 or tensor.numel() != _numel(shape):
-            raise InputError(
-                f"{where} holds a {str(tensor.dtype).replace('torch.', '')} tensor of "
-                f"{tensor.numel()} elements; {pname!r} has shape {shape}, so float32 with {_numel(shape)} "
-                "elements was expected: files of different checkpoints are mixed"
-            )
-        return tensor.reshape(shape)
+        with TorchFile(path) as tf:
+            obj = tf.obj
+            tensor = obj.get("param") if isinstance(obj, Mapping) else obj
+            where = f"zero/{pname}/{leaf}"
+            if not torch.is_tensor(tensor):
+                raise InputError(f"{where} holds no tensor (neither the tensor itself nor one under 'param')")
+            shape = self._shape[pname]
+            if tensor.dtype != torch.float32 or tensor.numel() != _numel(shape):
+                raise InputError(
+                    f"{where} holds a {str(tensor.dtype).replace('torch.', '')} tensor of "
+                    f"{tensor.numel()} elements; {pname!r} has shape {shape}, so float32 with {_numel(shape)} "
+                    "elements was expected: files of different checkpoints are mixed"
+                )
+            tensor = tensor.reshape(shape)
+            return (tensor if expert is None else tensor[expert]).clone()
 
     def _step(self, pname: str) -> int | None:
         """The step of one parameter; ZeRO-1/2's per-parameter step.pt must agree with its group."""
@@ -393,13 +447,15 @@ class DsUniversalSource(Reader):
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         if name in self._frozen:
             return ParamState(fp32=self._frozen_tensor(name))
-        if name not in self._shape:
+        folder, expert = self._expert_of.get(name, (name, None))
+        if folder not in self._shape:
             raise InputError(f"parameter {name!r} is not in {self.root}")
-        fp32 = self._tensor(name, _FP32)
-        step = self._step(name)
+        fp32 = self._tensor(folder, _FP32, expert)
+        step = self._step(folder)
         if not moments:
             return ParamState(fp32=fp32, step=step)
-        return ParamState(fp32=fp32, optim={k: self._tensor(name, k + ".pt") for k in self._keys[name]}, step=step)
+        optim = {k: self._tensor(folder, k + ".pt", expert) for k in self._keys[folder]}
+        return ParamState(fp32=fp32, optim=optim, step=step)
 
     def _frozen_tensor(self, name: str) -> torch.Tensor:
         shape = self._frozen[name]
@@ -416,11 +472,31 @@ class DsUniversalSource(Reader):
         return module_buffers(self._models[0].obj, self._models[0].path.name)
 
     def extras(self) -> dict[str, Any]:
-        return {**model_extras(self._models[0].obj, None), **self._extras}
+        autoep = {AUTOEP_EXTRAS: self.autoep} if self.autoep else {}
+        return {**model_extras(self._models[0].obj, None), **self._extras, **autoep}
 
     def close(self) -> None:
         for tf in getattr(self, "_models", {}).values():
             tf.close()
+
+
+def _autoep_record(layers: list[AutoEpLayer], world: int) -> dict[str, Any]:
+    """``extras()["autoep"]`` as :class:`~ucp.sources.autoep.AutoEpSource` records it (docs/format.md section 8)."""
+    return {
+        "world": world,
+        "ep_size": layers[0].ep_size,
+        "layers": [
+            {
+                "layer": x.layer,
+                "module": x.module,
+                "prefix": x.prefix,
+                "experts": x.experts,
+                "ep_size": x.ep_size,
+                "shapes": {w: list(s) for w, s in x.shapes.items()},
+            }
+            for x in layers
+        ],
+    }
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -47,7 +47,7 @@ from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
 from ucp.targets.native.zero12 import write_zero12
 
-__all__ = ["autoep_layers_of", "write_autoep"]
+__all__ = ["autoep_layers_of", "is_autoep", "source_ep_size", "write_autoep"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,17 @@ def autoep_layers_of(reader: Reader) -> list[AutoEpLayer]:
         ),
         key=lambda x: x.layer,
     )
+
+
+def is_autoep(reader: Reader) -> bool:
+    """The reader records AutoEP layers (an AutoEP checkpoint, or a universal directory made from one): only
+    :func:`write_autoep` writes what its run loads (fused experts under their local names)."""
+    return isinstance(reader.extras().get(AUTOEP_EXTRAS), Mapping)
+
+
+def source_ep_size(reader: Reader) -> int:
+    """The ``autoep_size`` the AutoEP run was saved at (DeepSpeed 0.19.8 saves all layers at one)."""
+    return autoep_layers_of(reader)[0].ep_size
 
 
 def _check_sizes(layers: list[AutoEpLayer], world: int, ep: int) -> None:

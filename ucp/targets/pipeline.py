@@ -62,19 +62,23 @@ class PipelineLayout:
     @classmethod
     def parse(cls, parts: str, tied: Sequence[str] = ()) -> PipelineLayout:
         """From the command line's spelling: ``"0,3,6"`` and ``["embed=0,5"]``."""
-        where = "--pp-parts"
         try:
             bounds = tuple(int(x) for x in parts.split(","))
-            where = "--pp-tied"
+        except ValueError:
+            raise ConfigError("--pp-parts: give comma-separated layer indices (--pp-parts 0,3,6)") from None
+        return cls(bounds, cls.parse_tied(tied))
+
+    @staticmethod
+    def parse_tied(tied: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        """``["embed=0,5"]`` (``--pp-tied``) as ``{"embed": (0, 5)}``."""
+        try:
             keyed = [item.split("=", 1) for item in tied]
             layers = {key: tuple(int(x) for x in value.split(",")) for key, value in keyed}
         except ValueError:
-            raise ConfigError(
-                f"{where}: give comma-separated layer indices (--pp-parts 0,3,6 --pp-tied embed=0,5)"
-            ) from None
+            raise ConfigError("--pp-tied: give a key and comma-separated layer indices (--pp-tied embed=0,5)") from None
         if len(layers) != len(tied):
             raise ConfigError("--pp-tied names a tied module twice")
-        return cls(bounds, layers)
+        return layers
 
     @property
     def pp(self) -> int:

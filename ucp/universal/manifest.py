@@ -48,9 +48,10 @@ STATE_FILE = "state.pt"
 FP32_FILE = "fp32.pt"
 STEP_FILE = "step.pt"
 SUFFIX = ".pt"
-#: how the source was laid out, as its reader describes it (``reader.pipeline``, ``reader.moe``), kept in
-#: ucp.json for ``ucp inspect``; optional keys, absent from directories of other sources and older ucp
-SOURCE_LAYOUTS = ("pipeline", "moe")
+#: how the source was laid out, as its reader describes it (``reader.pipeline``, ``reader.moe``,
+#: ``reader.autoep``), kept in ucp.json for ``ucp inspect``; optional keys, absent from directories of other
+#: sources and older ucp
+SOURCE_LAYOUTS = ("pipeline", "moe", "autoep")
 _SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _MAX_FOLDER = 200
 
@@ -113,7 +114,7 @@ def state_file(key: str) -> str:
 
 
 def source_layouts(reader: Any) -> dict[str, Any]:
-    """The source's pipeline stages and MoE layers, where its reader describes them (the universal reader
+    """The source's pipeline stages, MoE or AutoEP layers, where its reader describes them (the universal reader
     gives its manifest's), for :func:`manifest_json`."""
     manifest = getattr(reader, "manifest", None) or {}
     found = {key: getattr(reader, key, None) or manifest.get(key) for key in SOURCE_LAYOUTS}
