@@ -1,4 +1,4 @@
-"""DeepSpeed AutoEP's checkpoint layout (0.19.8 ``expert_parallel`` config, ``AutoEPMoELayer``), ZeRO-1/2.
+"""DeepSpeed AutoEP's checkpoint layout (0.19.8 ``expert_parallel`` config, ``AutoEPMoELayer``), ZeRO-1/2 and 3.
 
 What a save at world size W with ``autoep_size`` E holds, as verified on real CPU/gloo runs
 (tests/test_autoep.py; docs/format.md section 8):
@@ -14,6 +14,12 @@ What a save at world size W with ``autoep_size`` E holds, as verified on real CP
 - ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt``: as the legacy MoE layout (:mod:`ucp.deepspeed.moe`): dense
   groups over all W ranks; an expert group (``moe: True``, ``name: "ep_size_E"``) holds the rank's local fused
   tensors, partitioned over its expert-data-parallel ranks ``e, e+E, ...``.
+
+At ZeRO-3 there are no expert files: every rank r writes ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` with
+its own view of ``ds_autoep_layers`` (``checkpoint_format: "zero3_partitioned"``, its ``ep_rank`` and
+``expert_data_parallel_rank``) and its optim file adds ``ds_zero_partition_groups``: per sub-group the ranks it
+is partitioned over. Dense sub-groups span all W ranks; an expert sub-group holds the rank's local fused tensors,
+each parameter partitioned on its own (``ceil(numel / (W/E))``) over its expert-data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -27,17 +33,25 @@ from ucp.errors import InputError
 
 __all__ = [
     "AUTOEP_LAYERS",
+    "PARTITION_GROUPS",
+    "Partition",
     "WEIGHTS",
     "AutoEpLayer",
     "autoep_entry",
     "autoep_layers",
     "expert_name",
     "expert_parts",
+    "partition_of",
+    "rank_view",
     "universal_info",
 ]
 
 #: the model-states key listing the AutoEP layers (None when the run has none)
 AUTOEP_LAYERS = "ds_autoep_layers"
+#: the ZeRO-3 optim-states key (inside ``optimizer_state_dict``) naming each sub-group's partition group
+PARTITION_GROUPS = "ds_zero_partition_groups"
+#: ``checkpoint_format`` of each ``ds_autoep_layers`` entry, by whether the save is ZeRO-3
+_FORMATS = {False: "per_expert_files", True: "zero3_partitioned"}
 #: the fused expert tensors of every AutoEP layer, in the order DeepSpeed saves them
 WEIGHTS = ("w1", "w2", "w3")
 _EXPERT = re.compile(r"^(.*)\.(w[123])\.(\d+)$")
@@ -130,8 +144,9 @@ def _shapes(
     return out
 
 
-def autoep_layers(model_states: Mapping[str, Any], where: str) -> list[AutoEpLayer] | None:
-    """The AutoEP layers a model-states file records, in ``moe_layer_id`` order; None when it has none."""
+def autoep_layers(model_states: Mapping[str, Any], where: str, *, zero3: bool = False) -> list[AutoEpLayer] | None:
+    """The AutoEP layers a model-states file records, in ``moe_layer_id`` order; None when it has none.
+    ``zero3``: the save is ZeRO-3, whose layers say ``zero3_partitioned`` (ZeRO-1/2's ``per_expert_files``)."""
     raw = model_states.get(AUTOEP_LAYERS)
     if raw is None:
         return None
@@ -143,8 +158,11 @@ def autoep_layers(model_states: Mapping[str, Any], where: str) -> list[AutoEpLay
         if not isinstance(entry, Mapping):
             raise InputError(f"{at} is not a mapping")
         fmt = entry.get("checkpoint_format")
-        if fmt != "per_expert_files":
-            raise InputError(f"{at}: checkpoint_format {fmt!r}; ucp reads AutoEP at ZeRO-1/2 ('per_expert_files')")
+        if fmt != _FORMATS[zero3]:
+            raise InputError(
+                f"{at}: checkpoint_format {fmt!r} in a ZeRO-{'3' if zero3 else '1/2'} save; DeepSpeed 0.19.8 writes "
+                f"{_FORMATS[zero3]!r} there"
+            )
         experts, ep_size = _int(entry, "num_experts", at), _int(entry, "ep_size", at)
         if ep_size < 1 or experts % ep_size or _int(entry, "num_local_experts", at) != experts // ep_size:
             raise InputError(f"{at}: {experts} experts do not split into num_local_experts at ep_size={ep_size}")
@@ -167,6 +185,45 @@ def autoep_layers(model_states: Mapping[str, Any], where: str) -> list[AutoEpLay
     if len({x.ep_size for x in out}) != 1:
         raise InputError(f"{where}: AutoEP layers at several ep sizes; DeepSpeed 0.19.8 saves one")
     return sorted(out, key=lambda x: x.layer)
+
+
+def rank_view(model_states: Mapping[str, Any], where: str) -> tuple[int, int]:
+    """(expert-parallel rank, expert-data-parallel rank) of the rank that wrote a ZeRO-3 model-states file: each
+    writes its own ``ds_autoep_layers`` view, the same for every layer."""
+    raw = model_states.get(AUTOEP_LAYERS)
+    if not isinstance(raw, list) or not raw or not all(isinstance(e, Mapping) for e in raw):
+        raise InputError(f"{where}: {AUTOEP_LAYERS} should be a list of layers")
+    views = {(_int(e, "ep_rank", where), _int(e, "expert_data_parallel_rank", where)) for e in raw}
+    if len(views) != 1:
+        raise InputError(f"{where}: its AutoEP layers disagree on the rank's ep_rank/expert_data_parallel_rank")
+    return views.pop()
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One sub-group's ZeRO-3 partition group as ``ds_zero_partition_groups`` records it on one rank."""
+
+    count: int  # partition_count: how many ranks share the sub-group
+    rank: int  # partition_rank: this rank's index among them
+    ranks: tuple[int, ...]  # partition_ranks: their global ranks
+
+
+def partition_of(block: Mapping[str, Any], sub: int, where: str) -> Partition | None:
+    """Sub-group ``sub``'s partition group from a ZeRO-3 optimizer block; None when the save records none (only
+    AutoEP runs do: every other sub-group is partitioned over all ranks)."""
+    raw = block.get(PARTITION_GROUPS)
+    if raw is None:
+        return None
+    entry = raw[sub] if isinstance(raw, list) and 0 <= sub < len(raw) else None
+    if not isinstance(entry, Mapping):
+        raise InputError(f"{where}: {PARTITION_GROUPS} has no entry for sub-group {sub}")
+    ranks = entry.get("partition_ranks")
+    if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
+        raise InputError(f"{where}: {PARTITION_GROUPS}[{sub}].partition_ranks is not a list of ranks")
+    part = Partition(_int(entry, "partition_count", where), _int(entry, "partition_rank", where), tuple(ranks))
+    if part.count != len(part.ranks) or part.rank >= part.count:
+        raise InputError(f"{where}: {PARTITION_GROUPS}[{sub}] is inconsistent: {dict(entry)}")
+    return part
 
 
 def _strides(shape: list[int]) -> list[int]:

@@ -48,8 +48,10 @@ class MoeSource(Reader):
 
     def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None) -> None:
         self.files = files
-        self._readers: list[Zero12Source] = []
-        self._owner: dict[str, Zero12Source] = {}
+        # a subclass's readers may be ZeRO-3 ones (AutoEP); only the Reader interface is used
+        self._readers: list[Reader] = []
+        self._owner: dict[str, Reader] = {}
+        self._dense: Reader
         self.facts = build_facts(
             lambda: self._build(optimizer),
             close=self.close,
@@ -115,7 +117,7 @@ class MoeSource(Reader):
         self._moe_layers = self._layers()
         self._dense = Zero12Source(files, optimizer=optimizer, groups=[g for g, s in enumerate(sizes) if s is None])
         self._readers.append(self._dense)
-        experts: dict[int, list[Zero12Source]] = {}
+        experts: dict[int, list[Reader]] = {}
         for size in sorted({s for s in sizes if s is not None}):
             groups = [g for g, s in enumerate(sizes) if s == size]
             for ep_rank in range(size):
@@ -162,7 +164,7 @@ class MoeSource(Reader):
             out[name] = expert_name(module, ep_rank * (count // size) + index, rest)
         return out
 
-    def _merge(self, experts: Mapping[int, list[Zero12Source]]) -> Facts:
+    def _merge(self, experts: Mapping[int, list[Reader]]) -> Facts:
         """The dense reader's facts, each expert group listing every expert-parallel rank's experts."""
         head = self._dense.facts
         groups: list[GroupMeta] = []
@@ -200,7 +202,7 @@ class MoeSource(Reader):
         )
 
     # -- tensors -----------------------------------------------------------------------------
-    def _reader(self, name: str) -> Zero12Source:
+    def _reader(self, name: str) -> Reader:
         reader = self._owner.get(name)
         if reader is None:
             raise InputError(f"parameter {name!r} is not in this checkpoint")

@@ -4,19 +4,24 @@ Each rank's optim file holds, per sub-group, a flat fp32 buffer and Adam moments
 layout: the rank's ``ceil(numel/dp)`` partition of each member parameter, concatenated
 (``ucp.model.partition``). ``param_shapes`` in the model-states files names the members of each
 sub-group in order; the optimizer's param groups list which sub-groups each group owns.
+
+An AutoEP run partitions its expert sub-groups over fewer ranks than its dense ones (``ds_zero_partition_groups``
+says over which), so one reader can be limited to some param groups (``groups``) of some ranks' files (a
+``files`` view), as :class:`~ucp.sources.zero12.Zero12Source` can.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ucp.deepspeed.autoep import PARTITION_GROUPS, partition_of
 from ucp.deepspeed.fields import (
     as_int,
     build_facts,
@@ -75,13 +80,28 @@ def _state_of(sub: int, key: str) -> Callable[[Mapping[str, Any]], torch.Tensor]
 
 
 class Zero3Source(Reader):
-    """A ZeRO-3 checkpoint as a :class:`~ucp.model.records.Reader` (one mp rank)."""
+    """A ZeRO-3 checkpoint as a :class:`~ucp.model.records.Reader` (one mp rank).
+
+    ``groups``: read only these param groups (the others keep no members), whose sub-groups must then be
+    partitioned over exactly the files of ``files``, in order, where the save records its partition groups;
+    ``frozen=False`` leaves the frozen parameters to another reader (they are partitioned over every rank).
+    """
 
     streams = True
 
-    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, mp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        *,
+        optimizer: str | None = None,
+        mp_rank: int = 0,
+        groups: Collection[int] | None = None,
+        frozen: bool = True,
+    ) -> None:
         self.files = files
         self.mp_rank = mp_rank
+        self._only = None if groups is None else frozenset(groups)
+        self._with_frozen = frozen
         self._optim: list[TorchFile] = []
         self._model: list[TorchFile] = []
 
@@ -111,9 +131,27 @@ class Zero3Source(Reader):
                     f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files "
                     "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages"
                 )
-            check_rank_count(
-                block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir
-            )
+            if self._only is None or PARTITION_GROUPS not in block:  # else checked by _check_partitions
+                check_rank_count(
+                    block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir
+                )
+
+    def _reads(self, group: int) -> bool:
+        return self._only is None or group in self._only
+
+    def _check_partitions(self, blocks: list[Mapping[str, Any]], subs: list[int]) -> None:
+        """Where the save records each sub-group's partition group (AutoEP), every sub-group read must be
+        partitioned over exactly the files read, file i holding partition i."""
+        for i, (tf, block) in enumerate(zip(self._optim, blocks)):
+            for sub in subs:
+                part = partition_of(block, sub, tf.path.name)
+                if part is not None and (part.count, part.rank) != (len(self._optim), i):
+                    raise InputError(
+                        f"{tf.path.name}: sub-group {sub} is partition {part.rank} of {part.count} (ranks "
+                        f"{list(part.ranks)}), but it is read as {i} of {len(self._optim)} files: a rank file is "
+                        "missing or extra, or the files are another group's (AutoEP experts: their expert-data-"
+                        "parallel ranks)"
+                    )
 
     def _check_models(self) -> list[Mapping[str, Any]]:
         models = []
@@ -172,10 +210,11 @@ class Zero3Source(Reader):
         inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw = inners[0][0]
         layout = self._layout(inners)
+        self._check_partitions(blocks, [sub for g, subs in enumerate(layout) if self._reads(g) for sub in subs])
         detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
         flat = self._flat(blocks, len(shapes))
         sub_of_group = self._place(layout, shapes, flat)
-        self._collect_keys(inners, flat, len(shapes))
+        self._collect_keys(inners, flat, [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])])
         sub_steps = self._sub_steps(groups_raw, sub_of_group, inners, detection)
         self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
@@ -247,6 +286,8 @@ class Zero3Source(Reader):
                     raise InputError(f"sub-group {sub} belongs to param groups {sub_of_group[sub]} and {g}")
                 sub_of_group[sub] = g
         for sub, members in enumerate(shapes):
+            if sub in sub_of_group and not self._reads(sub_of_group[sub]):
+                continue  # partitioned over other ranks: another reader places it
             offset = 0
             for name, raw_shape in members.items():
                 shape = tensor_shape(raw_shape)
@@ -270,13 +311,16 @@ class Zero3Source(Reader):
         return sub_of_group
 
     def _collect_keys(
-        self, inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]], flat: list[list[torch.Tensor]], subs: int
+        self,
+        inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
+        flat: list[list[torch.Tensor]],
+        subs: list[int],
     ) -> None:
-        """Optimizer state: every sub-group on every rank, the same keys everywhere, or none at all."""
+        """Optimizer state: every sub-group read on every rank, the same keys everywhere, or none at all."""
         head_state = inners[0][1]
         self._has_moments = bool(head_state)
-        self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(subs)}
-        self._scalars: dict[int, dict[str, torch.Tensor]] = {sub: {} for sub in range(subs)}
+        self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(len(flat[0]))}
+        self._scalars: dict[int, dict[str, torch.Tensor]] = {sub: {} for sub in range(len(flat[0]))}
         for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
             if bool(rank_state) != self._has_moments:
                 raise InputError(
@@ -286,7 +330,7 @@ class Zero3Source(Reader):
                 )
             if not self._has_moments:
                 continue
-            for sub in range(subs):
+            for sub in subs:
                 entry = rank_state.get(sub)
                 if entry is None:
                     raise InputError(f"{tf.path.name} has no optimizer state for sub-group {sub}")
@@ -310,6 +354,9 @@ class Zero3Source(Reader):
         """The step of each sub-group, checked across ranks (the highest wins, with a warning)."""
         sub_steps: dict[int, int | None] = {}
         for sub in range(len(self._keys)):
+            if not self._reads(sub_of_group[sub]):
+                sub_steps[sub] = None
+                continue
             group = groups_raw[sub_of_group[sub]]
             seen: set[int | None] = set()
             for _, rank_state in inners:
@@ -334,12 +381,13 @@ class Zero3Source(Reader):
         groups: list[GroupMeta] = []
         for g, group in enumerate(groups_raw):
             names: list[str] = []
-            for sub in layout[g]:
+            subs = layout[g] if self._reads(g) else []
+            for sub in subs:
                 for name in shapes[sub]:
                     names.append(name)
                     params.append(ParamMeta(name, self._where[name].shape, dtype, g, False))
-            member_steps = [s for s in (sub_steps[sub] for sub in layout[g]) if s is not None]
-            keys = {self._keys[s] for s in layout[g]}
+            member_steps = [s for s in (sub_steps[sub] for sub in subs) if s is not None]
+            keys = {self._keys[s] for s in subs}
             if len(keys) > 1:
                 raise InputError(f"the sub-groups of param group {g} hold different optimizer state {sorted(keys)}")
             step = max(member_steps, default=None)
@@ -347,7 +395,7 @@ class Zero3Source(Reader):
         return params, groups
 
     def _frozen_params(self, head: Mapping[str, Any], dtype: str) -> list[ParamMeta]:
-        frozen_shapes = head.get("frozen_param_shapes") or {}
+        frozen_shapes = (head.get("frozen_param_shapes") or {}) if self._with_frozen else {}
         self._frozen: dict[str, tuple[int, ...]] = {}
         params = []
         for name, raw_shape in frozen_shapes.items():
