@@ -102,3 +102,19 @@ def test_restore_cli_writes_latest_and_tag_and_refuses_bad_options(z3_bf16_dp2, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("ucp: error: ") for line in err)
     assert not (tmp_path / "m").exists()
+
+
+def test_a_zero3_source_keeps_its_gradient_clipping_at_zero2(z3_bf16_dp2, tmp_path):
+    """ZeRO-3 records no clip_grad, and DeepSpeed's ZeRO-1/2 loader takes the optim file's over its config:
+    a ZeRO-3 -> ZeRO-2 restore writes the clipping the source run had, its config's or (left out, as here)
+    DeepSpeed's default for the version that ran it: 1.0 from 0.19.3 on, none before (found by
+    tests/test_autoep.py, where 0.0 made the resume stop clipping)."""
+    from ucp.deepspeed.states import default_clipping
+    from ucp.io.torchfile import load
+
+    out = _restore(z3_bf16_dp2, tmp_path, 2, stage=2)
+    tag = next(p for p in out.iterdir() if p.is_dir())
+    optim = load(next(tag.glob("*zero_pp_rank_0_*optim_states.pt")))
+    assert optim["optimizer_state_dict"]["clip_grad"] == 1.0
+    assert (default_clipping("0.19.2"), default_clipping("0.19.3"), default_clipping("0.19.8+cpu")) == (0.0, 1.0, 1.0)
+    assert default_clipping(None) == 1.0

@@ -8,6 +8,7 @@ target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, t
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -204,11 +205,27 @@ def optim_file_dict(block: Mapping[str, Any], ds_config: Mapping[str, Any], ds_v
     return {"optimizer_state_dict": block, "ds_config": ds_config, "ds_version": ds_version}
 
 
-def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any]) -> float:
-    """ZeRO-1/2 records its gradient clipping; else the config's."""
+#: DeepSpeed clips gradients at 1.0 when the config does not say from 0.19.3 on (deepspeedai/DeepSpeed#8068,
+#: ``GRADIENT_CLIPPING_DEFAULT``); earlier versions did not clip
+CLIPPING_BY_DEFAULT_SINCE = (0, 19, 3)
+
+
+def default_clipping(ds_version: str | None) -> float:
+    """The gradient clipping a run had whose config left ``gradient_clipping`` out, by the DeepSpeed version
+    that ran it (an unknown version: today's default)."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", ds_version or "")
+    if found is None:
+        return 1.0
+    return 1.0 if tuple(int(x) for x in found.groups()) >= CLIPPING_BY_DEFAULT_SINCE else 0.0
+
+
+def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any], ds_version: str | None) -> float:
+    """The source run's gradient clipping, which DeepSpeed's ZeRO-1/2 loader takes from the optim file over
+    its own config: what ZeRO-1/2 recorded; else (ZeRO-3 records none) the config's, or the default of the
+    DeepSpeed version that ran it. Writing 0.0 there would switch clipping off in the resumed run."""
     value = extras.get("clip_grad")
     if value is None:
-        value = ds_config.get("gradient_clipping", 0.0)
+        value = ds_config.get("gradient_clipping", default_clipping(ds_version))
     try:
         return float(value)
     except (TypeError, ValueError):

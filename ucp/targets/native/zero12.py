@@ -199,7 +199,7 @@ class _Zero12Files:
         self.whole = [whole[flat.group] if flat.group < len(whole) else () for flat in self.flats]
         self.config = ds_states.config_for_stage(facts.info.ds_config, plan.stage)
         self.wrapper = zero_wrapper(reader, plan)
-        self.clip_grad = ds_states.clip_grad(reader.extras(), facts.info.ds_config)
+        self.clip_grad = ds_states.clip_grad(reader.extras(), facts.info.ds_config, facts.info.ds_version)
         self.steps: list[int] = []
         self.groups: list[dict] = []
 
