@@ -33,6 +33,7 @@ from ucp.errors import InputError
 
 __all__ = [
     "AUTOEP_LAYERS",
+    "autoep_record",
     "PARTITION_GROUPS",
     "Partition",
     "WEIGHTS",
@@ -291,4 +292,24 @@ def universal_info(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "universal_checkpoint_version": 0.4,
         "expert_parameter_patterns": [r".*\.experts\.w[123]$"],
         AUTOEP_LAYERS: entries,
+    }
+
+
+def autoep_record(layers: list[AutoEpLayer], world: int) -> dict[str, Any]:
+    """What a reader records of the AutoEP layers (``extras()["autoep"]``, kept in state.pt and ucp.json;
+    docs/format.md section 8): the world, the ep size, and per layer its place, experts and fused shapes."""
+    return {
+        "world": world,
+        "ep_size": layers[0].ep_size,
+        "layers": [
+            {
+                "layer": x.layer,
+                "module": x.module,
+                "prefix": x.prefix,
+                "experts": x.experts,
+                "ep_size": x.ep_size,
+                "shapes": {w: list(s) for w, s in x.shapes.items()},
+            }
+            for x in layers
+        ],
     }

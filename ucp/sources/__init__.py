@@ -66,7 +66,7 @@ def open_reader(
     if files.experts or files.stage3:
         from ucp.sources.autoep import AutoEpSource, is_autoep
 
-        if is_autoep(files):  # AutoEP at ZeRO-3 writes no expert files: AutoEpSource refuses it in one line
+        if is_autoep(files):  # AutoEP at ZeRO-3 writes no expert files, hence the stage3 test
             return AutoEpSource(files, optimizer=optimizer)
     if files.experts:
         from ucp.sources.moe import MoeSource

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from ucp.deepspeed.autoep import WEIGHTS, AutoEpLayer, autoep_layers, expert_name, rank_view
+from ucp.deepspeed.autoep import WEIGHTS, AutoEpLayer, autoep_layers, autoep_record, expert_name, rank_view
 from ucp.deepspeed.fields import need_list, need_mapping
 from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.moe import ep_size, expert_ranks
@@ -221,21 +221,7 @@ class AutoEpSource(MoeSource):
         untrained = sorted(set(fused) - {local for _, local, *_ in self._slices.values()})
         if untrained:
             raise InputError(f"{untrained[0]} is an AutoEP expert tensor no optimizer group trains: not supported yet")
-        self.autoep: dict[str, Any] = {
-            "world": head.info.dp_world_size,
-            "ep_size": self._autoep_layers[0].ep_size,
-            "layers": [
-                {
-                    "layer": x.layer,
-                    "module": x.module,
-                    "prefix": x.prefix,
-                    "experts": x.experts,
-                    "ep_size": x.ep_size,
-                    "shapes": {w: list(s) for w, s in x.shapes.items()},
-                }
-                for x in self._autoep_layers
-            ],
-        }
+        self.autoep: dict[str, Any] = autoep_record(self._autoep_layers, head.info.dp_world_size)
         step_values = [g.step for g in groups if g.step is not None]
         return replace(
             head, groups=groups, params=params + frozen, step=max(step_values, default=None), warnings=warnings

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ucp.deepspeed.autoep import AUTOEP_LAYERS, WEIGHTS, AutoEpLayer, autoep_layers, expert_name
+from ucp.deepspeed.autoep import AUTOEP_LAYERS, WEIGHTS, AutoEpLayer, autoep_layers, autoep_record, expert_name
 from ucp.deepspeed.fields import (
     as_int,
     build_facts,
@@ -208,7 +208,7 @@ class DsUniversalSource(Reader):
         if layers is None:
             return
         self._fused = {x.fused(w): (x, w) for x in layers for w in WEIGHTS}
-        self.autoep = _autoep_record(layers, dp)
+        self.autoep = autoep_record(layers, dp)
 
     def _members(self, pname: str, dtype: str, g: int) -> list[ParamMeta]:
         """The parameters one folder holds: itself, or each expert of an AutoEP fused tensor under its global
@@ -478,25 +478,6 @@ class DsUniversalSource(Reader):
     def close(self) -> None:
         for tf in getattr(self, "_models", {}).values():
             tf.close()
-
-
-def _autoep_record(layers: list[AutoEpLayer], world: int) -> dict[str, Any]:
-    """``extras()["autoep"]`` as :class:`~ucp.sources.autoep.AutoEpSource` records it (docs/format.md section 8)."""
-    return {
-        "world": world,
-        "ep_size": layers[0].ep_size,
-        "layers": [
-            {
-                "layer": x.layer,
-                "module": x.module,
-                "prefix": x.prefix,
-                "experts": x.experts,
-                "ep_size": x.ep_size,
-                "shapes": {w: list(s) for w, s in x.shapes.items()},
-            }
-            for x in layers
-        ],
-    }
 
 
 def _numel(shape: tuple[int, ...]) -> int:
