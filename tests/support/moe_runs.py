@@ -36,7 +36,7 @@ def merged_records(spec: MoeSpec) -> dict[str, Any]:
     """Every rank's record as one model: each parameter (dense, or an expert under its global name) with its
     state; the copies several ranks hold must be the same bytes."""
     out: dict[str, Any] = {"params": {}, "state": {}, "module": {}, "steps": set()}
-    records = [torch.load(spec.record_path(r), weights_only=True) for r in range(spec.world)]
+    records = [torch.load(spec.rank_record(r), weights_only=True) for r in range(spec.world)]
     for rec in records:
         for name, value in rec["params"].items():
             if name in out["params"]:

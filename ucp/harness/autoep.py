@@ -19,10 +19,9 @@ Two choices keep it on CPU with DeepSpeed 0.19.8 and transformers 5.x (dispatch 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -32,7 +31,7 @@ from ucp.deepspeed.autoep import WEIGHTS, expert_name
 from ucp.harness.launch import end_rank, free_port, launch
 from ucp.harness.model import batch_for_step
 from ucp.harness.moe import _param_groups
-from ucp.harness.spec import LoadSpec, ModelSpec
+from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
 from ucp.harness.worker import _relink_optimizer_state, lr_decay, train_step
 
 __all__ = ["AutoEpSpec", "AutoEpLM", "run_autoep", "MODULE"]
@@ -42,7 +41,7 @@ MODULE = "ucp.harness.autoep"
 
 
 @dataclass
-class AutoEpSpec:
+class AutoEpSpec(JsonSpec):
     """One AutoEP run on ``world`` ranks, ``ep`` of them sharing each layer's experts."""
 
     world: int = 2
@@ -69,20 +68,6 @@ class AutoEpSpec:
     save_tag: str | None = None
     record: str | None = None  # every rank writes its live state to RECORD.rankR.pt
     port: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> AutoEpSpec:
-        raw = json.loads(text)
-        raw["model"] = ModelSpec(**raw["model"])
-        raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
-        return cls(**raw)
-
-    def record_path(self, rank: int) -> str:
-        assert self.record is not None
-        return self.record.removesuffix(".pt") + f".rank{rank}.pt"
 
 
 class AutoEpLM(nn.Module):
@@ -176,7 +161,7 @@ def _record(engine: Any, spec: AutoEpSpec, losses: list[float]) -> None:
     ]
     out["counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples}
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    torch.save(out, spec.record_path(torch.distributed.get_rank()))
+    torch.save(out, spec.rank_record(torch.distributed.get_rank()))
 
 
 def _record_params(

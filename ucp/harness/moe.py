@@ -9,18 +9,17 @@ how the batch is split across ranks: runs at other world and ep sizes are compar
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ucp.harness.launch import end_rank, free_port, launch
 from ucp.harness.model import batch_for_step, build_param_groups
-from ucp.harness.spec import LoadSpec, ModelSpec
+from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
 from ucp.harness.worker import _relink_optimizer_state, lr_decay, train_step
 
 __all__ = ["MoeSpec", "MoeLM", "run_moe", "global_name", "MODULE"]
@@ -31,7 +30,7 @@ _LOCAL = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\.
 
 
 @dataclass
-class MoeSpec:
+class MoeSpec(JsonSpec):
     """One MoE run on ``world`` ranks, ``ep`` of them sharing each layer's experts."""
 
     world: int = 4
@@ -52,20 +51,6 @@ class MoeSpec:
     save_tag: str | None = None
     record: str | None = None  # every rank writes its live state to RECORD.rankR.pt
     port: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> MoeSpec:
-        raw = json.loads(text)
-        raw["model"] = ModelSpec(**raw["model"])
-        raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
-        return cls(**raw)
-
-    def record_path(self, rank: int) -> str:
-        assert self.record is not None
-        return self.record.removesuffix(".pt") + f".rank{rank}.pt"
 
 
 class _Expert(nn.Module):
@@ -173,7 +158,7 @@ def _record(engine, spec: MoeSpec, losses: list[float], ep_rank: int) -> None:
     ]
     out["counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples}
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    torch.save(out, spec.record_path(torch.distributed.get_rank()))
+    torch.save(out, spec.rank_record(torch.distributed.get_rank()))
 
 
 def main(argv: list[str]) -> None:

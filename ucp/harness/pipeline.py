@@ -14,18 +14,17 @@ Megatron-DeepSpeed, the run saves a ``universal_checkpoint_info`` describing tha
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ucp.harness.launch import end_rank, free_port, launch
 from ucp.harness.model import batch_for_step, build_param_groups
-from ucp.harness.spec import LoadSpec, ModelSpec
+from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
 from ucp.harness.worker import _relink_optimizer_state, lr_decay
 from ucp.model.tp import shard_widths
 
@@ -38,7 +37,7 @@ TIED_KEY = "embed"
 
 
 @dataclass
-class PipeSpec:
+class PipeSpec(JsonSpec):
     """One pipeline run: PP x DP ranks (stage-major, DeepSpeed's PipeDataParallelTopology)."""
 
     pp: int = 2
@@ -62,16 +61,6 @@ class PipeSpec:
     save_tag: str | None = None
     record: str | None = None  # DP rank 0 of each stage (and TP rank) writes its live state: record_path
     port: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> PipeSpec:
-        raw = json.loads(text)
-        raw["model"] = ModelSpec(**raw["model"])
-        raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
-        return cls(**raw)
 
     def record_path(self, stage: int, tp_rank: int = 0) -> str:
         """RECORD.stageS.pt (RECORD.stageS.tpT.pt under tensor parallelism)."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
-__all__ = ["LoadSpec", "ModelSpec", "RunSpec", "OPTIMIZERS"]
+__all__ = ["JsonSpec", "LoadSpec", "ModelSpec", "RunSpec", "OPTIMIZERS"]
 
 #: Optimizers the harness can build, named as ucp's flavours name them (plus the AdamW variant).
 OPTIMIZERS = (
@@ -56,8 +57,33 @@ class LoadSpec:
     strict: bool = True  # load_module_strict / ucp.restore(strict=): False when frozen weights were excluded
 
 
+_S = TypeVar("_S", bound="JsonSpec")
+
+
+class JsonSpec:
+    """What every harness's run spec shares: the JSON its ranks get on their command line (a dataclass
+    with a ``model`` ModelSpec and an optional ``load`` LoadSpec), and per-rank record files."""
+
+    record: str | None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))  # type: ignore[call-overload]  # subclasses are dataclasses
+
+    @classmethod
+    def from_json(cls: type[_S], text: str) -> _S:
+        raw = json.loads(text)
+        raw["model"] = ModelSpec(**raw["model"])
+        raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
+        return cls(**raw)
+
+    def rank_record(self, rank: int) -> str:
+        """RECORD.rankR.pt: where rank ``rank`` writes its live state."""
+        assert self.record is not None
+        return self.record.removesuffix(".pt") + f".rank{rank}.pt"
+
+
 @dataclass
-class RunSpec:
+class RunSpec(JsonSpec):
     """One distributed run: build an engine, maybe load, train, maybe save, maybe record."""
 
     dp: int = 2
@@ -84,13 +110,3 @@ class RunSpec:
     save_tag: str | None = None
     record: str | None = None  # rank 0 writes what the live engine holds here (torch.save)
     port: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> RunSpec:
-        raw = json.loads(text)
-        raw["model"] = ModelSpec(**raw["model"])
-        raw["load"] = LoadSpec(**raw["load"]) if raw.get("load") else None
-        return cls(**raw)
