@@ -324,12 +324,14 @@ def test_tp_target_without_rules_is_refused_in_one_line(source, universals, tmp_
         ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=1, stage=3, tp=2)
 
 
-def test_pipeline_parallel_checkpoint_is_refused_in_one_line(source, tmp_path):
+def test_a_stray_pipeline_layer_file_in_a_tp_checkpoint_is_refused_in_one_line(source, tmp_path):
+    """A layer file makes the folder a pipeline checkpoint (read with its TP ranks since pipeline x TP is read);
+    one for TP rank 0 only, where the model-states files say tp_degree=2, is a mix of runs."""
     copy = tmp_path / "ckpt"
     shutil.copytree(source("tp2-z2-fp32-dp1").path, copy)
     tag = next(p for p in copy.iterdir() if p.is_dir())
     (tag / "layer_01-model_00-model_states.pt").write_bytes(b"")
-    with pytest.raises(InputError, match="pipeline-parallel checkpoint .* not pipeline stages"):
+    with pytest.raises(InputError, match=r"layer files are for tensor-parallel ranks \[0\], but .* tp_degree=2"):
         open_reader(copy)
 
 
