@@ -38,9 +38,9 @@ from ucp.sources.tensor_parallel import (
     INFO_KEY,
     TensorParallelSource,
     checkpoint_tp_info,
-    given_rules,
     merge_shards,
     rank_layouts_of,
+    rules_for,
 )
 from ucp.sources.zero12 import Zero12Source
 
@@ -258,11 +258,7 @@ class PipelineSource(Reader):
             return tensors[0]
         shapes = [tuple(t.shape) for t in tensors]
         info = self._info()
-        try:
-            rules = tpl.rules_from_info(info, {name: shapes}) if info else {}
-        except (tpl.TpInfoError, ValueError, TypeError) as err:
-            raise InputError(f"{self.files.tag_dir}: {INFO_KEY}: {err}") from None
-        rules.update(given_rules(self._rules, [name]))
+        rules = rules_for(info, {name: shapes}, self._rules, str(self.files.tag_dir))
         if name not in rules:
             raise InputError(
                 f"{self.files.tag_dir}: frozen parameter {name!r} is saved by {len(tensors)} TP ranks but no rule "

@@ -32,6 +32,7 @@ __all__ = [
     "with_tp_rules",
     "rank_layouts_of",
     "merge_shards",
+    "rules_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,22 @@ def with_tp_rules(reader: Reader, patterns: Sequence[tuple[str, tpl.TpRule]]) ->
     rules = dict(reader.facts.tp_rules)
     rules.update({n: r.to_json() for n, r in given_rules(patterns, [m.name for m in reader.facts.params]).items()})
     return ReaderView(reader, replace(reader.facts, tp_rules=rules))
+
+
+def rules_for(
+    info: Mapping[str, Any],
+    shapes: Mapping[str, Sequence[Sequence[int]]],
+    given: Sequence[tuple[str, tpl.TpRule]],
+    where: str,
+) -> dict[str, tpl.TpRule]:
+    """Each named tensor's rule, from its TP ranks' shapes: the checkpoint's ``universal_checkpoint_info``
+    (when it has one), overridden by given (regex, rule) pairs; a name neither covers has none."""
+    try:
+        rules = tpl.rules_from_info(info, shapes) if info else {}
+    except _BAD_INFO as err:
+        raise InputError(f"{where}: {INFO_KEY}: {err}") from None
+    rules.update(given_rules(given, list(shapes)))
+    return rules
 
 
 def rank_layouts_of(
@@ -169,11 +186,7 @@ class TensorParallelSource(Reader):
                     "the mp_rank files are not one run"
                 )
         shapes = {n: [reader.facts.param(n).shape for reader in self._ranks] for n in names}
-        try:
-            rules = tpl.rules_from_info(self.info, shapes) if self.info else {}
-        except _BAD_INFO as err:
-            raise InputError(f"{self.files.tag_dir}: {INFO_KEY}: {err}") from None
-        rules.update(given_rules(given, names))
+        rules = rules_for(self.info, shapes, given, str(self.files.tag_dir))
         missing = [n for n in names if n not in rules]
         if missing:
             raise InputError(
