@@ -69,7 +69,14 @@ def build_once(folder: Path, make: Callable[[], None]) -> None:
 def _key(spec: RunSpec) -> str:
     fields = asdict(replace(spec, save_dir=None, record=None, port=0))
     # fields added later: runs that leave them at their defaults keep their cached keys
-    for key, default in (("grad_accum_dtype", None), ("tp", 1), ("exclude_frozen", False)):
+    later = (
+        ("grad_accum_dtype", None),
+        ("tp", 1),
+        ("exclude_frozen", False),
+        ("loss_scale_power", 16),
+        ("device", "cpu"),
+    )
+    for key, default in later:
         if fields.get(key) == default:
             del fields[key]
     if not fields["model"].get("glu"):
@@ -82,7 +89,8 @@ def build(**fields: Any) -> Built:
     """Train and save a checkpoint with RunSpec(**fields), or return the cached one."""
     spec = RunSpec(**fields)
     tp = f"-tp{spec.tp}" if spec.tp > 1 else ""
-    folder = cache_root() / f"{spec.stage}-{spec.dtype}-dp{spec.dp}{tp}-{spec.optimizer}-{_key(spec)}"
+    device = "" if spec.device == "cpu" else f"{spec.device}-"
+    folder = cache_root() / f"{device}{spec.stage}-{spec.dtype}-dp{spec.dp}{tp}-{spec.optimizer}-{_key(spec)}"
     spec = replace(spec, save_dir=str(folder / "ckpt"), record=str(folder / "record.pt"))
     build_once(folder, lambda: run_ranks(spec, log_dir=folder / "logs"))
     return Built(folder / "ckpt", folder / "record.pt", spec)

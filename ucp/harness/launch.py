@@ -59,7 +59,8 @@ def run_ranks(
     (see :func:`launch`)."""
     if not spec.port:
         spec.port = free_port()
-    launch(spec.dp * spec.tp, spec.to_json(), port=spec.port, module=module, timeout=timeout, log_dir=log_dir)
+    env = {"DS_ACCELERATOR": getattr(spec, "device", "cpu")}  # a run on GPUs says so in its spec
+    launch(spec.dp * spec.tp, spec.to_json(), port=spec.port, module=module, timeout=timeout, log_dir=log_dir, env=env)
 
 
 def launch(

@@ -68,7 +68,7 @@ class TinyLM(nn.Module):
         if hasattr(self, "calls"):
             with torch.no_grad():
                 calls: torch.Tensor = self.calls  # type: ignore[assignment]  # a registered buffer
-                calls += torch.tensor([1.0, 0.5], dtype=calls.dtype)
+                calls += torch.tensor([1.0, 0.5], dtype=calls.dtype, device=calls.device)
         x = self.embed(tokens[:, :-1])
         for block in self.blocks:
             x = x + block(x)

@@ -12,6 +12,9 @@ __all__ = ["JsonSpec", "LoadSpec", "ModelSpec", "RunSpec", "OPTIMIZERS"]
 OPTIMIZERS = (
     "torch-adamw",
     "torch-adam",
+    "torch-adamw-fused",  # fused=True: CPU and CUDA
+    "torch-adamw-capturable",  # capturable=True: CUDA only (step tensors on the device)
+    "apex-fused-adam",  # CUDA and apex only
     "ds-fused-adam",
     "ds-cpu-adam",
     "torch-adamw-amsgrad",
@@ -89,7 +92,9 @@ class RunSpec(JsonSpec):
     dp: int = 2
     tp: int = 1  # DeepSpeed AutoTP degree (stage 0-2 only); the run uses dp x tp ranks
     stage: int = 3
-    dtype: str = "bf16"  # fp32 | bf16
+    dtype: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a GPU: DeepSpeed refuses it on most CPUs)
+    loss_scale_power: int = 16  # fp16: the dynamic loss scale starts at 2**this (24 makes the first steps overflow)
+    device: str = "cpu"  # cpu (gloo ranks) | cuda (one GPU per rank, nccl)
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
     grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer

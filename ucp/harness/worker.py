@@ -37,6 +37,13 @@ def _make_optimizer(spec: RunSpec, groups: list[dict]):
         return torch.optim.AdamW(groups, lr=spec.lr, betas=betas)
     if spec.optimizer == "torch-adam":
         return torch.optim.Adam(groups, lr=spec.lr, betas=betas, weight_decay=0.0)
+    if spec.optimizer in ("torch-adamw-fused", "torch-adamw-capturable"):
+        switch = spec.optimizer.removeprefix("torch-adamw-")
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=betas, **{switch: True})
+    if spec.optimizer == "apex-fused-adam":
+        from apex.optimizers import FusedAdam as ApexFusedAdam
+
+        return ApexFusedAdam(groups, lr=spec.lr, betas=betas, adam_w_mode=True)
     if spec.optimizer == "ds-fused-adam":
         from deepspeed.ops.adam import FusedAdam
 
@@ -92,6 +99,7 @@ def _ds_config(spec: RunSpec) -> dict:
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
         "bf16": {"enabled": spec.dtype == "bf16"},
+        **({"fp16": _fp16_config(spec)} if spec.dtype == "fp16" else {}),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         **({"zero_force_ds_cpu_optimizer": False} if force else {}),
@@ -111,6 +119,19 @@ def _ds_config(spec: RunSpec) -> dict:
     if spec.load is not None and spec.load.kind == "ds-universal":
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def _fp16_config(spec: RunSpec) -> dict:
+    """Dynamic loss scaling that halves the scale on every overflow (hysteresis 1), from 2**loss_scale_power:
+    a high power makes the first steps overflow and be skipped, as a real fp16 run's first steps do."""
+    return {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": spec.loss_scale_power,
+        "loss_scale_window": 1000,
+        "hysteresis": 1,
+        "min_loss_scale": 1,
+    }
 
 
 def _relink_optimizer_state(optimizer) -> None:
@@ -239,6 +260,8 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps,
     }
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    out["loss_scaler"] = None if scaler is None else {k: v for k, v in vars(scaler).items() if _plain(v)}
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     out["lrs"] = [g["lr"] for g in base.param_groups]
     dp_rank, tp_rank = _parallel_ranks(spec)
@@ -246,12 +269,17 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         torch.save(out, record_path(spec.record, tp_rank))
 
 
+def _plain(value: Any) -> bool:
+    """A value a record keeps as it is (the loss scaler's numbers, not its dtype or tensors)."""
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
 def main(argv: list[str]) -> None:
     spec = RunSpec.from_json(argv[0])
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", spec.device)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
     torch.manual_seed(spec.seed)
     model = TinyLM(spec.model)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
@@ -292,7 +320,7 @@ def main(argv: list[str]) -> None:
             rank=rank,
             dp=spec.dp,
         )
-        losses.append(train_step(engine, tokens))
+        losses.append(train_step(engine, tokens.to(engine.device)))
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag, exclude_frozen_parameters=spec.exclude_frozen)
     if spec.record:

@@ -151,6 +151,9 @@ class Flavour:
             group.update(
                 amsgrad=hyper.amsgrad, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
             )
+            # a torch source's own switches carry on, as DeepSpeed's native resume keeps them: fused and foreach
+            # round differently, so dropping fused=True moved a same-size resume off the native one (1.2e-7)
+            group.update({k: group_value(raw[k]) for k in _RUN_SWITCHES if k in raw})
             if hyper.adam_w_mode is not None:
                 group["decoupled_weight_decay"] = hyper.adam_w_mode
         else:
@@ -163,6 +166,9 @@ class Flavour:
         group.update({k: v for k, v in hyper.extra.items() if k not in group})
         return group
 
+
+#: torch's switches a native file carries from a torch source (decoupled_weight_decay is Hyper's adam_w_mode)
+_RUN_SWITCHES = sorted(TORCH_KEYS - {"decoupled_weight_decay"})
 
 FLAVOURS: dict[str, Flavour] = {
     f.name: f
