@@ -23,11 +23,10 @@ import pytest
 import torch
 
 import ucp
-from tests.support.checks import assert_same_training
+from tests.support.checks import assert_adam_universal_matches_record, assert_same_training
 from tests.support.fixtures import Built, build, resume
 from ucp.harness import LoadSpec
 from ucp.ops.inspect import inspect_path
-from ucp.universal import open_universal
 
 #: the Adam flavours ucp writes (flavour names), and the harness optimizer that reads each
 _READERS = {
@@ -121,12 +120,14 @@ def native(cell, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _keep(name: str, built: Built) -> None:
-    """Copy a GPU-written checkpoint to $UCP_GPU_KEEP (when set), so a CPU machine can read it later."""
+    """Copy a GPU-written checkpoint, its record and spec to $UCP_GPU_KEEP (when set): tests/test_gpu_written.py
+    reads them on a CPU machine."""
     keep = os.environ.get("UCP_GPU_KEEP")
     if keep and CELLS[name].get("device") == "cuda":
         import shutil
 
         shutil.copytree(built.path.parent, Path(keep) / name, dirs_exist_ok=True)
+        (Path(keep) / name / "spec.json").write_text(built.spec.to_json())
 
 
 @pytest.mark.slow
@@ -134,19 +135,9 @@ def _keep(name: str, built: Built) -> None:
 def test_to_universal_is_bit_exact_against_the_live_engine(cell, name):
     built, universal = cell(name)
     record = built.record
-    spec = built.spec
-    if spec.dtype == "fp16":  # the run must have skipped steps, or the loss-scale case proves nothing
-        assert 0 < record["counters"]["skipped_steps"] < spec.steps, record["counters"]
-    applied = record["counters"]["global_steps"] - record["counters"]["skipped_steps"]
-    with open_universal(universal) as reader:
-        assert reader.facts.step == applied
-        for param, value in record["params"].items():
-            state = reader.read(param)
-            assert torch.equal(state.fp32, value), param
-            assert set(state.optim) == {"exp_avg", "exp_avg_sq"}, param
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(state.optim[key], record[key][param].float()), (param, key)
-            assert state.step == applied, param
+    if built.spec.dtype == "fp16":  # the run must have skipped steps, or the loss-scale case proves nothing
+        assert 0 < record["counters"]["skipped_steps"] < built.spec.steps, record["counters"]
+    assert_adam_universal_matches_record(universal, record)
     assert inspect_path(universal)["skipped_steps"] == record["counters"]["skipped_steps"]
 
 

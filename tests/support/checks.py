@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ucp.model.records import Reader
+from ucp.universal import open_universal
 
-__all__ = ["assert_reader_matches_record", "assert_same_training", "assert_state_equals_record"]
+__all__ = [
+    "assert_adam_universal_matches_record",
+    "assert_reader_matches_record",
+    "assert_same_training",
+    "assert_state_equals_record",
+]
 
 
 def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, steps: int | None = None) -> None:
@@ -37,6 +44,23 @@ def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, step
     for group, live in zip(facts.groups, record["group_hparams"]):
         assert group.hyper.lr == live["lr"] and group.hyper.weight_decay == live["weight_decay"]
         assert tuple(group.hyper.betas) == tuple(live["betas"]) and group.hyper.eps == live["eps"]
+
+
+def assert_adam_universal_matches_record(universal: Path, record: dict[str, Any]) -> None:
+    """An Adam run's universal directory holds what its live engine held: every trained parameter and both
+    moments bit for bit, the optimizer's step (the applied steps: an fp16 run's overflows count none) on
+    every parameter, and DeepSpeed's skipped-step counter."""
+    counters = record["counters"]
+    applied = counters["global_steps"] - counters["skipped_steps"]
+    with open_universal(universal) as reader:
+        assert reader.facts.step == applied and reader.facts.info.skipped_steps == counters["skipped_steps"]
+        for param, value in record["params"].items():
+            state = reader.read(param)
+            assert torch.equal(state.fp32, value), param
+            assert set(state.optim) == {"exp_avg", "exp_avg_sq"}, param
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state.optim[key], record[key][param].float()), (param, key)
+            assert state.step == applied, param
 
 
 def assert_same_training(

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On a CUDA machine, from the repository root with .gpu/ from gpu/prepare.sh beside it, no network needed:
+# install the wheels, build apex's amp_C and DeepSpeed's FusedAdam for this GPU, run the gpu-marked tests
+# (JOBS at a time: every rank is one process on the one GPU), and leave the results in OUT (default
+# .gpu/out): pytest.log, junit.xml, versions.txt and gpu-checkpoints.tgz (the small checkpoints the GPU
+# wrote, for `UCP_GPU_CHECKPOINTS=... pytest tests/test_gpu_written.py` on a CPU machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-.gpu/out}
+SITE=${SITE:-/tmp/ucp-gpu-site}
+mkdir -p "$OUT" "$SITE"
+OUT=$(cd "$OUT" && pwd)
+"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu/wheels/*.whl || exit 1
+export PYTHONPATH="$SITE:$PWD:$PWD/.gpu/apex:${PYTHONPATH:-}"
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ucp-gpu-ext}
+export DS_ACCELERATOR=cuda MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+    TORCH_CUDA_ARCH_LIST=$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())') || exit 1
+    export TORCH_CUDA_ARCH_LIST
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    "$PYTHON" -c 'import sys, torch, deepspeed; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "deepspeed", deepspeed.__version__)'
+} 2>&1 | tee "$OUT/versions.txt"
+if [ -d .gpu/apex ]; then
+    AMP_C=$("$PYTHON" gpu/amp_c.py .gpu/apex 2> "$OUT/amp_c.log" | tail -1) && export PYTHONPATH="$AMP_C:$PYTHONPATH" \
+        || { echo "apex's amp_C did not build (see amp_c.log): the Apex cells will skip"; tail -5 "$OUT/amp_c.log"; }
+fi
+"$PYTHON" -c 'from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()' > "$OUT/fused_adam.log" 2>&1 \
+    || { echo "DeepSpeed FusedAdam did not build (see fused_adam.log)"; tail -5 "$OUT/fused_adam.log"; }
+mkdir -p /tmp/ucp-gpu-keep
+UCP_GPU_KEEP=/tmp/ucp-gpu-keep "$PYTHON" -m pytest -m gpu -n "${JOBS:-8}" -p no:cacheprovider -q -ra \
+    --junitxml "$OUT/junit.xml" tests/test_device_flavours.py tests/test_flavors.py "$@" 2>&1 | tee "$OUT/pytest.log"
+code=${PIPESTATUS[0]}
+tar czf "$OUT/gpu-checkpoints.tgz" -C /tmp/ucp-gpu-keep . && du -h "$OUT/gpu-checkpoints.tgz"
+exit "$code"
