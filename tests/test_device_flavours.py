@@ -3,7 +3,7 @@
 Cells are real runs of the harness. The CPU cells (torch AdamW ``fused=True`` at ZeRO-2 and ZeRO-3) run
 everywhere. The CUDA cells are marked ``gpu`` and skip without one: Apex FusedAdam (its step in the param
 group), DeepSpeed FusedAdam's CUDA build, torch AdamW ``fused=True`` and ``capturable=True`` (step tensors on
-the device), each at ZeRO-1/2/3, bf16 and fp16. The fp16 runs start their dynamic loss scale at 2**24 so the
+the device), each at ZeRO-1/2/3, bf16 and fp16. The fp16 runs start their dynamic loss scale at 2**20 so the
 first steps overflow and are skipped (DeepSpeed's ``skipped_steps`` and the optimizer's step disagree).
 A GPU runs one rank (DP=1, nccl). docs/gpu.md says how to run them.
 
@@ -35,7 +35,10 @@ _READERS = {
     "apex-fused-adam": "apex-fused-adam",
 }
 _CUDA_OPTIMIZERS = ("torch-adamw-fused", "torch-adamw-capturable", "ds-fused-adam", "apex-fused-adam")
-#: fp16 cells: enough steps that some are skipped (scale 2**24 down to where gradients fit) and some applied
+#: fp16 cells: the scale starts far above what the gradients fit under (the tied head's gradient is about the
+#: scale itself, fp16's largest is 65504: 2**20 .. 2**16 overflow, about five skipped steps), then halves
+#: on each overflow; twelve steps leave several applied ones
+_FP16_SCALE_POWER = 20
 _FP16_STEPS = 12
 
 
@@ -62,7 +65,7 @@ def _cells() -> dict[str, dict[str, Any]]:
     for stage in (1, 2, 3):
         for dtype in ("bf16", "fp16"):
             for optimizer in _CUDA_OPTIMIZERS:
-                fp16 = dict(steps=_FP16_STEPS, loss_scale_power=24) if dtype == "fp16" else {}
+                fp16 = dict(steps=_FP16_STEPS, loss_scale_power=_FP16_SCALE_POWER) if dtype == "fp16" else {}
                 cells[f"cuda-z{stage}-{dtype}-{optimizer}"] = dict(
                     device="cuda", dp=1, stage=stage, dtype=dtype, optimizer=optimizer, **fp16
                 )
@@ -152,7 +155,7 @@ def test_same_size_restore_resumes_bit_identically_to_native_resume(cell, native
     ours = resume(built, LoadSpec(str(out)), name="ucp", work=tmp_path)
     assert_same_training(reference, ours)  # the loss scaler's state too
     if built.spec.dtype == "fp16":
-        assert reference["loss_scaler"]["cur_scale"] < 2.0**24  # the scale the run came down to, not the initial one
+        assert reference["loss_scaler"]["cur_scale"] < 2.0**_FP16_SCALE_POWER  # the scale the run came down to, not the initial one
 
 
 @pytest.mark.slow

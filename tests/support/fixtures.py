@@ -40,7 +40,7 @@ class Built:
 
     @property
     def record(self) -> dict[str, Any]:
-        return torch.load(self.record_path, weights_only=True)
+        return torch.load(self.record_path, map_location="cpu", weights_only=True)  # a GPU run's too
 
     @property
     def tag_dir(self) -> Path:

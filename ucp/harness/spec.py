@@ -93,7 +93,7 @@ class RunSpec(JsonSpec):
     tp: int = 1  # DeepSpeed AutoTP degree (stage 0-2 only); the run uses dp x tp ranks
     stage: int = 3
     dtype: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a GPU: DeepSpeed refuses it on most CPUs)
-    loss_scale_power: int = 16  # fp16: the dynamic loss scale starts at 2**this (24 makes the first steps overflow)
+    loss_scale_power: int = 16  # fp16: the dynamic loss scale starts at 2**this (20 makes the first steps overflow)
     device: str = "cpu"  # cpu (gloo ranks) | cuda (one GPU per rank, nccl)
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
