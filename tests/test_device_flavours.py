@@ -155,7 +155,9 @@ def test_same_size_restore_resumes_bit_identically_to_native_resume(cell, native
     ours = resume(built, LoadSpec(str(out)), name="ucp", work=tmp_path)
     assert_same_training(reference, ours)  # the loss scaler's state too
     if built.spec.dtype == "fp16":
-        assert reference["loss_scaler"]["cur_scale"] < 2.0**_FP16_SCALE_POWER  # the scale the run came down to, not the initial one
+        assert (
+            reference["loss_scaler"]["cur_scale"] < 2.0**_FP16_SCALE_POWER
+        )  # the scale the run came down to, not the initial one
 
 
 @pytest.mark.slow
