@@ -6,14 +6,14 @@ planned once against a checkpoint's facts by the target (``ucp.targets.native.pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ucp.errors import ConfigError
 from ucp.model.flavours import FLAVOURS
 from ucp.model.records import DTYPES
 
-__all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step"]
+__all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step", "options_with"]
 
 #: ZeRO stages a restore can write.
 STAGES = (1, 2, 3)
@@ -107,3 +107,10 @@ class RestoreOptions:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def options_with(options: RestoreOptions | None, **changes: Any) -> RestoreOptions:
+    """A target's options: ``options`` with ``changes`` (keyword fields a caller gave), or those fields alone."""
+    if options is None:
+        return RestoreOptions(**changes)
+    return replace(options, **changes) if changes else options

@@ -8,9 +8,10 @@ downstream branches on the stage.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ucp.deepspeed.layout import find_checkpoint
 from ucp.model.records import Reader
@@ -19,7 +20,7 @@ from ucp.universal.reader import is_universal, open_universal
 if TYPE_CHECKING:
     from ucp.model.tp import TpRule
 
-__all__ = ["open_reader", "is_universal"]
+__all__ = ["open_reader", "opened", "is_universal"]
 
 
 def open_reader(
@@ -83,3 +84,17 @@ def open_reader(
     from ucp.sources.zero12 import Zero12Source
 
     return Zero12Source(files, optimizer=optimizer)
+
+
+@contextmanager
+def opened(source: str | os.PathLike[str] | Reader, **how: Any) -> Iterator[Reader]:
+    """The reader for ``source``: opened (``open_reader(source, **how)``) and closed after, when it is a path;
+    an open reader is lent as it is and left open, since its caller owns it."""
+    if not isinstance(source, (str, os.PathLike)):
+        yield source
+        return
+    reader = open_reader(source, **how)
+    try:
+        yield reader
+    finally:
+        reader.close()

@@ -39,9 +39,9 @@ from ucp.errors import ConfigError, InputError
 from ucp.io.atomic import staged_output
 from ucp.io.pool import default_workers
 from ucp.io.torchzip import write_torch_file
-from ucp.model.options import RestoreOptions
+from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import GroupMeta, ParamMeta, ParamState, PieceState, Reader, ReaderView, torch_dtype
-from ucp.sources import open_reader
+from ucp.sources import opened
 from ucp.sources.autoep import AUTOEP_EXTRAS
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
@@ -213,11 +213,10 @@ def write_autoep(
 ) -> NativePlan:
     """Write ``out/latest`` and ``out/<tag>/`` for an AutoEP run of ``dp`` ranks at ``autoep_size`` ``ep``
     (``fsync``: flushed to disk before it is published)."""
-    options = RestoreOptions(**fields) if options is None else replace(options, **fields)
+    options = options_with(options, **fields)
     if options.stage not in (1, 2) or options.tp != 1:
         raise ConfigError("an AutoEP target is ZeRO-1 or ZeRO-2 at TP=1")
-    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
-    try:
+    with opened(source) as reader:
         layers = autoep_layers_of(reader)
         _check_sizes(layers, options.dp, ep)
         view = _FusedExperts(reader, layers, ep)
@@ -232,6 +231,3 @@ def write_autoep(
             (root / LATEST).write_text(plan.tag)
         logger.debug("wrote an AutoEP checkpoint for %d ranks at autoep_size=%d to %s", options.dp, ep, out)
         return plan
-    finally:
-        if reader is not source:
-            reader.close()

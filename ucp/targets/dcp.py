@@ -42,7 +42,7 @@ from ucp.errors import ConfigError, InputError
 from ucp.io.atomic import staged_output
 from ucp.model import flavours
 from ucp.model.records import Facts, ParamState, Reader
-from ucp.sources import open_reader
+from ucp.sources import opened
 from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
 
 __all__ = ["write_dcp", "plan_dcp", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
@@ -270,14 +270,10 @@ def write_dcp(
     _flavour(optimizer)  # refuse a bad name before anything is opened
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
-    reader = open_reader(source, tag=tag) if isinstance(source, (str, os.PathLike)) else source
-    try:
+    with opened(source, tag=tag) as reader:
         plan = plan_dcp(reader.facts, reader.buffers(), reader.extras(), optimizer, steps=steps, layout=layout)
         with staged_output(out, overwrite=overwrite, durable=fsync, check=read_metadata) as root:
             _save(plan, root, _Fetch(reader), fsync)
-    finally:
-        if reader is not source:
-            reader.close()
     for note in plan.notes:
         logger.warning("%s", note)
     logger.debug("wrote a DCP checkpoint (%s) to %s", optimizer, out)

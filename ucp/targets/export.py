@@ -32,7 +32,7 @@ from ucp.io.atomic import PARTIAL_MARK, publish_new, staged_output
 from ucp.io.pool import default_workers, parallel_map
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import DTYPES, Reader, torch_dtype
-from ucp.sources import open_reader
+from ucp.sources import opened
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
@@ -204,12 +204,8 @@ def export(
     target, file_name = _resolve_out(out, format)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
-    reader = open_reader(src, tag=tag) if isinstance(src, (str, os.PathLike)) else src
-    try:
+    with opened(src, tag=tag) as reader:
         return _export(reader, target, file_name, format, dtype, max_bytes, overwrite, workers or default_workers())
-    finally:
-        if reader is not src:
-            reader.close()
 
 
 def _export(

@@ -27,9 +27,9 @@ from ucp.errors import ConfigError
 from ucp.io.atomic import staged_output
 from ucp.io.pool import default_workers
 from ucp.io.torchzip import write_torch_file
-from ucp.model.options import RestoreOptions
+from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Facts, Reader, ReaderView, torch_dtype
-from ucp.sources import open_reader
+from ucp.sources import opened
 from ucp.sources.moe import MOE_EXTRAS
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
@@ -156,11 +156,10 @@ def write_moe(
 ) -> NativePlan:
     """Write ``out/latest`` and ``out/<tag>/`` for a legacy-MoE run of ``dp`` ranks at expert-parallel size ``ep``
     (``fsync``: flushed to disk before it is published)."""
-    options = RestoreOptions(**fields) if options is None else replace(options, **fields)
+    options = options_with(options, **fields)
     if options.stage not in (1, 2) or options.tp != 1:
         raise ConfigError("a MoE target is ZeRO-1 or ZeRO-2 at TP=1")
-    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
-    try:
+    with opened(source) as reader:
         layers = moe_layers(reader)
         _check_sizes(layers, options.dp, ep)
         _, experts = _split(reader.facts)
@@ -176,6 +175,3 @@ def write_moe(
             (root / LATEST).write_text(plan.tag)
         logger.debug("wrote a MoE checkpoint for %d ranks at ep_size=%d to %s", options.dp, ep, out)
         return plan
-    finally:
-        if reader is not source:
-            reader.close()

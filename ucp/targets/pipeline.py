@@ -26,10 +26,10 @@ from ucp.io.atomic import staged_output
 from ucp.io.pool import default_workers
 from ucp.io.torchfile import load
 from ucp.io.torchzip import write_torch_file
-from ucp.model.options import RestoreOptions
+from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Facts, Reader, ReaderView
 from ucp.model.stages import METHODS, balanced_parts, uniform_parts
-from ucp.sources import open_reader
+from ucp.sources import opened
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.zero12 import write_zero12
 from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
@@ -213,11 +213,10 @@ def write_pipeline(
 ) -> NativePlan:
     """Write ``out/latest`` and ``out/<tag>/`` for a PipelineEngine at ``layout.pp`` stages x ``tp`` x ``dp``
     (``tp`` > 1 cuts each stage's parameters by the rules the reader records, as a TP restore does)."""
-    options = RestoreOptions(**fields) if options is None else replace(options, **fields)
+    options = options_with(options, **fields)
     if options.stage not in (0, 1):
         raise ConfigError("a pipeline target is ZeRO-0/1: PipelineEngine refuses ZeRO-2/3")
-    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
-    try:
+    with opened(source) as reader:
         views = [_StageReader(reader, layout, s) for s in range(layout.pp)]
         placed = {p.name for view in views for p in view.facts.params}
         missing = [p.name for p in reader.facts.params if p.name not in placed]
@@ -234,6 +233,3 @@ def write_pipeline(
                     _to_layer_files(tag_dir, layout, stage, options.tp, tp_rank)
             (root / LATEST).write_text(plan.tag)
         return plan
-    finally:
-        if reader is not source:
-            reader.close()

@@ -17,7 +17,7 @@ from ucp.errors import InputError
 from ucp.model import flavours
 from ucp.model.detect import detect_live
 from ucp.model.records import Reader
-from ucp.sources import open_reader
+from ucp.sources import opened
 from ucp.targets.engine import match_groups
 
 __all__ = ["restore_torch"]
@@ -55,8 +55,7 @@ def restore_torch(
         model = build_model(); opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ucp.restore_torch(model, opt, "universal/")
     """
-    reader = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
-    try:
+    with opened(universal_dir) as reader:
         facts = reader.facts
         params = dict(model.named_parameters())  # tied aliases collapse to their owner
         expected = {m.name for m in facts.params}
@@ -112,9 +111,6 @@ def restore_torch(
         if scheduler is not None and extras.get("lr_scheduler") is not None:
             scheduler.load_state_dict(extras["lr_scheduler"])
         return dict(extras.get("client_state") or {})
-    finally:
-        if reader is not universal_dir:
-            reader.close()
 
 
 def _on_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 from ucp.io.pool import default_workers
 from ucp.model.records import Reader
 from ucp.model.steps import step_chooser
-from ucp.sources import open_reader
+from ucp.sources import opened
 from ucp.targets.engine.common import match_groups, restore_common
 from ucp.targets.engine.pipeline import live_stage_view
 from ucp.targets.engine.zero3 import restore_zero3
@@ -48,8 +48,7 @@ def restore(
     Returns the checkpoint's client state, as ``engine.load_checkpoint`` does.
     """
     step_of = step_chooser(step)
-    source = open_reader(universal_dir) if isinstance(universal_dir, (str, os.PathLike)) else universal_dir
-    try:
+    with opened(universal_dir) as source:
         # this rank's pipeline stage (a PipelineEngine), then its shards under tensor parallelism
         reader = live_tp_view(engine, live_stage_view(engine, source, strict=strict))
         stage = int(engine.zero_optimization_stage())
@@ -75,6 +74,3 @@ def restore(
             )
         restore_common(engine, reader, strict=strict)
         return dict(reader.extras().get("client_state") or {})
-    finally:
-        if source is not universal_dir:
-            source.close()

@@ -17,9 +17,9 @@ from typing import Any
 from ucp.deepspeed.layout import LATEST
 from ucp.io.atomic import staged_output
 from ucp.io.pool import default_workers
-from ucp.model.options import RestoreOptions
+from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Reader
-from ucp.sources import open_reader
+from ucp.sources import open_reader, opened
 from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, Share, plan_native
 from ucp.targets.native.zero3 import write_zero3
 from ucp.targets.native.zero12 import write_zero12
@@ -89,18 +89,11 @@ def write_native(
     by the rules the checkpoint records (``ucp.model.tp``); the model-states files carry a
     ``universal_checkpoint_info`` describing them.
     """
-    if options is None:
-        options = RestoreOptions(**fields)
-    elif fields:
-        options = replace(options, **fields)
-    reader = open_reader(source) if isinstance(source, (str, os.PathLike)) else source
-    try:
+    options = options_with(options, **fields)
+    with opened(source) as reader:
         return write_plan(
             reader, plan_native(reader.facts, options), out, overwrite=overwrite, workers=workers, fsync=fsync
         )
-    finally:
-        if reader is not source:
-            reader.close()
 
 
 def reshard(
