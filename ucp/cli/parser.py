@@ -1,0 +1,256 @@
+"""The argument parser: every verb's flags, and the verb function each one runs (``args.func``).
+
+Importing it imports no torch: the verb modules import what they need inside their functions."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ucp import __version__
+from ucp.cli.restore import cmd_reshard, cmd_restore
+from ucp.cli.verbs import cmd_demo, cmd_diff, cmd_export, cmd_inspect, cmd_migrate, cmd_to_universal, cmd_verify
+
+__all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser"]
+
+#: every optimizer flavour (ucp.model.flavours.FLAVOURS; spelled here so that --help needs no torch, kept equal by a test)
+FLAVOUR_NAMES = (
+    "torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam", "torch-sgd", "torch-rmsprop", "torch-nadam",
+    "torch-radam", "torch-adamax", "torch-adagrad", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
+)  # fmt: skip
+#: optimizers a DCP output can be written for (ucp.targets.dcp.DCP_OPTIMIZERS)
+DCP_OPTIMIZER_NAMES = (
+    "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
+    "torch-adagrad",
+)  # fmt: skip
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _output_flags(p: argparse.ArgumentParser, *, fsync: bool = False) -> None:
+    """The flags of every verb that writes: what may be replaced, the space check, durability."""
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and ucp wrote it")
+    p.add_argument(
+        "--overwrite-foreign",
+        action="store_true",
+        help="with --overwrite: replace OUT even when ucp did not write it (never an input)",
+    )
+    p.add_argument(
+        "--no-space-check",
+        action="store_true",
+        help="write even when the file system seems to lack room for the output",
+    )
+    if fsync:
+        p.add_argument("--fsync", action="store_true", help="flush OUT to disk before publishing it (power-loss safe)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+
+
+def _new_run_flags(p: argparse.ArgumentParser) -> None:
+    """The new run's layout and optimizer, shared by restore and reshard; then the output flags."""
+    p.add_argument(
+        "--dp", type=_positive, help="data-parallel size of the new run (restore needs it unless --format dcp)"
+    )
+    p.add_argument(
+        "--stage",
+        type=int,
+        choices=(1, 2, 3),
+        help="ZeRO stage of the new run (default 3; a Hugging Face folder's own)",
+    )
+    p.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
+    )
+    p.add_argument(
+        "--pp",
+        type=_positive,
+        help="pipeline stages of the new run: a PipelineEngine checkpoint (stage defaults to 1; needs --pp-parts or "
+        "--pp-partition)",
+    )
+    p.add_argument("--pp-parts", metavar="0,3,6", help="--pp: the new run's layer partition (PipelineModule.parts)")
+    p.add_argument(
+        "--pp-partition",
+        choices=("uniform", "parameters"),
+        help="--pp: cut the layers as the new run's partition_method will (instead of --pp-parts; needs --pp-layers)",
+    )
+    p.add_argument("--pp-layers", type=_positive, metavar="N", help="--pp-partition: the PipelineModule's layer count")
+    p.add_argument(
+        "--pp-tied",
+        action="append",
+        metavar="KEY=0,5",
+        help="--pp: the layers using TiedLayerSpec KEY (repeat per key)",
+    )
+    p.add_argument(
+        "--ep",
+        type=_positive,
+        help="expert-parallel size of the new run: a legacy DeepSpeed MoE or AutoEP checkpoint (ZeRO-1/2; default "
+        "for a source with experts: its own ep_size or autoep_size, and its stage)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(set(FLAVOUR_NAMES) | set(DCP_OPTIMIZER_NAMES)),
+        help="optimizer of the new run (default: the source's; torch-adamw for --format dcp)",
+    )
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
+    p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
+    p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")
+    p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
+    p.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its ZeRO-1/2 momentum "
+        "out by it (default: as the source did)",
+    )
+    p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="split the rank files across torch.distributed ranks (launch with torchrun; OUT on a shared file system)",
+    )
+    _output_flags(p, fsync=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ucp", description="Universal checkpoints for DeepSpeed ZeRO.", allow_abbrev=False
+    )
+    parser.add_argument("--version", action="version", version=f"ucp {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (no result line, notes or progress bars)"
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO or DCP checkpoint -> universal directory")
+    p.add_argument("src", help="checkpoint folder (holding 'latest'), a tag folder, or a DCP folder (.metadata)")
+    p.add_argument("out", help="universal directory to create")
+    p.add_argument("--tag", help="tag folder to read (default: the one 'latest' names)")
+    p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the source's optimizer, when detection cannot tell")
+    p.add_argument("--workers", type=_positive, help="parallel workers (default: CPU count, at most 8)")
+    _output_flags(p, fsync=True)
+    p.add_argument(
+        "--frozen",
+        nargs="+",
+        metavar="NAME",
+        help="DCP source: these entries are frozen parameters, not buffers (a one-rank save cannot tell them apart)",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="split the work across torch.distributed ranks (launch with torchrun)",
+    )
+    p.set_defaults(func=cmd_to_universal)
+
+    p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size, or DCP")
+    p.add_argument(
+        "universal",
+        help="universal directory (or a DeepSpeed or DCP checkpoint); a Trainer checkpoint-N or Accelerate "
+        "save_state folder gives a whole folder of the same kind for the new size",
+    )
+    p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
+    p.add_argument(
+        "--format",
+        choices=("deepspeed", "dcp"),
+        default="deepspeed",
+        help="deepspeed (default): a native ZeRO checkpoint; dcp: a torch.distributed.checkpoint folder for FSDP2",
+    )
+    p.add_argument(
+        "--dcp-layout",
+        choices=("torch", "torchtitan"),
+        help="--format dcp: torch (default; get_state_dict's model/optim) or torchtitan (its CheckpointManager's keys)",
+    )
+    _new_run_flags(p)
+    p.set_defaults(func=cmd_restore)
+
+    p = verbs.add_parser(
+        "reshard", help="DeepSpeed checkpoint -> DeepSpeed checkpoint for another DP/stage/TP, no universal copy"
+    )
+    p.add_argument("universal", metavar="src", help="DeepSpeed checkpoint (or any source restore reads)")
+    p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
+    _new_run_flags(p)
+    p.set_defaults(func=cmd_reshard, format="deepspeed", dcp_layout=None)
+
+    p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")
+    p.add_argument("path", help="DeepSpeed checkpoint, universal directory, DCP or Hugging Face folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
+    p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the optimizer flavour, when detection cannot tell")
+    p.set_defaults(func=cmd_inspect)
+
+    p = verbs.add_parser(
+        "verify", help="check a universal directory against its source, or a model against a checkpoint"
+    )
+    p.add_argument("source", help="DeepSpeed checkpoint (or universal directory with --model)")
+    p.add_argument("universal", nargs="?", help="universal directory to compare bit for bit")
+    p.add_argument("--model", help="MODULE:CALLABLE building the model whose names/shapes/order to check")
+    p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
+    p.set_defaults(func=cmd_verify)
+
+    p = verbs.add_parser(
+        "diff", help="compare two checkpoints of any format, parameter by parameter and state key by state key"
+    )
+    p.add_argument("a", help="checkpoint A (DeepSpeed ZeRO at any DP/TP, universal, DCP, Hugging Face folder)")
+    p.add_argument("b", help="checkpoint B, any format too")
+    p.add_argument(
+        "--atol", type=_non_negative, default=0.0, help="largest difference counted as equal (default 0: bit for bit)"
+    )
+    p.add_argument("--tag-a", help="DeepSpeed tag to read in A (default: latest)")
+    p.add_argument("--tag-b", help="DeepSpeed tag to read in B (default: latest)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--plot", metavar="FILE", help="also draw each parameter's differences into FILE (.png, .svg, .pdf; matplotlib)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the --plot FILE if it exists")
+    p.set_defaults(func=cmd_diff)
+
+    p = verbs.add_parser("export", help="consolidated weights (safetensors or torch)")
+    p.add_argument("src", help="universal directory or DeepSpeed checkpoint")
+    p.add_argument("out", help="output file (model.safetensors / pytorch_model.bin) or folder when sharded")
+    p.add_argument(
+        "--format", choices=("safetensors", "torch"), default="safetensors", help="file format (default safetensors)"
+    )
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: the model's dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="shard above this size, e.g. 500MB, 5GB (default 5GB)")
+    p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
+    _output_flags(p)
+    p.set_defaults(func=cmd_export)
+
+    p = verbs.add_parser("migrate", help="run a YAML migration (read, transform, restore, export)")
+    p.add_argument("config", help="migration YAML")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    _output_flags(p)
+    p.set_defaults(func=cmd_migrate)
+
+    p = verbs.add_parser("demo", help="train a tiny model with real DeepSpeed, convert, restore at another DP, compare")
+    p.add_argument(
+        "--workdir",
+        default="ucp-demo",
+        help="folder for the demo's checkpoints: new, empty, or one an earlier demo made (default ./ucp-demo)",
+    )
+    p.add_argument("--source-dp", type=_positive, default=4, help="DP size of the training run saved (default 4)")
+    p.add_argument("--target-dp", type=_positive, default=2, help="DP size the run resumes at (default 2)")
+    p.set_defaults(func=cmd_demo)
+    for sub in verbs.choices.values():  # "--over" must not pass for --overwrite
+        sub.allow_abbrev = False
+    return parser
