@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("UCP_HARNESS_FORK", "1")  # CPU ranks fork from a parent holding torch and DeepSpeed
 
 from tests.support.fixtures import Built, build, resume  # noqa: E402
 from ucp.harness import LoadSpec, ModelSpec  # noqa: E402

@@ -1,5 +1,7 @@
 """A stand-in rank for launcher tests: ``python -m tests.support.rank_probe MODE``. In ``fail0`` mode rank 0
-exits with 3 at once and the others wait as ranks wait for a dead peer; in ``ok`` mode every rank exits 0."""
+exits with 3 at once and the others wait as ranks wait for a dead peer; in ``ok`` mode every rank exits 0;
+``show`` prints what the rank was given (rank, world, folder, a variable, its threads); ``abort`` dies of
+SIGABRT, leaving no exit code of its own."""
 
 from __future__ import annotations
 
@@ -12,3 +14,11 @@ if __name__ == "__main__":
         sys.exit(3)
     if sys.argv[1] == "fail0":
         time.sleep(300)
+    if sys.argv[1] == "show":
+        import torch
+
+        print(
+            os.environ["RANK"], os.environ["WORLD_SIZE"], os.getcwd(), os.environ.get("PROBE"), torch.get_num_threads()
+        )
+    if sys.argv[1] == "abort":
+        os.abort()

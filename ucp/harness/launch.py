@@ -11,8 +11,10 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 from ucp.harness.spec import RunSpec
+from ucp.harness.zygote import ForkedRank, write_exit_code, zygote_for
 
 __all__ = ["RankFailure", "WORKER", "end_rank", "free_port", "launch", "run_ranks"]
 
@@ -33,6 +35,7 @@ def end_rank() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+    write_exit_code(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -114,7 +117,7 @@ def _run_once(
     cwd: str | os.PathLike | None,
 ) -> list[tuple[int, int | str]]:
     """Start every rank, wait for all; the ranks that failed, in rank order ((rank, exit code or why))."""
-    procs = []
+    procs: list[tuple[subprocess.Popen | ForkedRank, IO | None]] = []
     for rank in range(world):
         rank_env = dict(os.environ)
         rank_env.update(
@@ -129,6 +132,11 @@ def _run_once(
             PYTHONWARNINGS="ignore",
         )
         rank_env.update(env or {})
+        zygote = zygote_for(rank_env)
+        if zygote is not None:  # forked from a process that has imported torch and DeepSpeed already
+            forked = zygote.fork(module, [payload], rank_env, str(cwd or os.getcwd()), logs / f"rank{rank}.log")
+            procs.append((forked, None))
+            continue
         log = open(logs / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", module, payload]
         procs.append((subprocess.Popen(cmd, env=rank_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
@@ -147,10 +155,11 @@ def _run_once(
                 break
             time.sleep(0.05)
     finally:
-        for proc, log in procs:
+        for proc, handle in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            log.close()
+            if handle is not None:
+                handle.close()
     first = [(rank, code) for rank, code in sorted(codes.items()) if isinstance(code, int) and code != 0]
     return first + [(rank, code) for rank, code in sorted(codes.items()) if isinstance(code, str)]
