@@ -206,9 +206,12 @@ def _cmd_native_distributed(args: argparse.Namespace, step: int | str) -> int:
     return 0 if plan is None else _native_done(args, plan)
 
 
-def _native_done(args: argparse.Namespace, plan: NativePlan) -> int:
+def _native_done(
+    args: argparse.Namespace, plan: NativePlan, *, summary: str | None = None, format: str = "deepspeed", **more: Any
+) -> int:
+    """The result line and JSON of a native write (``summary`` and ``more`` fields for the pipeline layout)."""
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
-    summary = (
+    summary = summary or (
         f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
         f"{args.out}/{plan.tag}"
     )
@@ -216,8 +219,9 @@ def _native_done(args: argparse.Namespace, plan: NativePlan) -> int:
         args,
         summary,
         plan.notes,
-        format="deepspeed",
+        format=format,
         stage=plan.stage,
+        **more,
         dp=plan.dp,
         tp=plan.tp,
         optimizer=plan.flavour.name,
@@ -252,22 +256,10 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
         plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, args.stage or 1))
     summary = (
         f"wrote a pipeline checkpoint for pp={layout.pp} x tp={plan.tp} x dp={plan.dp} (ZeRO-{plan.stage}, "
-        f"{plan.flavour.name}, "
-        f"{plan.dtype}) to {args.out}/{plan.tag}"
+        f"{plan.flavour.name}, {plan.dtype}) to {args.out}/{plan.tag}"
     )
-    return done(
-        args,
-        summary,
-        plan.notes,
-        format="deepspeed-pipeline",
-        stage=plan.stage,
-        pp=layout.pp,
-        parts=list(layout.parts),
-        tp=plan.tp,
-        dp=plan.dp,
-        optimizer=plan.flavour.name,
-        dtype=plan.dtype,
-        tag=plan.tag,
+    return _native_done(
+        args, plan, summary=summary, format="deepspeed-pipeline", pp=layout.pp, parts=list(layout.parts)
     )
 
 
