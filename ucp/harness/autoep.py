@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from ucp.deepspeed.autoep import WEIGHTS, expert_name
-from ucp.harness.launch import end_rank, free_port, launch
-from ucp.harness.model import batch_for_step
+from ucp.harness.expert_runs import base_config, drive, record_tail, run_expert_spec
+from ucp.harness.launch import end_rank
 from ucp.harness.moe import _param_groups
 from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
-from ucp.harness.worker import _relink_optimizer_state, lr_decay, train_step
+from ucp.harness.worker import _relink_optimizer_state, lr_decay
 
 __all__ = ["AutoEpSpec", "AutoEpLM", "run_autoep", "MODULE"]
 
@@ -100,13 +100,7 @@ class AutoEpLM(nn.Module):
 
 def _config(spec: AutoEpSpec) -> dict:
     return {
-        "train_batch_size": spec.global_batch,
-        "train_micro_batch_size_per_gpu": spec.global_batch // spec.world,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": spec.stage},
-        "bf16": {"enabled": spec.dtype == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
+        **base_config(spec),
         "expert_parallel": {
             "enabled": True,
             "autoep_size": spec.ep,
@@ -151,16 +145,11 @@ def _record(engine: Any, spec: AutoEpSpec, losses: list[float]) -> None:
     with deepspeed.zero.GatheredParameters(gathered):  # ZeRO-3: the module's own weights, whole
         _record_params(engine, out, keys, slices, expert_names)
     optimizer = engine.optimizer
-    out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    out.update(record_tail(engine, base))
     out["group_params"] = [
         [n for p in group for n in expert_names.get(engine.param_names[p], [engine.param_names[p]])]
         for group in getattr(optimizer, "bit16_groups", None) or optimizer.fp16_groups
     ]
-    out["state_steps"] = [
-        float(s["step"]) if torch.is_tensor(s.get("step")) else s.get("step") for s in base.state.values()
-    ]
-    out["counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples}
-    out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     torch.save(out, spec.rank_record(torch.distributed.get_rank()))
 
 
@@ -210,35 +199,14 @@ def main(argv: list[str]) -> None:
     )
     if not _expert_slices(engine):
         raise SystemExit("AutoEP replaced no MoE layer")
-    if spec.load is not None:
-        path, _ = engine.load_checkpoint(spec.load.path, tag=spec.load.tag)
-        if path is None:
-            raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
-    rank = torch.distributed.get_rank()
-    losses = []
-    for step in range(spec.first_step, spec.first_step + spec.steps):
-        m = spec.model
-        tokens = batch_for_step(
-            step,
-            seed=spec.data_seed,
-            global_batch=spec.global_batch,
-            seq=spec.seq,
-            vocab=m.vocab,
-            rank=rank,
-            dp=spec.world,
-        )
-        losses.append(train_step(engine, tokens))
-    if spec.save_dir:
-        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
+    losses = drive(engine, spec)
     if spec.record:
         _record(engine, spec, losses)
 
 
 def run_autoep(spec: AutoEpSpec, *, timeout: float = 900.0, log_dir: str | os.PathLike | None = None) -> None:
     """Run ``spec`` on ``spec.world`` local processes and wait for all of them."""
-    if not spec.port:
-        spec.port = free_port()
-    launch(spec.world, spec.to_json(), port=spec.port, module=MODULE, timeout=timeout, log_dir=log_dir)
+    run_expert_spec(spec, MODULE, timeout=timeout, log_dir=log_dir)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ucp.harness.launch import end_rank, free_port, launch
-from ucp.harness.model import batch_for_step, build_param_groups
+from ucp.harness.expert_runs import base_config, drive, record_tail, run_expert_spec
+from ucp.harness.launch import end_rank
+from ucp.harness.model import build_param_groups
 from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
-from ucp.harness.worker import _relink_optimizer_state, lr_decay, train_step
+from ucp.harness.worker import _relink_optimizer_state, lr_decay
 
 __all__ = ["MoeSpec", "MoeLM", "run_moe", "global_name", "MODULE"]
 
@@ -117,21 +118,6 @@ def _param_groups(model: MoeLM, lr: float) -> list[dict]:
     return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
-def _config(spec: MoeSpec) -> dict:
-    config: dict = {
-        "train_batch_size": spec.global_batch,
-        "train_micro_batch_size_per_gpu": spec.global_batch // spec.world,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": spec.stage},
-        "bf16": {"enabled": spec.dtype == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    if spec.load is not None and spec.load.kind == "ds-universal":
-        config["checkpoint"] = {"load_universal": True}
-    return config
-
-
 def _record(engine, spec: MoeSpec, losses: list[float], ep_rank: int) -> None:
     """What this rank's live engine holds per parameter (dense ones and its local experts, under global
     names); every rank takes part in the gathers and writes its own record."""
@@ -149,15 +135,10 @@ def _record(engine, spec: MoeSpec, losses: list[float], ep_rank: int) -> None:
         for key in keys:
             value = safe_get_full_optimizer_state(param, key)
             out["state"][key][name] = None if value is None else value.detach().cpu().clone()
-    out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    out.update(record_tail(engine, base))
     out["group_params"] = [
         [global_name(engine.param_names[p], ep_rank, local) for p in group] for group in engine.optimizer.bit16_groups
     ]
-    out["state_steps"] = [
-        float(s["step"]) if torch.is_tensor(s.get("step")) else s.get("step") for s in base.state.values()
-    ]
-    out["counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples}
-    out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     torch.save(out, spec.rank_record(torch.distributed.get_rank()))
 
 
@@ -179,39 +160,18 @@ def main(argv: list[str]) -> None:
         model=model,
         optimizer=optimizer,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay),
-        config=_config(spec),
+        config=base_config(spec),
     )
     if groups._get_expert_parallel_rank(model.moe.expert_group_name) != ep_rank:
         raise SystemExit("DeepSpeed grouped the expert-parallel ranks otherwise than the harness assumed")
-    if spec.load is not None:
-        path, _ = engine.load_checkpoint(spec.load.path, tag=spec.load.tag)
-        if path is None:
-            raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
-    rank = torch.distributed.get_rank()
-    losses = []
-    for step in range(spec.first_step, spec.first_step + spec.steps):
-        m = spec.model
-        tokens = batch_for_step(
-            step,
-            seed=spec.data_seed,
-            global_batch=spec.global_batch,
-            seq=spec.seq,
-            vocab=m.vocab,
-            rank=rank,
-            dp=spec.world,
-        )
-        losses.append(train_step(engine, tokens))
-    if spec.save_dir:
-        engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)
+    losses = drive(engine, spec)
     if spec.record:
         _record(engine, spec, losses, ep_rank)
 
 
 def run_moe(spec: MoeSpec, *, timeout: float = 900.0, log_dir: str | os.PathLike | None = None) -> None:
     """Run ``spec`` on ``spec.world`` local processes and wait for all of them."""
-    if not spec.port:
-        spec.port = free_port()
-    launch(spec.world, spec.to_json(), port=spec.port, module=MODULE, timeout=timeout, log_dir=log_dir)
+    run_expert_spec(spec, MODULE, timeout=timeout, log_dir=log_dir)
 
 
 if __name__ == "__main__":
