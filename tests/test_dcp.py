@@ -450,19 +450,11 @@ def _torchtitan_run(base: Built, universal: Path, folder: Path) -> tuple[Any, An
 
 def _train_on(base: Built, model: Any, optimizers: Any, schedulers: Any) -> dict[str, Any]:
     """3 more steps with torchtitan's containers: the harness's batches, clipping and schedule, one process."""
-    from ucp.harness.model import batch_for_step
+    from ucp.harness.model import spec_batch
 
     spec, losses = base.spec, []
     for step in range(spec.steps, spec.steps + 3):
-        tokens = batch_for_step(
-            step,
-            seed=spec.data_seed,
-            global_batch=spec.global_batch,
-            seq=spec.seq,
-            vocab=spec.model.vocab,
-            rank=0,
-            dp=1,
-        )
+        tokens = spec_batch(spec, step, rank=0, dp=1)
         loss = model(tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)

@@ -9,7 +9,7 @@ import ucp
 from tests.support.checks import assert_same_training
 from tests.support.fixtures import resume
 from ucp.harness import LoadSpec
-from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
+from ucp.harness.model import TinyLM, build_param_groups, spec_batch
 from ucp.harness.worker import lr_decay
 
 
@@ -96,15 +96,7 @@ def test_restore_torch_into_plain_model_matches_universal(source, universals):
     assert scheduler.last_epoch == record["lr_scheduler"]["last_epoch"]
     assert torch.equal(model.calls, record["buffers"]["calls"])
     # and it trains on: one plain step from the restored state
-    tokens = batch_for_step(
-        spec.steps,
-        seed=spec.data_seed,
-        global_batch=spec.global_batch,
-        seq=spec.seq,
-        vocab=spec.model.vocab,
-        rank=0,
-        dp=1,
-    )
+    tokens = spec_batch(spec, spec.steps, rank=0, dp=1)
     model(tokens).backward()
     optimizer.step()
     assert float(optimizer.state[params["embed.weight"]]["step"]) == spec.steps + 1

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from ucp.harness.launch import free_port, launch
-from ucp.harness.model import batch_for_step
+from ucp.harness.model import spec_batch
 from ucp.harness.spec import LoadSpec, ModelSpec
 from ucp.harness.worker import train_step
 
@@ -62,15 +62,7 @@ def drive(engine: Any, spec: ExpertSpec) -> list[float]:
     rank = torch.distributed.get_rank()
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):
-        tokens = batch_for_step(
-            step,
-            seed=spec.data_seed,
-            global_batch=spec.global_batch,
-            seq=spec.seq,
-            vocab=spec.model.vocab,
-            rank=rank,
-            dp=spec.world,
-        )
+        tokens = spec_batch(spec, step, rank=rank, dp=spec.world)
         losses.append(train_step(engine, tokens))
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ucp.harness.launch import end_rank, run_ranks
-from ucp.harness.model import TinyLM, batch_for_step, build_param_groups
+from ucp.harness.model import TinyLM, build_param_groups, spec_batch
 from ucp.harness.spec import RunSpec
 from ucp.harness.worker import lr_decay
 
@@ -151,10 +151,7 @@ def main(argv: list[str]) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):
-        tokens = batch_for_step(
-            step, seed=spec.data_seed, global_batch=spec.global_batch, seq=spec.seq, vocab=spec.model.vocab,
-            rank=rank, dp=world,
-        )  # fmt: skip
+        tokens = spec_batch(spec, step, rank=rank, dp=world)
         loss = model(tokens)
         loss.backward()
         # DeepSpeed clips the global gradient norm at 1.0 unless told otherwise (gradient_clipping, 0.19.8)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ucp.harness.spec import ModelSpec
 
-__all__ = ["TinyLM", "GluBlock", "tp_layer_specs", "build_param_groups", "batch_for_step"]
+__all__ = ["TinyLM", "GluBlock", "tp_layer_specs", "build_param_groups", "batch_for_step", "spec_batch"]
 
 
 class GluBlock(nn.Module):
@@ -108,3 +110,17 @@ def batch_for_step(
     tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=gen)
     micro = global_batch // dp
     return tokens[rank * micro : (rank + 1) * micro]
+
+
+def spec_batch(spec: Any, step: int, *, rank: int, dp: int) -> torch.Tensor:
+    """:func:`batch_for_step` with a run spec's data settings (``data_seed``, ``global_batch``, ``seq``, the
+    model's ``vocab``): every harness's runs see the same batches."""
+    return batch_for_step(
+        step,
+        seed=spec.data_seed,
+        global_batch=spec.global_batch,
+        seq=spec.seq,
+        vocab=spec.model.vocab,
+        rank=rank,
+        dp=dp,
+    )

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ucp.harness.launch import end_rank, free_port, launch
-from ucp.harness.model import batch_for_step, build_param_groups
+from ucp.harness.model import build_param_groups, spec_batch
 from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
 from ucp.harness.worker import _relink_optimizer_state, lr_decay
 from ucp.model.tp import shard_widths
@@ -263,15 +263,7 @@ def _config(spec: PipeSpec) -> dict:
 
 def _micro_batches(spec: PipeSpec, step: int, dp_rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This DP rank's share of the step's global batch (the same at every DP size), as (inputs, labels)."""
-    tokens = batch_for_step(
-        step,
-        seed=spec.data_seed,
-        global_batch=spec.global_batch,
-        seq=spec.seq,
-        vocab=spec.model.vocab,
-        rank=dp_rank,
-        dp=spec.dp,
-    )
+    tokens = spec_batch(spec, step, rank=dp_rank, dp=spec.dp)
     for chunk in tokens.chunk(spec.micro_batches):
         yield chunk[:, :-1], chunk[:, 1:]
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ucp.harness.launch import end_rank
-from ucp.harness.model import TinyLM, batch_for_step, build_param_groups, tp_layer_specs
+from ucp.harness.model import TinyLM, build_param_groups, spec_batch, tp_layer_specs
 from ucp.harness.spec import RunSpec
 
 __all__ = ["main", "lr_decay", "record_path"]
@@ -311,15 +311,7 @@ def main(argv: list[str]) -> None:
     rank, _ = _parallel_ranks(spec)
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):
-        tokens = batch_for_step(
-            step,
-            seed=spec.data_seed,
-            global_batch=spec.global_batch,
-            seq=spec.seq,
-            vocab=spec.model.vocab,
-            rank=rank,
-            dp=spec.dp,
-        )
+        tokens = spec_batch(spec, step, rank=rank, dp=spec.dp)
         losses.append(train_step(engine, tokens.to(engine.device)))
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag, exclude_frozen_parameters=spec.exclude_frozen)
