@@ -30,7 +30,7 @@ fi
 "$PYTHON" -c 'from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()' > "$OUT/fused_adam.log" 2>&1 \
     || { echo "DeepSpeed FusedAdam did not build (see fused_adam.log)"; tail -5 "$OUT/fused_adam.log"; }
 mkdir -p /tmp/ucp-gpu-keep
-UCP_GPU_KEEP=/tmp/ucp-gpu-keep "$PYTHON" -m pytest -m gpu -n "${JOBS:-8}" -p no:cacheprovider -q -ra \
+UCP_GPU_KEEP=/tmp/ucp-gpu-keep "$PYTHON" -m pytest -m gpu -n "${JOBS:-8}" --dist loadgroup -p no:cacheprovider -q -ra \
     --junitxml "$OUT/junit.xml" tests/test_device_flavours.py tests/test_flavors.py "$@" 2>&1 | tee "$OUT/pytest.log"
 code=${PIPESTATUS[0]}
 tar czf "$OUT/gpu-checkpoints.tgz" -C /tmp/ucp-gpu-keep . && du -h "$OUT/gpu-checkpoints.tgz"

@@ -78,9 +78,10 @@ CELLS = _cells()
 def _param(name: str) -> Any:
     """A cell as a pytest param with the marks its device and optimizer need."""
     spec = CELLS[name]
+    group = pytest.mark.xdist_group(name)  # a cell's tests share one worker: its build and native resume run once
     if spec.get("device") != "cuda":
-        return pytest.param(name, id=name)
-    marks = [pytest.mark.gpu, pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")]
+        return pytest.param(name, id=name, marks=[group])
+    marks = [group, pytest.mark.gpu, pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")]
     if spec["optimizer"] == "apex-fused-adam":
         marks.append(pytest.mark.skipif(not _has_apex(), reason="needs apex with its amp_C CUDA extension"))
     return pytest.param(name, id=name, marks=marks)
