@@ -200,6 +200,17 @@ def _whole_momentum(engine) -> tuple[dict[str, torch.Tensor], list[tuple[str, bo
     return first, copies
 
 
+def _stage0_master(engine: Any, param: torch.nn.Parameter) -> torch.Tensor:
+    """Without ZeRO, the tensor the optimizer steps for ``param``: its fp32 copy under FP16_UnfusedOptimizer
+    (bf16), else the parameter itself (fp32, the client optimizer)."""
+    opt = engine.optimizer
+    for lp_group, hp_group in zip(getattr(opt, "fp16_groups", ()), getattr(opt, "fp32_groups", ())):
+        for lp, hp in zip(lp_group, hp_group):
+            if lp is param:
+                return hp
+    return param
+
+
 def record_path(record: str, tp_rank: int) -> str:
     """Where a tensor-parallel rank's record goes: tp rank 0 writes ``record`` itself."""
     return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
@@ -237,9 +248,14 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
             continue
         seen[id(param)] = name
         if param.requires_grad:
-            out["params"][name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+            master = _stage0_master(engine, param) if spec.stage == 0 else None  # no ZeRO: no fragment mapping
+            fp32 = safe_get_full_fp32_param(param) if master is None else master
+            out["params"][name] = fp32.detach().float().cpu().clone()
             for key in _keys_of(param, keys):
-                state = safe_get_full_optimizer_state(param, key)
+                if master is not None:
+                    state = base.state.get(master, {}).get(key)
+                else:
+                    state = safe_get_full_optimizer_state(param, key)
                 out["state"].setdefault(key, {})[name] = None if state is None else state.detach().cpu().clone()
             for key in ("exp_avg", "exp_avg_sq"):  # Adam's, in the record's first layout
                 state = out["state"].get(key, {}).get(name)

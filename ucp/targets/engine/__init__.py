@@ -21,6 +21,7 @@ from ucp.model.steps import step_chooser
 from ucp.sources import opened
 from ucp.targets.engine.common import match_groups, restore_common
 from ucp.targets.engine.pipeline import live_stage_view
+from ucp.targets.engine.zero0 import restore_zero0
 from ucp.targets.engine.zero3 import restore_zero3
 from ucp.targets.engine.zero12 import restore_zero12
 from ucp.targets.tensor_parallel import live_tp_view
@@ -52,7 +53,16 @@ def restore(
         # this rank's pipeline stage (a PipelineEngine), then its shards under tensor parallelism
         reader = live_tp_view(engine, live_stage_view(engine, source, strict=strict))
         stage = int(engine.zero_optimization_stage())
-        if stage != 3:
+        if stage == 0:
+            restore_zero0(
+                engine,
+                reader,
+                optimizer=optimizer,
+                load_optimizer_states=load_optimizer_states,
+                strict=strict,
+                step_of=step_of,
+            )
+        elif stage != 3:
             restore_zero12(
                 engine,
                 reader,
