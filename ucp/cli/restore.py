@@ -156,7 +156,7 @@ def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) ->
     ep = args.ep if args.ep is not None else target.source_ep_size(reader)
     if args.ep is None and args.dp % ep:
         raise UcpError(f"the source's {target.size}={ep} does not divide --dp {args.dp}: give the new run's --ep")
-    # a run with experts is ZeRO-1/2 here: the source's stage unless told
+    # the source's stage unless told (legacy MoE: ZeRO-1/2 only; AutoEP: ZeRO-1, 2 or 3)
     options = _native_options(args, step, args.stage or reader.facts.info.zero_stage)
     plan = target.write(reader, args.out, ep=ep, **options)
     summary = (

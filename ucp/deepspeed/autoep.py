@@ -35,6 +35,8 @@ __all__ = [
     "AUTOEP_LAYERS",
     "autoep_record",
     "PARTITION_GROUPS",
+    "partition_group_entry",
+    "zero3_rank_entry",
     "Partition",
     "WEIGHTS",
     "AutoEpLayer",
@@ -312,4 +314,34 @@ def autoep_record(layers: list[AutoEpLayer], world: int) -> dict[str, Any]:
             }
             for x in layers
         ],
+    }
+
+
+def partition_group_entry(sub_group: int, ranks: list[int], part: int, family: str, name: str) -> dict[str, Any]:
+    """One ``ds_zero_partition_groups`` entry as a ZeRO-3 engine of DeepSpeed 0.19.8 records it (it loads a file
+    only when the list equals its own): sub-group ``sub_group`` partitioned over ``ranks``, this rank's ``part``;
+    ``family`` is ``replicated`` (dense, name ``replicated``) or ``autoep_expert`` (its param group's name)."""
+    return {
+        "sub_group": sub_group,
+        "partition_count": len(ranks),
+        "partition_rank": part,
+        "partition_ranks": ranks,
+        "families": [family],
+        "group_names": [name],
+    }
+
+
+def zero3_rank_entry(entry: Mapping[str, Any], *, ep: int, rank: int) -> dict[str, Any]:
+    """A ``ds_autoep_layers`` entry (:func:`autoep_entry`) as ZeRO-3 rank ``rank`` saves it: each rank records its
+    own expert-parallel and expert-data-parallel rank and its experts' global range."""
+    p = rank % ep
+    local = entry["num_local_experts"]
+    return {
+        **entry,
+        "checkpoint_format": "zero3_partitioned",
+        "checkpoint_format_version": 1,
+        "ep_rank": p,
+        "expert_data_parallel_rank": rank // ep,
+        "global_expert_start": p * local,
+        "global_expert_end": (p + 1) * local,
     }

@@ -100,20 +100,32 @@ class Zero3Layout:
     slots: tuple[tuple[Zero3Slot, ...], ...]  # [param group][param]
     sub_group_numel: tuple[int, ...]  # per global sub-group, per rank
     sub_group_of_group: tuple[int, ...]  # param group of each sub-group
+    counts: tuple[int, ...] = ()  # per param group, the ranks it is partitioned over (empty: dp each)
 
     def sub_groups_in(self, group: int) -> list[int]:
         return [i for i, g in enumerate(self.sub_group_of_group) if g == group]
 
+    def partition_count(self, group: int) -> int:
+        """How many ranks share param group ``group``: dp, or fewer for an expert group (AutoEP)."""
+        return self.counts[group] if self.counts else self.dp
 
-def zero3_layout(numels: Sequence[Sequence[int]], dp: int, sub_group_size: int | None) -> Zero3Layout:
-    """The layout DeepSpeed builds for param groups with these parameter sizes at this DP size."""
+
+def zero3_layout(
+    numels: Sequence[Sequence[int]], dp: int, sub_group_size: int | None, counts: Sequence[int] | None = None
+) -> Zero3Layout:
+    """The layout DeepSpeed builds for param groups with these parameter sizes at this DP size; ``counts[g]``:
+    the ranks group g is partitioned over when not all ``dp`` (an AutoEP expert group's W / E, 0.19.8
+    ``partition_numel`` over the expert-data-parallel group: sub-groups are cut by that size too)."""
     if dp <= 0:
         raise ValueError(f"dp must be positive, got {dp}")
+    if counts is not None and (len(counts) != len(numels) or any(c <= 0 or dp % c for c in counts)):
+        raise ValueError(f"partition counts {list(counts)} must be one per param group, each dividing dp={dp}")
     slots: list[tuple[Zero3Slot, ...]] = []
     sub_numel: list[int] = []
     sub_group_of_group: list[int] = []
     for group, group_numels in enumerate(numels):
-        sizes = [zero3_partition_size(n, dp) for n in group_numels]
+        count = dp if counts is None else counts[group]
+        sizes = [zero3_partition_size(n, count) for n in group_numels]
         group_slots: list[Zero3Slot | None] = [None] * len(sizes)
         for members in zero3_sub_groups(sizes, sub_group_size):
             sub = len(sub_numel)
@@ -124,7 +136,9 @@ def zero3_layout(numels: Sequence[Sequence[int]], dp: int, sub_group_size: int |
             sub_numel.append(offset)
             sub_group_of_group.append(group)
         slots.append(tuple(s for s in group_slots if s is not None))
-    return Zero3Layout(dp, tuple(slots), tuple(sub_numel), tuple(sub_group_of_group))
+    return Zero3Layout(
+        dp, tuple(slots), tuple(sub_numel), tuple(sub_group_of_group), tuple(counts) if counts is not None else ()
+    )
 
 
 @dataclass(frozen=True)

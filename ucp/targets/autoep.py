@@ -1,5 +1,5 @@
-"""Universal (or any reader of an AutoEP run) -> a native AutoEP ZeRO-1/2 checkpoint that DeepSpeed loads at world
-size W with ``expert_parallel.autoep_size`` E.
+"""Universal (or any reader of an AutoEP run) -> a native AutoEP ZeRO-1/2 or ZeRO-3 checkpoint that DeepSpeed loads at
+world size W with ``expert_parallel.autoep_size`` E.
 
 Call order: :func:`write_autoep` reads the run's AutoEP layers (the reader's ``extras()["autoep"]``, which
 :class:`~ucp.sources.autoep.AutoEpSource` records) and checks the sizes; :class:`_FusedExperts` shows the reader with
@@ -8,7 +8,9 @@ expert-parallel rank holds (``[L, ...]``, L = experts / E) and the group renamed
 cuts that group in E sets (``NativePlan.zero12_sets``, as the legacy MoE target does), set p holding rank p's fused
 tensors under their local names, partitioned over its W / E expert-data-parallel ranks. The model-states file gets
 ``num_experts``, ``ds_autoep_layers`` and ``universal_checkpoint_info`` for the new sizes, and every expert its
-``layer_L_expert_E`` file (:mod:`ucp.deepspeed.autoep`).
+``layer_L_expert_E`` file (:mod:`ucp.deepspeed.autoep`). At ZeRO-3 the same sets go to the ZeRO-3 writer, each
+fused tensor partitioned on its own over the set's ranks; there are no expert files, and every rank's model states
+carry its own view of the layers (``zero3_partitioned``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ucp.deepspeed.autoep import (
     expert_name,
     expert_parts,
     universal_info,
+    zero3_rank_entry,
 )
 from ucp.deepspeed.layout import LATEST, expert_file
 from ucp.deepspeed.moe import ep_group_name
@@ -45,6 +48,7 @@ from ucp.sources import opened
 from ucp.sources.autoep import AUTOEP_EXTRAS
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
+from ucp.targets.native.zero3 import write_zero3
 from ucp.targets.native.zero12 import write_zero12
 
 __all__ = ["autoep_layers_of", "is_autoep", "source_ep_size", "write_autoep"]
@@ -188,16 +192,25 @@ def _write_experts(reader: Reader, tag_dir: Path, layers: list[AutoEpLayer], dty
 
 
 def _model_fields(reader: Reader, layers: list[AutoEpLayer], world: int, ep: int, stage: int) -> dict[str, Any]:
-    entries = [autoep_entry(x, ep=ep, world=world) for x in layers]
+    """The AutoEP fields every model-states file shares, with rank 0's layer view at ZeRO-1/2 (its one file)."""
     config = config_for_stage(reader.facts.info.ds_config, stage)
     if isinstance(config.get("expert_parallel"), Mapping):
         config = {**config, "expert_parallel": {**config["expert_parallel"], "autoep_size": ep}}
-    return {
+    fields = {
         "num_experts": [x.experts for x in layers],
-        AUTOEP_LAYERS: entries,
-        "universal_checkpoint_info": universal_info(entries),
         "ds_config": config,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
     }
+    return fields if stage == 3 else {**fields, **_layer_fields(layers, world, ep, None)}
+
+
+def _layer_fields(layers: list[AutoEpLayer], world: int, ep: int, rank: int | None) -> dict[str, Any]:
+    """``ds_autoep_layers`` and ``universal_checkpoint_info``: rank 0's ZeRO-1/2 view (``rank`` None), or at ZeRO-3
+    rank ``rank``'s own (DeepSpeed 0.19.8 writes each rank's expert-parallel and expert-data-parallel rank there)."""
+    entries = [autoep_entry(x, ep=ep, world=world) for x in layers]
+    if rank is not None:
+        entries = [zero3_rank_entry(e, ep=ep, rank=rank) for e in entries]
+    return {AUTOEP_LAYERS: entries, "universal_checkpoint_info": universal_info(entries)}
 
 
 def write_autoep(
@@ -211,23 +224,26 @@ def write_autoep(
     fsync: bool = False,
     **fields: Any,
 ) -> NativePlan:
-    """Write ``out/latest`` and ``out/<tag>/`` for an AutoEP run of ``dp`` ranks at ``autoep_size`` ``ep``
-    (``fsync``: flushed to disk before it is published)."""
+    """Write ``out/latest`` and ``out/<tag>/`` for an AutoEP run of ``dp`` ranks at ``autoep_size`` ``ep``, ZeRO-1, 2
+    or 3 (``fsync``: flushed to disk before it is published)."""
     options = options_with(options, **fields)
-    if options.stage not in (1, 2) or options.tp != 1:
-        raise ConfigError("an AutoEP target is ZeRO-1 or ZeRO-2 at TP=1")
+    if options.stage not in (1, 2, 3) or options.tp != 1:
+        raise ConfigError("an AutoEP target is ZeRO-1, 2 or 3 at TP=1")
     with opened(source) as reader:
         layers = autoep_layers_of(reader)
         _check_sizes(layers, options.dp, ep)
         view = _FusedExperts(reader, layers, ep)
-        plan = plan_native(view.facts, options)
-        plan.zero12_sets = dict(view.sets)
+        plan = plan_native(view.facts, options, sets=view.sets)
         plan.model_fields = _model_fields(reader, layers, options.dp, ep, options.stage)
+        workers = workers or default_workers()
         with staged_output(out, overwrite=overwrite, durable=fsync) as root:
             tag_dir = root / plan.tag
             tag_dir.mkdir()
-            write_zero12(view, plan, tag_dir, workers or default_workers())
-            _write_experts(reader, tag_dir, layers, plan.dtype)
+            if plan.stage == 3:
+                write_zero3(view, plan, tag_dir, workers, rank_fields=lambda r: _layer_fields(layers, plan.dp, ep, r))
+            else:
+                write_zero12(view, plan, tag_dir, workers)
+                _write_experts(reader, tag_dir, layers, plan.dtype)
             (root / LATEST).write_text(plan.tag)
         logger.debug("wrote an AutoEP checkpoint for %d ranks at autoep_size=%d to %s", options.dp, ep, out)
         return plan

@@ -5,6 +5,7 @@ What ``ucp restore --dry-run`` and ``ucp migrate --dry-run`` show; the writers o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +25,11 @@ DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 
 @dataclass(frozen=True)
 class Zero12Sets:
-    """A ZeRO-1/2 param group whose ranks hold different members: DeepSpeed's expert groups, where
-    each expert-parallel rank holds its own experts. Set k's members are held by ranks k, k + S,
-    k + 2S, ... (S sets): rank r holds partition r // S of set r % S, so each set is partitioned over
-    dp / S ranks (its expert-data-parallel group, 0.19.8 ``get_ep_ranks``). The members live in files
-    of their own, not in the module of the model-states file."""
+    """A param group whose ranks hold different members: DeepSpeed's expert groups, where each
+    expert-parallel rank holds its own experts. Set k's members are held by ranks k, k + S, k + 2S, ...
+    (S sets): rank r holds partition r // S of set r % S, so each set is partitioned over dp / S ranks
+    (its expert-data-parallel group, 0.19.8 ``get_ep_ranks``), at ZeRO-1/2 as at ZeRO-3 (AutoEP). The
+    members live in files of their own, or in none (ZeRO-3), never in the module of the model-states file."""
 
     names: tuple[tuple[str, ...], ...]  # per set: the reader's names, in flat order
     labels: tuple[tuple[str, ...], ...]  # per set: the names the rank files give them
@@ -40,6 +41,14 @@ class Zero12Sets:
     @property
     def count(self) -> int:
         return len(self.names)
+
+    def held(self, rank: int) -> tuple[int, int]:
+        """(set, partition) of ``rank``."""
+        return rank % self.count, rank // self.count
+
+    def ranks(self, index: int, dp: int) -> list[int]:
+        """The global ranks holding set ``index``, in partition order."""
+        return list(range(index, dp, self.count))
 
 
 @dataclass
@@ -60,7 +69,7 @@ class NativePlan:
     tp: int = 1  # tensor-parallel degree of the checkpoint written
     mp_rank: int = 0  # the TP rank whose files are being written
     offload: bool = False  # the new run offloads its optimizer (DeepSpeed Muon's ZeRO-1/2 layout follows it)
-    #: ZeRO-1/2: param group -> its sets of members when ranks hold different ones (others: one set, all ranks)
+    #: param group -> its sets of members when ranks hold different ones (others: one set, all ranks)
     zero12_sets: dict[int, Zero12Sets] = field(default_factory=dict)
     #: more fields of the model-states file (a MoE run's ``num_experts``)
     model_fields: dict[str, Any] = field(default_factory=dict)
@@ -88,10 +97,12 @@ class Share:
         return self.checked is not None and name not in self.checked
 
 
-def plan_native(facts: Facts, options: RestoreOptions, *, batch_note: bool = True) -> NativePlan:
+def plan_native(
+    facts: Facts, options: RestoreOptions, *, batch_note: bool = True, sets: Mapping[int, Zero12Sets] | None = None
+) -> NativePlan:
     """Check the options against the checkpoint and fix every choice of the write; ``batch_note``: say
     which DeepSpeed batch settings keep the global batch at the new DP size (a Hugging Face folder's
-    writer says it in Trainer's flags instead)."""
+    writer says it in Trainer's flags instead); ``sets``: param groups whose ranks hold different members."""
     problems = options.problems()
     name = options.optimizer or facts.flavour
     if name is None:
@@ -120,9 +131,15 @@ def plan_native(facts: Facts, options: RestoreOptions, *, batch_note: bool = Tru
         offload=offloads_optimizer(facts.info.ds_config) if options.offload is None else options.offload,
     )
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
+    plan.zero12_sets = dict(sets or {})
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
-        plan.layout = zero3_layout(numels, options.dp, size)
+        counts = [options.dp] * len(numels)
+        for g, cut in plan.zero12_sets.items():
+            if options.dp % cut.count:
+                raise ConfigError(f"param group {g} is cut in {cut.count} sets, which do not divide dp={options.dp}")
+            numels[g], counts[g] = _set_numels(facts, g, cut), options.dp // cut.count
+        plan.layout = zero3_layout(numels, options.dp, size, counts if plan.zero12_sets else None)
     muon = any(plan.flavour.zero12_whole_keys(g.raw, offload=False) for g in facts.groups)
     if options.stage in (1, 2) and not options.reset and muon:
         plan.notes.append(
@@ -136,6 +153,14 @@ def plan_native(facts: Facts, options: RestoreOptions, *, batch_note: bool = Tru
     if name != facts.flavour and facts.flavour is not None:
         plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
     return plan
+
+
+def _set_numels(facts: Facts, g: int, sets: Zero12Sets) -> list[int]:
+    """The member sizes every set of param group g shares: one ZeRO-3 layout serves all its sets."""
+    sizes = {tuple(facts.param(n).numel for n in names) for names in sets.names}
+    if len(sizes) != 1 or facts.groups[g].params != [n for names in sets.names for n in names]:
+        raise ConfigError(f"the sets of param group {g} do not hold members of the same sizes, set by set")
+    return list(sizes.pop())
 
 
 def _batch_notes(facts: Facts, new_dp: int) -> list[str]:

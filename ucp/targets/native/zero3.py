@@ -4,25 +4,31 @@ From a reader that streams (a universal directory, a ZeRO-1/2/3 checkpoint) ever
 written straight from the source's spans (``ucp.targets.blocks.stream``): memory holds spans and
 metadata, and rank files are written in parallel. Other readers (a transformed or tensor-parallel
 view, DeepSpeed's own universal folders) read each parameter once into every rank's buffers.
+
+A param group the plan cuts in sets (``NativePlan.zero12_sets``: an AutoEP expert group, each expert-parallel
+rank holding its own experts) is partitioned over each set's ranks only, as DeepSpeed 0.19.8 partitions it over
+the expert-data-parallel group; its optim files then say so in ``ds_zero_partition_groups``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ucp.deepspeed import states as ds_states
+from ucp.deepspeed.autoep import PARTITION_GROUPS, partition_group_entry
 from ucp.deepspeed.layout import optim_file, zero3_model_file
 from ucp.errors import InputError
 from ucp.io.pool import parallel_map
-from ucp.model.partition import Zero3Layout, zero3_partition_size, zero3_rank_span
+from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
-from ucp.model.records import Reader, torch_dtype
+from ucp.model.records import PieceState, Reader, ReaderView, torch_dtype
 from ucp.targets.blocks.stream import flat_pieces, locate
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
@@ -33,16 +39,28 @@ __all__ = ["write_zero3"]
 logger = logging.getLogger(__name__)
 
 Flat = torch.Tensor | Pieces
+#: more model-states fields of one rank (an AutoEP rank's own ``ds_autoep_layers`` view)
+RankFields = Callable[[int], Mapping[str, Any]]
 
 
-def write_zero3(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
+def write_zero3(
+    reader: Reader,
+    plan: NativePlan,
+    tag_dir: Path,
+    workers: int,
+    share: Share = Share(),
+    rank_fields: RankFields | None = None,
+) -> None:
     """Write every rank's two files of a ZeRO-3 checkpoint for ``plan.dp`` ranks into ``tag_dir``
-    (under a ``share``, the ranks it names: unit k is rank k's files)."""
+    (under a ``share``, the ranks it names: unit k is rank k's files); ``rank_fields(r)``: rank r's own
+    model-states fields, over the plan's ``model_fields``."""
     layout = plan.layout
     if layout is None:
         raise InputError("a ZeRO-3 plan carries its layout")  # plan_native always sets it at stage 3
+    if plan.zero12_sets and not reader.streams:
+        reader = _Held(reader)  # sets are written from whole states, held once
     keys = sub_group_keys(reader, layout, moments=not plan.reset_moments)
-    writer = _Zero3Files(reader, plan, layout, tag_dir)
+    writer = _Zero3Files(reader, plan, layout, tag_dir, rank_fields)
     ranks = [r for r in range(plan.dp) if share.mine(r)]
     if reader.streams:
         # source files are checked from the bytes the rank files copied
@@ -57,10 +75,8 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
     """Check every parameter once, then write the ranks' files in parallel from the source's spans."""
     reader, plan, layout = writer.reader, writer.plan, writer.layout
     members: list[list[tuple[str, int]]] = [[] for _ in layout.sub_group_numel]
-    for g, names in enumerate(plan.group_names):
-        for i, name in enumerate(names):
-            slot = layout.slots[g][i]
-            members[slot.sub_group].append((name, slot.numel))
+    for name, slot in _slots(plan, layout):
+        members[slot.sub_group].append((name, slot.numel))
     located = locate(
         reader,
         members,
@@ -74,10 +90,11 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
 
     def one(rank: int) -> None:
         placed: list[list[tuple[str | None, int, Pieces]]] = [[] for _ in layout.sub_group_numel]
-        for g, names in enumerate(plan.group_names):
+        for g in range(len(plan.group_names)):
+            names, _, part = _held(plan, g, rank)
             for i, name in enumerate(names):
                 slot = layout.slots[g][i]
-                start, end = zero3_rank_span(slot.numel, layout.dp, rank)
+                start, end = zero3_rank_span(slot.numel, layout.partition_count(g), part)
                 if end <= start:
                     continue
                 state = located.states[name]
@@ -120,17 +137,48 @@ def _sizes(layout: Zero3Layout) -> list[tuple[int, int]]:
     return list(enumerate(layout.sub_group_numel))
 
 
+def _held(plan: NativePlan, g: int, rank: int) -> tuple[Sequence[str], Sequence[str], int]:
+    """Param group g's members ``rank`` holds (the reader's names, the files' names) and its partition of them."""
+    sets = plan.zero12_sets.get(g)
+    if sets is None:
+        return plan.group_names[g], plan.group_names[g], rank
+    index, part = sets.held(rank)
+    return sets.names[index], sets.labels[index], part
+
+
+def _slots(plan: NativePlan, layout: Zero3Layout) -> Iterator[tuple[str, Zero3Slot]]:
+    """Every member of every set with its slot (a set's i-th member sits where every set's i-th does)."""
+    for g, names in enumerate(plan.group_names):
+        sets = plan.zero12_sets.get(g)
+        for members in sets.names if sets is not None else (names,):
+            for i, name in enumerate(members):
+                yield name, layout.slots[g][i]
+
+
+class _Held(ReaderView):
+    """A reader that does not stream, offered as one that does: each state is read whole, so that sets are
+    written from it as from spans."""
+
+    def __init__(self, inner: Reader) -> None:
+        super().__init__(inner, inner.facts)
+        self.streams = True
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        yield PieceState.of(self.inner.read(name, moments=moments))
+
+
 class _Zero3Files:
     """What every rank's files share (param shapes, groups, steps), and the writing of one rank's."""
 
-    def __init__(self, reader: Reader, plan: NativePlan, layout: Zero3Layout, tag_dir: Path) -> None:
+    def __init__(
+        self, reader: Reader, plan: NativePlan, layout: Zero3Layout, tag_dir: Path, rank_fields: RankFields | None
+    ) -> None:
         self.reader, self.plan, self.layout, self.tag_dir = reader, plan, layout, tag_dir
-        facts = reader.facts
-        self.frozen = [m for m in facts.params if m.frozen]
-        self.param_shapes: list[OrderedDict] = [OrderedDict() for _ in layout.sub_group_numel]
-        for g, names in enumerate(plan.group_names):
-            for i, name in enumerate(names):
-                self.param_shapes[layout.slots[g][i].sub_group][name] = torch.Size(facts.param(name).shape)
+        self.rank_fields = rank_fields
+        self.frozen = [m for m in reader.facts.params if m.frozen]
+        self.apart = {n for sets in plan.zero12_sets.values() for names in sets.names for n in names}
+        self.config = plan.model_fields.get("ds_config", reader.facts.info.ds_config)
         self.wrapper = zero_wrapper(reader, plan)
         self.steps: list[int] = []
         self.groups: list[dict] = []
@@ -149,7 +197,12 @@ class _Zero3Files:
         optim: Sequence[Mapping[str, Flat]],
         scalars: Sequence[Mapping[str, torch.Tensor]],
     ) -> None:
-        plan, facts = self.plan, self.reader.facts
+        plan, facts, layout = self.plan, self.reader.facts, self.layout
+        param_shapes: list[OrderedDict] = [OrderedDict() for _ in layout.sub_group_numel]
+        for g in range(len(plan.group_names)):
+            names, labels, _ = _held(plan, g, rank)
+            for i, (name, label) in enumerate(zip(names, labels)):
+                param_shapes[layout.slots[g][i].sub_group][label] = torch.Size(facts.param(name).shape)
         frozen = ds_states.frozen_fields(
             {m.name: torch.Size(m.shape) for m in self.frozen},
             self._frozen_fragments(rank),
@@ -159,12 +212,16 @@ class _Zero3Files:
             self.reader,
             plan,
             extra={
-                "param_shapes": self.param_shapes,
+                "param_shapes": param_shapes,
                 "frozen_param_shapes": frozen["frozen_param_shapes"],
                 "shared_params": dict(facts.tied),
                 "frozen_param_fragments": frozen["frozen_param_fragments"],
             },
         )
+        for name in self.apart:  # in no module: DeepSpeed restores them from the optim files alone
+            del states["module"][name]
+        states.update(plan.model_fields)
+        states.update(self.rank_fields(rank) if self.rank_fields is not None else {})
         save_rank_file(states, self.tag_dir / zero3_model_file(rank, plan.mp_rank))
         block = ds_states.zero3_optim_block(
             wrapper=self.wrapper,
@@ -177,10 +234,26 @@ class _Zero3Files:
             dp=plan.dp,
             moments=not plan.reset_moments,
         )
+        if plan.zero12_sets:
+            block[PARTITION_GROUPS] = self._partition_groups(rank)
         save_rank_file(
-            ds_states.optim_file_dict(block, facts.info.ds_config, facts.info.ds_version),
+            ds_states.optim_file_dict(block, self.config, facts.info.ds_version),
             self.tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
         )
+
+    def _partition_groups(self, rank: int) -> list[dict[str, Any]]:
+        """``ds_zero_partition_groups`` as rank ``rank``'s engine records it. Only AutoEP expert groups are cut in
+        sets at ZeRO-3 (legacy MoE refuses ZeRO-3)."""
+        out = []
+        for sub, g in enumerate(self.layout.sub_group_of_group):
+            sets, dp = self.plan.zero12_sets.get(g), self.plan.dp
+            if sets is None:
+                ranks, part, family, name = list(range(dp)), rank, "replicated", "replicated"
+            else:
+                index, part = sets.held(rank)
+                ranks, family, name = sets.ranks(index, dp), "autoep_expert", self.reader.facts.groups[g].raw["name"]
+            out.append(partition_group_entry(sub, ranks, part, family, name))
+        return out
 
     def _frozen_fragments(self, rank: int) -> dict[str, Any]:
         """This rank's padded share of each frozen parameter, in the run's dtype (read one at a time)."""
