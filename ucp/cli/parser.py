@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--frozen",
         nargs="+",
         metavar="NAME",
-        help="DCP source: these entries are frozen parameters, not buffers (a one-rank save cannot tell them apart)",
+        help="these are frozen parameters: a DCP source's one-rank save cannot tell them from buffers, a stage-0 "
+        "checkpoint from trained parameters of the same shape",
     )
     p.add_argument(
         "--distributed",

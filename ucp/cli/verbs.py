@@ -40,17 +40,11 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
 
 
 def _to_universal_source(args: argparse.Namespace) -> Reader:
-    """The source; a DCP folder whose frozen parameters the user names (one rank's save cannot tell
-    them from buffers) with --frozen."""
+    """The source; --frozen names the frozen parameters where the files cannot tell them (a DCP folder's one-rank
+    save, from buffers; a stage-0 checkpoint, from trained parameters of the same shape)."""
     from ucp.sources import open_reader
 
-    if not args.frozen:
-        return open_reader(args.src, tag=args.tag, optimizer=args.optimizer)
-    from ucp.sources.dcp import DcpSource, is_dcp
-
-    if not is_dcp(args.src):
-        raise UcpError(f"--frozen names frozen parameters of a DCP folder; {args.src} holds no .metadata")
-    return DcpSource(args.src, optimizer=args.optimizer, names={"frozen": args.frozen})
+    return open_reader(args.src, tag=args.tag, optimizer=args.optimizer, frozen=args.frozen or ())
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -92,6 +92,9 @@ class CheckpointFiles:
     #: a legacy MoE run's expert weight files, (MoE layer, global expert, mp rank, path) in that order;
     #: empty for any other run
     experts: tuple[tuple[int, int, int, Path], ...] = ()
+    #: saved without ZeRO (stage 0, DeepSpeed's default): no optim files; each mp rank's model-states file
+    #: holds the whole model and the optimizer's own state_dict (``optim`` is then one empty row per mp rank)
+    stage0: bool = False
 
     @property
     def dp(self) -> int:
@@ -177,7 +180,8 @@ def _grid(
 
 
 def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
-    """Index the rank files of a DeepSpeed ZeRO checkpoint and refuse incomplete or mixed sets."""
+    """Index the rank files of a DeepSpeed checkpoint (ZeRO-1/2/3, or stage 0: model-states files only) and
+    refuse incomplete or mixed sets."""
     tag_dir, tag = resolve_tag_dir(Path(src), tag)
     optim: dict[tuple[int, int], Path] = {}
     z3_model: dict[tuple[int, int], Path] = {}
@@ -219,6 +223,10 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
                 raise InputError(f"{tag_dir}: two model files for mp rank {key[0]} ({model[key].name}, {path.name})")
             model[key] = path
     if not optim:
+        if model and not z3_model and not layers and not experts:
+            # stage 0: DeepSpeed 0.19.8 writes only mp_rank_XX_model_states.pt, optimizer state inside
+            model_grid = _grid(model, "model", tag_dir)
+            return CheckpointFiles(tag_dir, tag, False, False, tuple(() for _ in model_grid), model_grid, stage0=True)
         raise InputError(
             f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without optimizer state)"
         )

@@ -201,13 +201,13 @@ def zero12_frozen_values(
     return out
 
 
-def check_model_states(obj: Any, file_name: str, what: str) -> Mapping[str, Any]:
+def check_model_states(obj: Any, file_name: str, what: str, *, shapes: bool = True) -> Mapping[str, Any]:
     """The fields of a model-states file that every source reads, checked for type before use: its
-    ``param_shapes`` (``what`` says which file it should be when they are missing), the frozen,
-    module, tied and buffer fields and the config."""
-    if not isinstance(obj, Mapping) or obj.get("param_shapes") is None:
+    ``param_shapes`` (``what`` says which file it should be when they are missing; ``shapes=False``: a
+    stage-0 file, which has none), the frozen, module, tied and buffer fields and the config."""
+    if not isinstance(obj, Mapping) or (shapes and obj.get("param_shapes") is None):
         raise InputError(f"{file_name} has no param_shapes: {what}")
-    for group in need_list(obj["param_shapes"], f"{file_name}: param_shapes"):
+    for group in need_list(obj.get("param_shapes") or [], f"{file_name}: param_shapes"):
         for pname in need_mapping(group, f"{file_name}: a param_shapes entry"):
             check_name(pname, f"{file_name}: param_shapes")
     for key in ("frozen_param_shapes", "frozen_param_fragments", "module", "shared_params"):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ucp.deepspeed.layout import find_checkpoint
+from ucp.errors import InputError
 from ucp.model.records import Reader
 from ucp.universal.reader import is_universal, open_universal
 
@@ -30,10 +31,11 @@ def open_reader(
     optimizer: str | None = None,
     verify: bool = True,
     tp_rules: Sequence[tuple[str, TpRule]] = (),
+    frozen: Sequence[str] = (),
 ) -> Reader:
     """A reader for a universal directory, a torch.distributed.checkpoint folder (``.metadata``), a
-    ds_to_universal folder (or the folder holding its ``latest_universal``) or a DeepSpeed ZeRO
-    checkpoint (folder or tag folder).
+    ds_to_universal folder (or the folder holding its ``latest_universal``) or a DeepSpeed checkpoint,
+    ZeRO or stage 0 (folder or tag folder).
 
     A folder holding both ``latest`` and ``latest_universal`` is read as the native checkpoint;
     name the universal folder with ``tag`` to read that one instead. A checkpoint saved with
@@ -41,7 +43,9 @@ def open_reader(
     its ``universal_checkpoint_info``; ``tp_rules`` (regex, rule) pairs add to or override them. A
     pipeline-parallel one (``layer_XX-model_states.pt`` files) is read as the whole model, and so is a
     legacy mixture-of-experts one (``layer_L_expert_E_*`` files) or an AutoEP one (``ds_autoep_layers``),
-    every expert under its global index.
+    every expert under its global index. A checkpoint saved without ZeRO (stage 0: one model-states file
+    holding the optimizer's own state) is read as its parameters; ``frozen`` names its frozen parameters
+    where the optimizer's shapes cannot tell them from trained ones (and a DCP folder's, as ``--frozen``).
     """
     path = Path(path)
     if is_universal(path):
@@ -49,7 +53,7 @@ def open_reader(
     from ucp.sources.dcp import DcpSource, is_dcp
 
     if is_dcp(path):
-        return DcpSource(path, optimizer=optimizer)
+        return DcpSource(path, optimizer=optimizer, names={"frozen": list(frozen)} if frozen else None)
     from ucp.deepspeed.layout import find_ds_universal
 
     found = find_ds_universal(path, tag)
@@ -60,6 +64,15 @@ def open_reader(
 
         return DsUniversalSource(found, optimizer=optimizer)
     files = find_checkpoint(path, tag)
+    if files.stage0:
+        from ucp.sources.zero0 import Zero0Source
+
+        return Zero0Source(files, optimizer=optimizer, frozen=frozen)
+    if frozen:
+        raise InputError(
+            f"frozen parameters are named only for a DCP folder or a stage-0 checkpoint; {path} is a ZeRO "
+            "checkpoint, which lists its own"
+        )
     if files.layers:
         from ucp.sources.pipeline import PipelineSource
 
