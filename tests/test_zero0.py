@@ -101,6 +101,7 @@ def test_fp32_stage0_with_an_ambiguous_frozen_parameter_is_refused_in_one_line_u
     assert cli(["to-universal", str(built.path), str(tmp_path / "u"), "--frozen", *FROZEN]) == 0
     with open_reader(tmp_path / "u") as reader:
         assert [p.name for p in reader.facts.params if p.frozen] == FROZEN
+        assert any("in model order by shape" in w for w in reader.facts.warnings)  # the placement is said
 
 
 @pytest.fixture(scope="module")

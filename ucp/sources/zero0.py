@@ -290,6 +290,12 @@ class Zero0Source(Reader):
                 "FP16_UnfusedOptimizer stepped the optimizer once with zero gradients when it was built, so its "
                 "step is global_steps + 1; the step is carried as the optimizer holds it"
             )
+        if masters is None:
+            warnings.append(
+                "a stage-0 fp32 checkpoint names no parameters: its optimizer entries were placed on the module's "
+                "parameters in model order by shape, as a resume of the same script assumes (param groups that "
+                "list parameters of one shape out of model order cannot be told apart)"
+            )
         info = SourceInfo(
             format="deepspeed",
             zero_stage=0,
