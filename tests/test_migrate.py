@@ -369,7 +369,7 @@ target:
     err = capsys.readouterr().err
     assert "2 problems" in err
     assert f"{path}:4: target.dp: must be a positive integer, got 0" in err
-    assert f"{path}:5: target.stage: must be one of 1, 2, 3, got 4" in err
+    assert f"{path}:5: target.stage: must be one of 0, 1, 2, 3, got 4" in err
 
 
 # -- target.format: dcp -----------------------------------------------------------------------
@@ -462,7 +462,7 @@ BAD = [
     (
         "stage 4",
         "{src}\ntarget:\n  dp: 2\n  stage: 4\n  output: out\n",
-        ["m.yaml:4: target.stage: must be one of 1, 2, 3, got 4"],
+        ["m.yaml:4: target.stage: must be one of 0, 1, 2, 3, got 4"],
     ),
     (
         "unknown optimizer",

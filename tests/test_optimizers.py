@@ -17,7 +17,7 @@ import torch
 
 import ucp
 from tests.conftest import OPTIMIZER_SOURCES
-from tests.support.checks import assert_same_training
+from tests.support.checks import assert_every_state_equals_record, assert_same_training
 from tests.support.fixtures import resume
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
@@ -54,19 +54,7 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, univers
     ucp.write_native(universals(name), out, dp=3, stage=built.spec.stage)
     after = resume(built, LoadSpec(str(out)), dp=3, steps=0, name="loaded", work=tmp_path)
     record = built.record
-    for key, per_param in record["state"].items():
-        assert set(after["state"].get(key, {})) == set(per_param), key
-        for param, value in per_param.items():
-            assert torch.equal(after["state"][key][param], value), (key, param)
-    for param, value in record["params"].items():
-        assert torch.equal(after["params"][param], value), param
-
-    # the step and every 0-dim scalar, of the type the optimizer keeps
-    def scalars(entries: list[dict]) -> dict:  # value set per key, and how many flat tensors carry none
-        return {k: ({s[k] for s in entries if k in s}, any(k not in s for s in entries)) for s in entries for k in s}
-
-    assert scalars(after["state_scalars"]) == scalars(record["state_scalars"])
-    assert set(after["state_step_types"]) == set(record["state_step_types"])
+    assert_every_state_equals_record(after, record)
 
     # the source's settings, each as it was (DeepSpeed's own ZeRO-3 offload load adds amsgrad=False to Lion's;
     # a JSON list of betas comes back as the tuple optimizers build; FusedAdam's stale group step is written

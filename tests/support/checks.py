@@ -117,6 +117,23 @@ def assert_same_training(
         assert torch.equal(value, other["buffers"][name]), name
 
 
+def assert_every_state_equals_record(after: dict[str, Any], record: dict[str, Any]) -> None:
+    """A freshly loaded engine holds every state key, master, step and 0-dim scalar of the source engine, bit
+    for bit, of the type the optimizer keeps (any optimizer; the steps as a set of values over the tensors)."""
+    for key, per_param in record["state"].items():
+        assert set(after["state"].get(key, {})) == set(per_param), key
+        for param, value in per_param.items():
+            assert torch.equal(after["state"][key][param], value), (key, param)
+    for param, value in record["params"].items():
+        assert torch.equal(after["params"][param], value), param
+
+    def scalars(entries: list[dict]) -> dict:  # value set per key, and whether some tensor carries none
+        return {k: ({s[k] for s in entries if k in s}, any(k not in s for s in entries)) for s in entries for k in s}
+
+    assert scalars(after["state_scalars"]) == scalars(record["state_scalars"])
+    assert set(after["state_step_types"]) == set(record["state_step_types"])
+
+
 def assert_state_equals_record(after, record, *, steps, buffers=True):
     """What a freshly loaded engine holds equals what the source engine held, bit for bit."""
     for key in ("params", "exp_avg", "exp_avg_sq"):

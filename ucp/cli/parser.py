@@ -71,8 +71,8 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stage",
         type=int,
-        choices=(1, 2, 3),
-        help="ZeRO stage of the new run (default 3; a Hugging Face folder's own)",
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage of the new run, 0 without ZeRO (default 3; a Hugging Face folder's own)",
     )
     p.add_argument(
         "--tp",

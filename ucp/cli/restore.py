@@ -157,7 +157,7 @@ def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) ->
     if args.ep is None and args.dp % ep:
         raise UcpError(f"the source's {target.size}={ep} does not divide --dp {args.dp}: give the new run's --ep")
     # the source's stage unless told (legacy MoE: ZeRO-1/2 only; AutoEP: ZeRO-1, 2 or 3)
-    options = _native_options(args, step, args.stage or reader.facts.info.zero_stage)
+    options = _native_options(args, step, _given(args.stage, reader.facts.info.zero_stage))
     plan = target.write(reader, args.out, ep=ep, **options)
     summary = (
         f"wrote {target.kind} checkpoint for dp={plan.dp} at {target.size}={ep} (ZeRO-{plan.stage}, "
@@ -179,7 +179,12 @@ def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) ->
 
 def _stage(args: argparse.Namespace, facts: Facts) -> int:
     """restore writes ZeRO-3 unless told; reshard keeps the source's stage unless told."""
-    return int(args.stage or (facts.info.zero_stage if args.verb == "reshard" else 3))
+    return int(_given(args.stage, facts.info.zero_stage if args.verb == "reshard" else 3))
+
+
+def _given(stage: int | None, default: int) -> int:
+    """The stage the user chose (0, without ZeRO, included), else ``default``."""
+    return default if stage is None else stage
 
 
 def _cmd_native_distributed(args: argparse.Namespace, step: int | str) -> int:
@@ -253,7 +258,7 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
         if args.pp_partition is not None:
             layout = PipelineLayout.by_method(args.pp_partition, args.pp, args.pp_layers, tied, reader.facts)
         # PipelineEngine runs ZeRO-0/1 only: stage 1 unless told
-        plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, args.stage or 1))
+        plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, _given(args.stage, 1)))
     summary = (
         f"wrote a pipeline checkpoint for pp={layout.pp} x tp={plan.tp} x dp={plan.dp} (ZeRO-{plan.stage}, "
         f"{plan.flavour.name}, {plan.dtype}) to {args.out}/{plan.tag}"

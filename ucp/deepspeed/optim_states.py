@@ -27,6 +27,8 @@ __all__ = [
     "check_zero3_membership",
     "STEP_KEY",
     "SUPPORTED_STAGES",
+    "UNFUSED_INNER",
+    "UNFUSED_MASTERS",
     "check_rank_count",
     "flat_state_keys",
     "flat_state_scalars",
@@ -41,6 +43,12 @@ __all__ = [
 
 #: Where torch optimizers (and DeepSpeed's) keep a per-tensor step; every other key is state.
 STEP_KEY = "step"
+
+
+#: FP16_UnfusedOptimizer.state_dict()'s keys (0.19.8; DeepSpeed's wrapper without ZeRO in bf16/fp16): the inner
+#: torch optimizer's state_dict, and the fp32 masters of the trainable parameters per param group
+UNFUSED_INNER = "optimizer_state_dict"
+UNFUSED_MASTERS = "fp32_groups"
 
 
 #: ZeRO stages whose checkpoints ucp reads.

@@ -3,7 +3,8 @@
 Targets decide what goes where (DP size, stage, flavour, buffers); this module knows only how
 DeepSpeed 0.19.8 spells it, so a DeepSpeed field change is one edit here. Call order for a native
 target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, then
-:func:`zero3_optim_block` or :func:`zero12_optim_block` per rank.
+:func:`zero3_optim_block` or :func:`zero12_optim_block` per rank; without ZeRO, :func:`zero0_optimizer`
+goes into the one model-states file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ucp.deepspeed.optim_states import UNFUSED_INNER, UNFUSED_MASTERS
 from ucp.io.standins import FragmentAddress, LossScaler, ZeroStageEnum
 from ucp.model.flavours import Flavour
 from ucp.model.partition import Zero12Group
@@ -28,6 +30,7 @@ __all__ = [
     "flat_state",
     "zero3_optim_block",
     "zero12_optim_block",
+    "zero0_optimizer",
     "optim_file_dict",
     "clip_grad",
     "config_for_stage",
@@ -103,8 +106,9 @@ def flat_state(
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
     groups: Sequence[Mapping[str, Any]] = (),
 ) -> dict[int, dict[str, Any]]:
-    """The torch optimizer state of flat tensors: one entry per flat tensor, as the flavour keeps it
-    (no step for the flat tensors of a group that counts none: ``groups[*]["params"]`` are flat indices)."""
+    """The torch optimizer state of the tensors it steps (ZeRO's flat tensors, or the parameters themselves
+    without ZeRO): one entry per tensor, as the flavour keeps it (no step for the tensors of a group that
+    counts none: ``groups[*]["params"]`` are the tensors' indices)."""
     if not moments:
         return {}
     stepless = {i for g in groups if not flavour.group_has_step(g) for i in g["params"]}
@@ -183,6 +187,34 @@ def zero12_optim_block(
         "partition_count": [layout.dp for layout in layouts],
         "ds_version": ds_version,
         "param_slice_mappings": mappings,
+    }
+
+
+def zero0_optimizer(
+    *,
+    flavour: Flavour,
+    optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
+    steps: Sequence[int],
+    groups: list[dict[str, Any]],
+    moments: bool,
+    scalars: Sequence[Mapping[str, torch.Tensor]] = (),
+    masters: Sequence[Sequence[torch.Tensor | Pieces]] | None = None,
+    cur_scale: float = 1.0,
+    cur_iter: int = 0,
+) -> dict[str, Any]:
+    """The ``optimizer`` field of a model-states file without ZeRO: the client torch optimizer's own
+    ``state_dict()`` over the parameters (fp32), or, with the fp32 ``masters`` per param group (bf16),
+    FP16_UnfusedOptimizer's around it: its static loss scale, iteration count and the masters, which
+    its ``load_state_dict`` copies into its own fp32 copies."""
+    inner = {"state": flat_state(flavour, optim, steps, moments, scalars, groups), "param_groups": groups}
+    if masters is None:
+        return inner
+    return {
+        "dynamic_loss_scale": False,
+        "cur_scale": cur_scale,
+        "cur_iter": cur_iter,
+        UNFUSED_INNER: inner,
+        UNFUSED_MASTERS: [list(group) for group in masters],
     }
 
 

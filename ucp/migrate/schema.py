@@ -13,7 +13,7 @@ from ucp.errors import ConfigError
 from ucp.migrate.checking import Check, Node, checked
 from ucp.migrate.issues import Issue, KeyPath, Origin
 from ucp.model import flavours
-from ucp.model.options import RestoreOptions
+from ucp.model.options import STAGES, RestoreOptions
 from ucp.model.records import DTYPES, Facts
 from ucp.model.stages import METHODS
 from ucp.targets.pipeline import PipelineLayout
@@ -233,7 +233,7 @@ class TargetConfig(Node):
     dp: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)  # deepspeed: required
     format: str = checked(_one_of(TARGET_FORMATS), default="deepspeed")
     layout: str = checked(_one_of(DCP_LAYOUTS), default="torch")  # dcp: get_state_dict's, or torchtitan's
-    stage: int | None = checked(_one_of((1, 2, 3)), default=None)  # None: 3 (a Hugging Face folder: its own)
+    stage: int | None = checked(_one_of(STAGES), default=None)  # None: 3 (a Hugging Face folder: its own)
     optimizer: str | None = checked(_one_of(_ALL_OPTIMIZERS), default=None)  # None: the source's (dcp: torch-adamw)
     dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the source's
     step: str | int = checked(_step_value, default="keep")

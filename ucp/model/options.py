@@ -15,8 +15,8 @@ from ucp.model.records import DTYPES
 
 __all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step", "options_with"]
 
-#: ZeRO stages a restore can write.
-STAGES = (1, 2, 3)
+#: ZeRO stages a restore can write (0: DeepSpeed without ZeRO, its default).
+STAGES = (0, 1, 2, 3)
 
 #: ``keep`` each parameter's own step, ``reset`` to 0 (optimizer state dropped on request), or one step for all.
 StepPolicy = int | str
@@ -68,8 +68,10 @@ class RestoreOptions:
             out.append(
                 "--tp > 1 needs --stage 1 or 2: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages 0-2"
             )
+        elif self.tp > 1 and self.stage == 0:
+            out.append("--tp > 1 at --stage 0 is not written yet: use --stage 1 or 2")
         if self.stage not in STAGES:
-            out.append(f"--stage must be 1, 2 or 3, got {self.stage!r}")
+            out.append(f"--stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             out.append(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.optimizer is not None and self.optimizer not in FLAVOURS:

@@ -41,7 +41,7 @@ from ucp.deepspeed.model_states import (
     module_ties,
     zero12_frozen_values,
 )
-from ucp.deepspeed.optim_states import STEP_KEY, flat_state_scalars
+from ucp.deepspeed.optim_states import STEP_KEY, UNFUSED_INNER, UNFUSED_MASTERS, flat_state_scalars
 from ucp.errors import InputError
 from ucp.io.standins import LossScaler
 from ucp.io.torchfile import TorchFile
@@ -53,9 +53,7 @@ __all__ = ["Zero0Source"]
 
 logger = logging.getLogger(__name__)
 
-#: FP16_UnfusedOptimizer.state_dict()'s keys (0.19.8): the inner optimizer's state and the fp32 masters
-_INNER = "optimizer_state_dict"
-_MASTERS = "fp32_groups"
+_INNER, _MASTERS = UNFUSED_INNER, UNFUSED_MASTERS
 
 
 class Zero0Source(Reader):

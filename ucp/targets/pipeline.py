@@ -214,8 +214,10 @@ def write_pipeline(
     """Write ``out/latest`` and ``out/<tag>/`` for a PipelineEngine at ``layout.pp`` stages x ``tp`` x ``dp``
     (``tp`` > 1 cuts each stage's parameters by the rules the reader records, as a TP restore does)."""
     options = options_with(options, **fields)
-    if options.stage not in (0, 1):
-        raise ConfigError("a pipeline target is ZeRO-0/1: PipelineEngine refuses ZeRO-2/3")
+    if options.stage != 1:
+        raise ConfigError(
+            "a pipeline target is ZeRO-1: PipelineEngine refuses ZeRO-2/3, and ucp does not write its stage-0 files yet"
+        )
     with opened(source) as reader:
         views = [_StageReader(reader, layout, s) for s in range(layout.pp)]
         placed = {p.name for view in views for p in view.facts.params}

@@ -10,17 +10,21 @@ spans and metadata, never a rank's share of the data.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from ucp.io.pool import parallel_map
-from ucp.model.pieces import Part, Pieces
-from ucp.model.records import PieceState, Reader
+from ucp.model.pieces import LazyTensor, Part, Pieces
+from ucp.model.records import PieceState, Reader, ReaderView
 from ucp.targets.blocks.common import check_state, merge_scalars
 
-__all__ = ["Located", "locate", "flat_pieces"]
+__all__ = ["Located", "Held", "locate", "flat_pieces", "module_weight", "read_weight"]
+
+#: a module weight as a writer takes it: the fp32 spans themselves, or a cast made when the file reaches it
+Weight = torch.Tensor | Pieces | LazyTensor
 
 
 @dataclass
@@ -80,3 +84,32 @@ def flat_pieces(size: int, placed: Iterable[tuple[int, Pieces]]) -> Pieces:
     if size > pos:
         parts.append(torch.zeros(size - pos, dtype=torch.float32))
     return Pieces(tuple(parts), (size,), torch.float32)
+
+
+class Held(ReaderView):
+    """A reader that does not stream, offered as one that does: each state is read whole when asked,
+    so a writer that lays files out of spans takes it too (memory then holds what it keeps)."""
+
+    def __init__(self, inner: Reader) -> None:
+        super().__init__(inner, inner.facts)
+        self.streams = True
+
+    @contextmanager
+    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        yield PieceState.of(self.inner.read(name, moments=moments))
+
+
+def module_weight(state: PieceState, lp: torch.dtype) -> Weight:
+    """A module weight from its fp32 master: the spans themselves in fp32, else cast when written."""
+    master = state.fp32
+    if lp == torch.float32:
+        return master
+    return LazyTensor(tuple(master.shape), lp, lambda: master.join(lp))
+
+
+def read_weight(reader: Reader, name: str, lp: torch.dtype) -> Weight:
+    """A parameter no flat group holds (a frozen one), in the run's dtype: read when the file reaches it."""
+    shape = tuple(reader.facts.param(name).shape)
+    if not reader.streams:
+        return reader.read(name, moments=False).fp32.to(lp)
+    return LazyTensor(shape, lp, lambda: reader.read(name, moments=False).fp32.to(lp).reshape(shape))

@@ -1,8 +1,9 @@
-"""Universal (or any reader) -> a native ZeRO checkpoint that stock DeepSpeed loads at DP=N.
+"""Universal (or any reader) -> a native DeepSpeed checkpoint that stock DeepSpeed loads at DP=N.
 
 Call order: :func:`~ucp.targets.native.plan.plan_native` fixes every choice from one
 :class:`~ucp.model.options.RestoreOptions` as plain data and checks it; :func:`write_plan` hands
-the plan to the stage's writer (:mod:`.zero3`, or :mod:`.zero12` once per TP rank) inside one staged
+the plan to the stage's writer (:mod:`.zero3`, :mod:`.zero12` once per TP rank, or :mod:`.zero0`
+without ZeRO) inside one staged
 output folder, then writes ``OUT/latest``. A new engine loads it with ``engine.load_checkpoint(OUT)``.
 """
 
@@ -21,6 +22,7 @@ from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Reader
 from ucp.sources import open_reader, opened
 from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, Share, plan_native
+from ucp.targets.native.zero0 import write_zero0
 from ucp.targets.native.zero3 import write_zero3
 from ucp.targets.native.zero12 import write_zero12
 from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
@@ -62,6 +64,9 @@ def write_files(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
     ``share``, only that process's part of them (``ucp.ops.distributed``)."""
     if plan.stage == 3:
         write_zero3(reader, plan, tag_dir, workers, share)
+        return
+    if plan.stage == 0:
+        write_zero0(reader, plan, tag_dir, workers, share)
         return
     for mp_rank in range(plan.tp):
         view = (  # at TP=1 the reader itself, so that it streams
@@ -116,7 +121,7 @@ def reshard(
         ucp.reshard("checkpoints/run", "checkpoints/run-dp32", dp=32)
     """
     with open_reader(source) as reader:
-        chosen = RestoreOptions(dp=dp, stage=stage or reader.facts.info.zero_stage or 3, **fields)
+        chosen = RestoreOptions(dp=dp, stage=reader.facts.info.zero_stage if stage is None else stage, **fields)
         return write_plan(
             reader, plan_native(reader.facts, chosen), out, overwrite=overwrite, workers=workers, fsync=fsync
         )

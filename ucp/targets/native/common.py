@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from ucp.deepspeed import states as ds_states
+from ucp.errors import InputError
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import Reader
+from ucp.targets.blocks.stream import Weight
 from ucp.targets.native.plan import NativePlan
 
-__all__ = ["model_states", "optimizer_groups", "zero_wrapper", "save_rank_file"]
+__all__ = ["model_states", "module_of", "optimizer_groups", "zero_wrapper", "save_rank_file"]
 
 
 def model_states(reader: Reader, plan: NativePlan, *, extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -28,6 +31,22 @@ def model_states(reader: Reader, plan: NativePlan, *, extra: Mapping[str, Any]) 
     return ds_states.model_states(
         reader.facts, reader.extras(), reader.buffers(), dtype=plan.dtype, dp=plan.dp, tp=plan.tp, extra=more
     )
+
+
+def module_of(reader: Reader, weights: Mapping[str, Weight], *, apart: Collection[str] = ()) -> OrderedDict[str, Any]:
+    """A model-states file's ``module``: every parameter's weight (``weights``, by name) in model order but
+    those kept ``apart`` (in files of their own), each tied alias as its owner's very tensor, the buffers."""
+    facts = reader.facts
+    module: OrderedDict[str, Any] = OrderedDict()
+    for meta in facts.params:
+        if meta.name not in apart:
+            module[meta.name] = weights[meta.name]
+    for alias, owner in facts.tied.items():
+        if owner not in module:
+            raise InputError(f"tied parameter {alias!r} points at {owner!r}, which the checkpoint does not hold")
+        module[alias] = module[owner]
+    module.update(reader.buffers())
+    return module
 
 
 def zero_wrapper(reader: Reader, plan: NativePlan) -> dict[str, Any]:

@@ -19,6 +19,9 @@ from ucp.model.records import Facts, ParamState, PieceState
 
 __all__ = ["NativePlan", "Share", "Zero12Sets", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
 
+#: Optimizers DeepSpeed 0.19.8 wraps in its fused FP16_Optimizer without ZeRO in bf16/fp16 (not its unfused one).
+FUSED_WRAPPED = ("ds-fused-adam", "apex-fused-adam")
+
 #: DeepSpeed's default ``zero_optimization.sub_group_size`` (0.19.8).
 DS_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 
@@ -131,6 +134,12 @@ def plan_native(
         offload=offloads_optimizer(facts.info.ds_config) if options.offload is None else options.offload,
     )
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
+    if options.stage == 0:
+        _check_zero0(plan, sets)
+        plan.notes.append(
+            "without ZeRO every rank loads the one mp_rank_00_model_states.pt: the checkpoint serves any DP size, and "
+            "the new run's optimizer must hold the trained parameters in the source's group order"
+        )
     plan.zero12_sets = dict(sets or {})
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
@@ -153,6 +162,23 @@ def plan_native(
     if name != facts.flavour and facts.flavour is not None:
         plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
     return plan
+
+
+def _check_zero0(plan: NativePlan, sets: Mapping[int, Zero12Sets] | None) -> None:
+    """What a checkpoint without ZeRO is written for: the client optimizer (fp32) or FP16_UnfusedOptimizer (bf16)."""
+    if plan.dtype == "fp16":
+        raise ConfigError(
+            "fp16 without ZeRO keeps a dynamic loss scale in DeepSpeed's FP16 optimizer wrappers, which ucp does not "
+            "write yet: write bf16 or fp32 (--dtype), or a ZeRO stage"
+        )
+    if plan.dtype == "bf16" and plan.flavour.name in FUSED_WRAPPED:
+        raise ConfigError(
+            f"bf16 without ZeRO with {plan.flavour.name} runs DeepSpeed's fused FP16_Optimizer (one flat fp32 master "
+            "per group), which ucp does not write yet: write fp32, another optimizer (--optimizer torch-adam), or a "
+            "ZeRO stage"
+        )
+    if sets:
+        raise ConfigError("expert parameters held by some ranks only need a ZeRO stage: a stage-0 target holds all")
 
 
 def _set_numels(facts: Facts, g: int, sets: Zero12Sets) -> list[int]:

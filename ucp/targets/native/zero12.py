@@ -22,21 +22,19 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file, optim_file
-from ucp.errors import InputError
 from ucp.io.pool import parallel_map
 from ucp.model.partition import Span, Zero12Group, zero12_group
-from ucp.model.pieces import LazyTensor, Pieces
+from ucp.model.pieces import Pieces
 from ucp.model.records import ParamState, PieceState, Reader, torch_dtype
 from ucp.targets.blocks.common import RankBuffers
-from ucp.targets.blocks.stream import Located, flat_pieces, locate
+from ucp.targets.blocks.stream import Located, Weight, flat_pieces, locate, module_weight, read_weight
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
-from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
+from ucp.targets.native.common import model_states, module_of, optimizer_groups, save_rank_file, zero_wrapper
 from ucp.targets.native.plan import NativePlan, Share, param_step
 
 __all__ = ["write_zero12"]
@@ -44,7 +42,6 @@ __all__ = ["write_zero12"]
 logger = logging.getLogger(__name__)
 
 Flat = torch.Tensor | Pieces
-Weight = torch.Tensor | Pieces | LazyTensor
 
 
 def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
@@ -81,7 +78,7 @@ def _write_streaming(files: _Zero12Files, workers: int, model: bool, ranks: list
     files.settle(located.steps)
     lp = torch_dtype(plan.dtype)
     if model:
-        files.write_model({name: _weight(state, lp) for name, state in located.states.items()})
+        files.write_model({name: module_weight(state, lp) for name, state in located.states.items()})
 
     def one(rank: int) -> None:
         fp32, optim = _rank_pieces(files, located, rank)
@@ -89,14 +86,6 @@ def _write_streaming(files: _Zero12Files, workers: int, model: bool, ranks: list
 
     for _ in parallel_map(one, ranks, max(1, min(workers, len(ranks))), desc="write", weight=files.rank_bytes):
         pass
-
-
-def _weight(state: PieceState, lp: torch.dtype) -> Weight:
-    """A module weight from its fp32 master: the spans themselves in fp32, else cast when written."""
-    master = state.fp32
-    if lp == torch.float32:
-        return master
-    return LazyTensor(tuple(master.shape), lp, lambda: master.join(lp))
 
 
 def _rank_pieces(files: _Zero12Files, located: Located, rank: int) -> tuple[list[Flat], list[dict[str, Flat]]]:
@@ -260,16 +249,8 @@ class _Zero12Files:
         reader, plan = self.reader, self.plan
         facts = reader.facts
         lp = torch_dtype(plan.dtype)
-        frozen: OrderedDict[str, Weight] = OrderedDict((n, self._frozen(n, lp)) for n in self.outside)
-        module: OrderedDict[str, Any] = OrderedDict()
-        for meta in facts.params:
-            if meta.name not in self.apart:
-                module[meta.name] = weights[meta.name] if meta.name in weights else frozen[meta.name]
-        for alias, owner in facts.tied.items():
-            if owner not in module:
-                raise InputError(f"tied parameter {alias!r} points at {owner!r}, which the checkpoint does not hold")
-            module[alias] = module[owner]
-        module.update(reader.buffers())
+        frozen: OrderedDict[str, Weight] = OrderedDict((n, read_weight(reader, n, lp)) for n in self.outside)
+        module = module_of(reader, {**frozen, **weights}, apart=self.apart)
         shapes = {n: torch.Size(facts.param(n).shape) for n in frozen}
         frozen_states = (
             ds_states.frozen_fields(shapes, frozen, excluded=facts.info.frozen_excluded)
@@ -296,14 +277,6 @@ class _Zero12Files:
         states["ds_config"] = self.config
         states.update(plan.model_fields)
         save_rank_file(states, self.tag_dir / model_file(plan.mp_rank))
-
-    def _frozen(self, name: str, lp: torch.dtype) -> Weight:
-        """A parameter outside the flat groups, in the run's dtype: read when the file reaches it."""
-        reader = self.reader
-        shape = tuple(reader.facts.param(name).shape)
-        if not reader.streams:
-            return reader.read(name, moments=False).fp32.to(lp)
-        return LazyTensor(shape, lp, lambda: reader.read(name, moments=False).fp32.to(lp).reshape(shape))
 
     def write_rank(
         self,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ from ucp.errors import InputError
 from ucp.io.pool import parallel_map
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
-from ucp.model.records import PieceState, Reader, ReaderView, torch_dtype
-from ucp.targets.blocks.stream import flat_pieces, locate
+from ucp.model.records import Reader, torch_dtype
+from ucp.targets.blocks.stream import Held, flat_pieces, locate
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
 from ucp.targets.native.plan import NativePlan, Share, param_step
@@ -58,7 +57,7 @@ def write_zero3(
     if layout is None:
         raise InputError("a ZeRO-3 plan carries its layout")  # plan_native always sets it at stage 3
     if plan.zero12_sets and not reader.streams:
-        reader = _Held(reader)  # sets are written from whole states, held once
+        reader = Held(reader)  # sets are written from whole states, held once
     keys = sub_group_keys(reader, layout, moments=not plan.reset_moments)
     writer = _Zero3Files(reader, plan, layout, tag_dir, rank_fields)
     ranks = [r for r in range(plan.dp) if share.mine(r)]
@@ -153,19 +152,6 @@ def _slots(plan: NativePlan, layout: Zero3Layout) -> Iterator[tuple[str, Zero3Sl
         for members in sets.names if sets is not None else (names,):
             for i, name in enumerate(members):
                 yield name, layout.slots[g][i]
-
-
-class _Held(ReaderView):
-    """A reader that does not stream, offered as one that does: each state is read whole, so that sets are
-    written from it as from spans."""
-
-    def __init__(self, inner: Reader) -> None:
-        super().__init__(inner, inner.facts)
-        self.streams = True
-
-    @contextmanager
-    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
-        yield PieceState.of(self.inner.read(name, moments=moments))
 
 
 class _Zero3Files:
