@@ -89,6 +89,20 @@ def test_bf16_stage0_reads_without_names_and_keeps_the_optimizers_own_step(tmp_p
         assert (scaler.cur_scale, scaler.dynamic) == (1.0, False)
 
 
+def test_bf16_fused_adam_stage0_run_is_read_from_its_flat_groups_bit_for_bit(tmp_path):
+    """DeepSpeed FusedAdam in bf16 without ZeRO runs inside DeepSpeed's fused FP16_Optimizer: one flat fp32 master
+    and one flat state per param group, cut back per parameter by matching the module's weights in model order."""
+    built = build(dp=2, stage=0, dtype="bf16", optimizer="ds-fused-adam")
+    with open_reader(built.path) as reader:
+        assert_reader_matches_record(reader, built.record)
+        assert reader.facts.flavour == "ds-fused-adam" and reader.facts.step == built.spec.steps + 1
+        assert [p.name for p in reader.facts.params if p.frozen] == FROZEN
+        assert reader.extras()["clip_grad"] == 1.0
+    assert cli(["restore", str(built.path), str(tmp_path / "n"), "--dp", "3", "--stage", "2"]) == 0
+    after = resume(built, LoadSpec(str(tmp_path / "n")), dp=3, steps=0, name="after", work=tmp_path, stage=2)
+    assert_state_equals_record(after, built.record, steps=built.spec.steps + 1)
+
+
 def test_fp32_stage0_with_an_ambiguous_frozen_parameter_is_refused_in_one_line_until_named(tmp_path, capsys):
     built = _run("fp32")
     with pytest.raises(InputError, match="fit it in more than one way.*name the frozen parameters") as err:
@@ -178,6 +192,12 @@ def _say_stage2(tag: Path) -> None:
     resave(model, path)
 
 
+def _short_flat(tag: Path) -> None:
+    path, model = _model(tag)
+    model["optimizer"]["fp32_groups_flat"][1] = model["optimizer"]["fp32_groups_flat"][1][:-3].clone()
+    resave(model, path)
+
+
 def _reorder_group(tag: Path) -> None:
     path, model = _model(tag)
     params = model["optimizer"]["optimizer_state_dict"]["param_groups"][0]["params"]
@@ -196,10 +216,12 @@ def _reorder_group(tag: Path) -> None:
         ("bf16", _dynamic_scale, "dynamic loss scale"),
         ("fp32", _say_stage2, "ds_config says zero stage 2.*optim files are missing"),
         ("bf16", _reorder_group, "do not follow the model's parameter order"),
+        ("bf16-fused", _short_flat, "fill 76 of the 83 elements of param group 1.s flat fp32 master"),
     ],
 )
 def test_damaged_or_odd_stage0_file_is_refused_in_one_line_and_nothing_written(dtype, damage, message, tmp_path):
-    shutil.copytree(_run(dtype).path, tmp_path / "ck")
+    run = build(dp=2, stage=0, dtype="bf16", optimizer="ds-fused-adam") if dtype == "bf16-fused" else _run(dtype)
+    shutil.copytree(run.path, tmp_path / "ck")
     tag = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()
     damage(tag)
     with pytest.raises(InputError, match=message) as err:

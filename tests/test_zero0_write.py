@@ -30,8 +30,8 @@ FROZEN = ["proj.weight", "proj.bias"]
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
-def _stage0_run(dtype: str) -> Built:
-    return build(dp=2, stage=0, dtype=dtype, optimizer="torch-adamw")
+def _stage0_run(dtype: str, optimizer: str = "torch-adamw") -> Built:
+    return build(dp=2, stage=0, dtype=dtype, optimizer=optimizer)
 
 
 def _model_states(root: Path) -> dict[str, Any]:
@@ -55,9 +55,13 @@ def _assert_same_tree(ours: Any, theirs: Any, where: str = "") -> None:
         assert ours == theirs, where
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_stage0_source_written_at_stage0_is_deepspeeds_own_file_and_resumes_bit_identically(dtype, tmp_path):
-    built = _stage0_run(dtype)
+@pytest.mark.parametrize(
+    "dtype, optimizer",
+    # fp32: the client optimizer; bf16: FP16_UnfusedOptimizer, or FP16_Optimizer (flat groups) around FusedAdam
+    [("fp32", "torch-adamw"), ("bf16", "torch-adamw"), ("bf16", "ds-fused-adam")],
+)
+def test_stage0_source_written_at_stage0_is_deepspeeds_own_file_and_resumes_bit_identically(dtype, optimizer, tmp_path):
+    built = _stage0_run(dtype, optimizer)
     with open_reader(built.path, frozen=FROZEN) as reader:
         ucp.write_native(reader, tmp_path / "n", dp=2, stage=0)
     ours, theirs = _model_states(tmp_path / "n"), _model_states(built.path)
@@ -65,6 +69,10 @@ def test_stage0_source_written_at_stage0_is_deepspeeds_own_file_and_resumes_bit_
     # empty set older versions saved as sparse_tensor_module_names, which 0.19.8 hands back as client state
     theirs.pop("checkpoint_parallel_dimensions")
     assert ours.pop("sparse_tensor_module_names") == set()
+    if optimizer == "ds-fused-adam":  # FusedAdam's stale group step (0) is written as the real count
+        for group in theirs["optimizer"]["optimizer_state_dict"]["param_groups"]:
+            assert group["step"] == 0
+            group["step"] = built.spec.steps + 1
     assert set(ours) == set(theirs)
     for key in theirs:
         _assert_same_tree(ours[key], theirs[key], key)
@@ -116,18 +124,61 @@ def test_bf16_zero_run_written_without_zero_holds_the_source_state_and_trains_as
     assert_same_training(live, ours)
 
 
-def test_bf16_fused_adam_run_written_in_fp32_without_zero_loads_every_state_bit_for_bit(source, universals, tmp_path):
-    """DeepSpeed FusedAdam as the client optimizer: its per-parameter step, and the group's stale copy."""
-    built = source("z3-bf16-dp4-fused")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_adam_run_written_without_zero_loads_every_state_bit_for_bit(dtype, source, universals, tmp_path):
+    """DeepSpeed FusedAdam without ZeRO: in fp32 the client optimizer (a step per parameter and the group's copy),
+    in bf16 inside DeepSpeed's fused FP16_Optimizer (one flat master and state per param group); each loads the
+    bf16 ZeRO-3 DP 4 source's state bit for bit, at the source's step."""
+    name = "z3-bf16-dp4-fused"
+    built = source(name)
     out = tmp_path / "n"
-    ucp.write_native(universals("z3-bf16-dp4-fused"), out, dp=2, stage=0, dtype="fp32")
-    groups = _model_states(out)["optimizer"]["param_groups"]
-    assert {g["step"] for g in groups} == {built.spec.steps}
-    after = resume(built, LoadSpec(str(out)), dp=2, steps=0, name="after", work=tmp_path, stage=0, dtype="fp32")
+    ucp.write_native(universals(name), out, dp=2, stage=0, dtype=dtype)
+    optimizer = _model_states(out)["optimizer"]
+    inner = optimizer if dtype == "fp32" else optimizer["optimizer_state_dict"]
+    assert {g["step"] for g in inner["param_groups"]} == {built.spec.steps}
+    if dtype == "bf16":
+        assert [len(g["params"]) for g in inner["param_groups"]] == [1] * len(inner["param_groups"])
+        assert optimizer["clip_grad"] == 1.0  # DeepSpeed's default since 0.19.3, which the source ran with
+    after = resume(built, LoadSpec(str(out)), dp=2, steps=0, name="after", work=tmp_path, stage=0, dtype=dtype)
     for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert set(after[key]) == set(built.record[key]), key
         for param, value in built.record[key].items():
             assert torch.equal(after[key][param], value), (key, param)
-    assert set(after["state_steps"]) == {float(built.spec.steps)}
+    assert set(after["state_steps"]) == {built.spec.steps}
+
+
+def test_live_restore_into_a_fused_stage0_engine_equals_loading_the_native_file(source, universals, tmp_path):
+    """``ucp.restore`` into DeepSpeed's fused FP16_Optimizer (bf16 FusedAdam without ZeRO) fills each member's
+    slice of the flat masters and state: the same state, and the same 3 steps bit for bit, as the engine's own
+    ``load_checkpoint`` of the stage-0 file ucp writes (two independent paths)."""
+    name = "z3-bf16-dp4-fused"
+    built = source(name)
+    live = LoadSpec(str(universals(name)), kind="ucp")
+    after = resume(built, live, dp=2, steps=0, name="after", work=tmp_path, stage=0)
+    assert_state_equals_record(after, built.record, steps=built.spec.steps)
+    ucp.write_native(universals(name), tmp_path / "n", dp=2, stage=0)
+    native = resume(built, LoadSpec(str(tmp_path / "n")), dp=2, name="native", work=tmp_path, stage=0)
+    assert_same_training(native, resume(built, live, dp=2, name="live", work=tmp_path, stage=0))
+
+
+def test_bf16_fused_and_unfused_stage0_files_of_one_state_train_alike(source, universals, tmp_path):
+    """The flat FP16_Optimizer file and the per-parameter FP16_UnfusedOptimizer one hold the same state: 3 steps
+    of FusedAdam and torch AdamW from them agree within 1e-5 (the two optimizers round differently)."""
+    name = "z3-bf16-dp4-fused"
+    built = source(name)
+    ucp.write_native(universals(name), tmp_path / "fused", dp=2, stage=0)
+    ucp.write_native(universals(name), tmp_path / "unfused", dp=2, stage=0, optimizer="torch-adam")
+    fused = resume(built, LoadSpec(str(tmp_path / "fused")), dp=2, name="fused", work=tmp_path, stage=0)
+    unfused = resume(
+        built,
+        LoadSpec(str(tmp_path / "unfused")),
+        dp=2,
+        name="unfused",
+        work=tmp_path,
+        stage=0,
+        optimizer="torch-adamw",
+    )
+    assert_same_training(fused, unfused, atol=1e-5, steps=False)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +186,6 @@ def test_bf16_fused_adam_run_written_in_fp32_without_zero_loads_every_state_bit_
     [
         (["--dtype", "fp16"], "fp16 without ZeRO"),
         (["--tp", "2"], "--tp > 1 at --stage 0"),
-        (["--optimizer", "ds-fused-adam", "--dtype", "bf16"], "fused FP16_Optimizer"),
     ],
 )
 def test_what_stage0_does_not_write_yet_is_refused_in_one_line_before_writing(

@@ -29,6 +29,7 @@ __all__ = [
     "SUPPORTED_STAGES",
     "UNFUSED_INNER",
     "UNFUSED_MASTERS",
+    "FUSED_MASTERS",
     "check_rank_count",
     "flat_state_keys",
     "flat_state_scalars",
@@ -49,6 +50,9 @@ STEP_KEY = "step"
 #: torch optimizer's state_dict, and the fp32 masters of the trainable parameters per param group
 UNFUSED_INNER = "optimizer_state_dict"
 UNFUSED_MASTERS = "fp32_groups"
+#: FP16_Optimizer.state_dict()'s key (0.19.8, the fused wrapper: DeepSpeed or Apex FusedAdam without ZeRO in
+#: bf16/fp16): one flat fp32 master per param group; the inner state_dict is under UNFUSED_INNER too
+FUSED_MASTERS = "fp32_groups_flat"
 
 
 #: ZeRO stages whose checkpoints ucp reads.

@@ -3,8 +3,8 @@
 Targets decide what goes where (DP size, stage, flavour, buffers); this module knows only how
 DeepSpeed 0.19.8 spells it, so a DeepSpeed field change is one edit here. Call order for a native
 target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, then
-:func:`zero3_optim_block` or :func:`zero12_optim_block` per rank; without ZeRO, :func:`zero0_optimizer`
-goes into the one model-states file.
+:func:`zero3_optim_block` or :func:`zero12_optim_block` per rank; without ZeRO, :func:`client_state_dict`
+(wrapped by :func:`unfused_wrapper` or :func:`fused_wrapper` in bf16) goes into the one model-states file.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ucp.deepspeed.optim_states import UNFUSED_INNER, UNFUSED_MASTERS
+from ucp.deepspeed.optim_states import FUSED_MASTERS, UNFUSED_INNER, UNFUSED_MASTERS
 from ucp.io.standins import FragmentAddress, LossScaler, ZeroStageEnum
 from ucp.model.flavours import Flavour
 from ucp.model.partition import Zero12Group
@@ -30,7 +30,9 @@ __all__ = [
     "flat_state",
     "zero3_optim_block",
     "zero12_optim_block",
-    "zero0_optimizer",
+    "client_state_dict",
+    "unfused_wrapper",
+    "fused_wrapper",
     "optim_file_dict",
     "clip_grad",
     "config_for_stage",
@@ -190,7 +192,7 @@ def zero12_optim_block(
     }
 
 
-def zero0_optimizer(
+def client_state_dict(
     *,
     flavour: Flavour,
     optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
@@ -198,24 +200,34 @@ def zero0_optimizer(
     groups: list[dict[str, Any]],
     moments: bool,
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
-    masters: Sequence[Sequence[torch.Tensor | Pieces]] | None = None,
-    cur_scale: float = 1.0,
-    cur_iter: int = 0,
 ) -> dict[str, Any]:
-    """The ``optimizer`` field of a model-states file without ZeRO: the client torch optimizer's own
-    ``state_dict()`` over the parameters (fp32), or, with the fp32 ``masters`` per param group (bf16),
-    FP16_UnfusedOptimizer's around it: its static loss scale, iteration count and the masters, which
-    its ``load_state_dict`` copies into its own fp32 copies."""
-    inner = {"state": flat_state(flavour, optim, steps, moments, scalars, groups), "param_groups": groups}
-    if masters is None:
-        return inner
+    """A torch optimizer's own ``state_dict()`` over the tensors it steps: what a stage-0 fp32 engine saves as
+    ``optimizer``, and what DeepSpeed's FP16 wrappers hold inside theirs."""
+    return {"state": flat_state(flavour, optim, steps, moments, scalars, groups), "param_groups": groups}
+
+
+def unfused_wrapper(
+    inner: Mapping[str, Any], masters: Sequence[Sequence[torch.Tensor | Pieces]], *, cur_scale: float, cur_iter: int
+) -> dict[str, Any]:
+    """FP16_UnfusedOptimizer.state_dict() (bf16 without ZeRO): a static loss scale, the iteration count, the
+    inner optimizer's state_dict over the fp32 copies and those copies per param group, which its
+    ``load_state_dict`` copies into its own."""
     return {
         "dynamic_loss_scale": False,
         "cur_scale": cur_scale,
         "cur_iter": cur_iter,
-        UNFUSED_INNER: inner,
+        UNFUSED_INNER: dict(inner),
         UNFUSED_MASTERS: [list(group) for group in masters],
     }
+
+
+def fused_wrapper(
+    inner: Mapping[str, Any], flats: Sequence[torch.Tensor | Pieces], *, clip_grad: float
+) -> dict[str, Any]:
+    """FP16_Optimizer.state_dict() in bf16 (DeepSpeed's fused wrapper, around DeepSpeed or Apex FusedAdam without
+    ZeRO; it saves no loss scale when it does not scale): the inner optimizer's state_dict over one flat fp32
+    master per param group, those masters, and the gradient clipping its ``load_state_dict`` takes."""
+    return {UNFUSED_INNER: dict(inner), FUSED_MASTERS: list(flats), "clip_grad": clip_grad}
 
 
 def _head(flat: torch.Tensor | Pieces, n: int) -> torch.Tensor | Pieces:

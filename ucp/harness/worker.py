@@ -200,15 +200,27 @@ def _whole_momentum(engine) -> tuple[dict[str, torch.Tensor], list[tuple[str, bo
     return first, copies
 
 
-def _stage0_master(engine: Any, param: torch.nn.Parameter) -> torch.Tensor:
-    """Without ZeRO, the tensor the optimizer steps for ``param``: its fp32 copy under FP16_UnfusedOptimizer
-    (bf16), else the parameter itself (fp32, the client optimizer)."""
+def _stage0_state(engine: Any, param: torch.nn.Parameter, keys: list[str]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Without ZeRO, what the optimizer steps for ``param`` and its state by key: its fp32 copy under
+    FP16_UnfusedOptimizer (bf16), its slice of the group's flat fp32 master and flat state under the fused
+    FP16_Optimizer (bf16 with FusedAdam), else the parameter itself (fp32, the client optimizer)."""
     opt = engine.optimizer
+    base = opt.optimizer if hasattr(opt, "optimizer") else opt
     for lp_group, hp_group in zip(getattr(opt, "fp16_groups", ()), getattr(opt, "fp32_groups", ())):
         for lp, hp in zip(lp_group, hp_group):
             if lp is param:
-                return hp
-    return param
+                return hp, {k: base.state.get(hp, {}).get(k) for k in keys}
+    for lp_group, flat in zip(getattr(opt, "fp16_groups", ()), getattr(opt, "fp32_groups_flat", ())):
+        at = 0
+        for lp in lp_group:
+            if lp is param:
+                state = base.state.get(flat, {})
+                start, end = at, at + lp.numel()
+                return flat[start:end].view(lp.shape), {
+                    k: None if state.get(k) is None else state[k][start:end].view(lp.shape) for k in keys
+                }
+            at += lp.numel()
+    return param, {k: base.state.get(param, {}).get(k) for k in keys}
 
 
 def record_path(record: str, tp_rank: int) -> str:
@@ -248,14 +260,13 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
             continue
         seen[id(param)] = name
         if param.requires_grad:
-            master = _stage0_master(engine, param) if spec.stage == 0 else None  # no ZeRO: no fragment mapping
-            fp32 = safe_get_full_fp32_param(param) if master is None else master
+            if spec.stage == 0:  # no ZeRO: no fragment mapping
+                fp32, states = _stage0_state(engine, param, _keys_of(param, keys))
+            else:
+                fp32 = safe_get_full_fp32_param(param)
+                states = {key: safe_get_full_optimizer_state(param, key) for key in _keys_of(param, keys)}
             out["params"][name] = fp32.detach().float().cpu().clone()
-            for key in _keys_of(param, keys):
-                if master is not None:
-                    state = base.state.get(master, {}).get(key)
-                else:
-                    state = safe_get_full_optimizer_state(param, key)
+            for key, state in states.items():
                 out["state"].setdefault(key, {})[name] = None if state is None else state.detach().cpu().clone()
             for key in ("exp_avg", "exp_avg_sq"):  # Adam's, in the record's first layout
                 state = out["state"].get(key, {}).get(name)

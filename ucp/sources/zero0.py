@@ -41,7 +41,7 @@ from ucp.deepspeed.model_states import (
     module_ties,
     zero12_frozen_values,
 )
-from ucp.deepspeed.optim_states import STEP_KEY, UNFUSED_INNER, UNFUSED_MASTERS, flat_state_scalars
+from ucp.deepspeed.optim_states import FUSED_MASTERS, STEP_KEY, UNFUSED_INNER, UNFUSED_MASTERS, flat_state_scalars
 from ucp.errors import InputError
 from ucp.io.standins import LossScaler
 from ucp.io.torchfile import TorchFile
@@ -53,7 +53,7 @@ __all__ = ["Zero0Source"]
 
 logger = logging.getLogger(__name__)
 
-_INNER, _MASTERS = UNFUSED_INNER, UNFUSED_MASTERS
+_INNER, _MASTERS, _FLAT_MASTERS = UNFUSED_INNER, UNFUSED_MASTERS, FUSED_MASTERS
 
 
 class Zero0Source(Reader):
@@ -111,36 +111,45 @@ class Zero0Source(Reader):
             )
         return head
 
-    def _unwrap(self, opt: Mapping[str, Any], dtype: str) -> tuple[Mapping[str, Any], list[list[torch.Tensor]] | None]:
-        """The torch optimizer's state_dict and, under FP16_UnfusedOptimizer, its fp32 masters per group;
-        its loss scale is kept for ``extras`` (a static one only)."""
+    def _unwrap(
+        self, opt: Mapping[str, Any], dtype: str, candidates: list[tuple[str, torch.Tensor]]
+    ) -> tuple[Mapping[str, Any], list[list[torch.Tensor]] | None]:
+        """The torch optimizer's state_dict and, under DeepSpeed's FP16 wrappers, its fp32 masters per group
+        (the fused one's flat groups cut per parameter, see :func:`_unflatten`); the wrapper's loss scale (a
+        static one only) and gradient clipping are kept for ``extras``."""
         name = self._name()
         self._zero: dict[str, Any] | None = None
-        if "fp32_groups_flat" in opt:
-            raise InputError(
-                f"{name}: the optimizer was wrapped in DeepSpeed's FP16_Optimizer (fp16 with a fused optimizer, "
-                "flat fp32 groups): ucp reads stage-0 checkpoints of torch optimizers and FP16_UnfusedOptimizer"
-            )
-        if _MASTERS not in opt:
+        fused = _FLAT_MASTERS in opt
+        if not fused and _MASTERS not in opt:
             if not {"state", "param_groups"} <= set(opt):
                 raise InputError(
                     f"{name}: optimizer holds {sorted(map(str, opt))[:6]}, neither a torch optimizer's state_dict "
-                    "nor FP16_UnfusedOptimizer's: the file is damaged or not from DeepSpeed"
+                    "nor one of DeepSpeed's FP16 optimizer wrappers': the file is damaged or not from DeepSpeed"
                 )
             return opt, None
-        dynamic = opt.get("dynamic_loss_scale")
+        wrapper = "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"
+        dynamic = opt.get("dynamic_loss_scale", False)  # the fused wrapper saves no scale when it does not scale
         if not isinstance(dynamic, bool):
             raise InputError(f"{name}: optimizer dynamic_loss_scale is {dynamic!r:.40}, not a flag: file damaged")
         if dynamic:
             raise InputError(
-                f"{name}: a {dtype} run with a dynamic loss scale (FP16_UnfusedOptimizer): ucp cannot carry its "
+                f"{name}: a {dtype} run with a dynamic loss scale ({wrapper}): ucp cannot carry its "
                 "scale into a ZeRO run's loss scaler (the file lacks its hysteresis and minimum); not converted"
             )
-        scale = opt.get("cur_scale")
+        scale = opt.get("cur_scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise InputError(f"{name}: optimizer cur_scale is {scale!r:.40}, not a number: file damaged")
         self._zero = {"loss_scaler": LossScaler(cur_scale=scale, dynamic=False), "dynamic_loss_scale": False}
+        clip = opt.get("clip_grad")
+        if isinstance(clip, (int, float)) and not isinstance(clip, bool):
+            self._zero["clip_grad"] = float(clip)
         inner = need_mapping(opt.get(_INNER), f"{name}: optimizer {_INNER}")
+        if fused:
+            flats = [
+                need_tensor(t, f"{name}: optimizer {_FLAT_MASTERS}[{g}]")
+                for g, t in enumerate(need_list(opt[_FLAT_MASTERS], f"{name}: optimizer {_FLAT_MASTERS}"))
+            ]
+            return _unflatten(inner, flats, candidates, name)
         masters = [
             [need_tensor(t, f"{name}: optimizer {_MASTERS}[{g}]") for t in need_list(group, f"{name}: {_MASTERS}[{g}]")]
             for g, group in enumerate(need_list(opt[_MASTERS], f"{name}: optimizer {_MASTERS}"))
@@ -205,7 +214,14 @@ class Zero0Source(Reader):
         module = head["module"]
         buffer_names = [str(n) for n in need_list(head.get("buffer_names") or [], f"{name}: buffer_names")]
         dtype = _config_dtype(ds_config)
-        inner, masters = self._unwrap(need_mapping(head["optimizer"], f"{name}: optimizer"), dtype)
+        for n in frozen:
+            check_name(n, "the frozen names given")
+        candidates = _candidates(module, buffer_names)
+        unknown = sorted(set(frozen) - set(candidates))
+        if unknown:
+            raise InputError(f"{name}: the frozen names given list {unknown[:3]}, which its module does not hold")
+        trainable = [(n, t) for n, t in candidates.items() if n not in set(frozen)]
+        inner, masters = self._unwrap(need_mapping(head["optimizer"], f"{name}: optimizer"), dtype, trainable)
         groups_raw, members, state = self._members(inner)
         if masters is not None and [len(m) for m in masters] != [len(m) for m in members]:
             raise InputError(
@@ -240,15 +256,7 @@ class Zero0Source(Reader):
                 row.append((shape, master))
             self._keys.append(keys or ())
             want.append(row)
-        for n in frozen:
-            check_name(n, "the frozen names given")
-        candidates = _candidates(module, buffer_names)
-        unknown = sorted(set(frozen) - set(candidates))
-        if unknown:
-            raise InputError(f"{name}: the frozen names given list {unknown[:3]}, which its module does not hold")
-        placed = _place(
-            want, [(n, t) for n, t in candidates.items() if n not in set(frozen)], masters is not None, name
-        )
+        placed = _place(want, trainable, masters is not None, name)
         params: list[ParamMeta] = []
         groups: list[GroupMeta] = []
         group_steps: list[int | None] = []
@@ -285,8 +293,8 @@ class Zero0Source(Reader):
         warnings = list(detection.warnings)
         if masters is not None and any(s is not None for s in group_steps):
             warnings.append(
-                "FP16_UnfusedOptimizer stepped the optimizer once with zero gradients when it was built, so its "
-                "step is global_steps + 1; the step is carried as the optimizer holds it"
+                "DeepSpeed's FP16 optimizer wrapper stepped the optimizer once with zero gradients when it was built, "
+                "so its step is global_steps + 1; the step is carried as the optimizer holds it"
             )
         if masters is None:
             warnings.append(
@@ -379,6 +387,81 @@ def _candidates(module: Mapping[str, Any], buffer_names: Sequence[str]) -> dict[
         seen.add(view)
         out[pname] = value
     return out
+
+
+def _unflatten(
+    inner: Mapping[str, Any], flats: list[torch.Tensor], trainable: list[tuple[str, torch.Tensor]], where: str
+) -> tuple[dict[str, Any], list[list[torch.Tensor]]]:
+    """DeepSpeed's fused FP16_Optimizer (bf16/fp16 with DeepSpeed or Apex FusedAdam) steps one flat fp32 tensor
+    per param group: its members' masters one after the other in group order, no padding, and the inner
+    optimizer's state entry g holds group g's flat state. The members are the module's trainable parameters in
+    model order whose weight is the next slice of a group's flat master rounded to the model dtype, bit for bit;
+    returned as FP16_UnfusedOptimizer keeps them (a state_dict by parameter index, masters per group), as views."""
+    groups = [
+        need_mapping(g, f"{where}: a param group")
+        for g in need_list(inner.get("param_groups"), f"{where}: optimizer param_groups")
+    ]
+    if len(groups) != len(flats):
+        raise InputError(f"{where}: {len(flats)} flat fp32 groups, {len(groups)} param groups: the file is damaged")
+    for g, flat in enumerate(flats):
+        if flat.dtype != torch.float32 or flat.dim() != 1:
+            raise InputError(
+                f"{where}: {_FLAT_MASTERS}[{g}] is a {flat.dtype} tensor of {flat.dim()} dims, not a flat fp32 master"
+            )
+    state = need_mapping(inner.get("state") or {}, f"{where}: optimizer state")
+    by_index = {as_int(k, f"{where}: optimizer state index"): v for k, v in state.items()}
+    at = [0] * len(flats)
+    members: list[list[tuple[int, torch.Size]]] = [[] for _ in flats]
+    for pname, value in trainable:
+        n = value.numel()
+        fits = [
+            g
+            for g, flat in enumerate(flats)
+            if n
+            and at[g] + n <= flat.numel()
+            and value.is_floating_point()
+            and torch.equal(flat[at[g] : at[g] + n].to(value.dtype), value.detach().reshape(-1))
+        ]
+        if len(fits) > 1:
+            raise InputError(
+                f"{where}: {pname!r} fits the flat fp32 masters of param groups {fits} alike: name the frozen "
+                "parameters (--frozen NAME...) or restore from a ZeRO checkpoint of the run"
+            )
+        if fits:
+            members[fits[0]].append((at[fits[0]], value.shape))
+            at[fits[0]] += n
+    short = [g for g, flat in enumerate(flats) if at[g] != flat.numel()]
+    if short:
+        g = short[0]
+        raise InputError(
+            f"{where}: the module's parameters in model order fill {at[g]} of the {flats[g].numel()} elements of "
+            f"param group {g}'s flat fp32 master: the file is damaged, or its param groups do not follow the model's "
+            "parameter order"
+        )
+    unflat: dict[int, dict[str, Any]] = {}
+    out_groups: list[dict[str, Any]] = []
+    masters: list[list[torch.Tensor]] = []
+    for g, flat in enumerate(flats):
+        flat_index = need_list(groups[g].get("params"), f"{where}: param group {g} params")
+        if len(flat_index) != 1:
+            raise InputError(
+                f"{where}: param group {g} lists {len(flat_index)} tensors beside a flat fp32 master: the fused "
+                "wrapper steps one per group; the file is damaged"
+            )
+        entry = need_mapping(
+            by_index.get(as_int(flat_index[0], "a param group's index"), {}), f"{where}: optimizer state {g}"
+        )
+        first = len(unflat)
+        out_groups.append({**groups[g], "params": list(range(first, first + len(members[g])))})
+        masters.append([flat[start : start + shape.numel()].view(shape) for start, shape in members[g]])
+        for start, shape in members[g]:
+            unflat[len(unflat)] = {
+                key: value[start : start + shape.numel()].view(shape)
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.numel()
+                else value
+                for key, value in entry.items()
+            }
+    return {"state": unflat, "param_groups": out_groups}, masters
 
 
 def _fits(want: tuple[tuple[int, ...] | None, torch.Tensor | None], value: torch.Tensor, with_values: bool) -> bool:

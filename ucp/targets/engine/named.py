@@ -5,7 +5,8 @@ steps in place of its low-precision parameters (:mod:`ucp.targets.engine.zero0`)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, Protocol
 
 import torch
 
@@ -15,14 +16,24 @@ from ucp.model.detect import detect_live
 from ucp.model.records import ParamState, Reader
 from ucp.targets.engine.common import match_groups
 
-__all__ = ["load_named"]
+__all__ = ["load_named", "OptimizerLike"]
 
 logger = logging.getLogger(__name__)
 
 
+class OptimizerLike(Protocol):
+    """What :func:`load_named` uses of an optimizer: a torch optimizer, or a stand-in over views of one's tensors."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def state(self) -> MutableMapping[Any, Any]: ...
+
+
 def load_named(
     params: Mapping[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: OptimizerLike | None,
     reader: Reader,
     *,
     flavour: str | None = None,
@@ -84,7 +95,7 @@ def load_named(
         )
 
 
-def _on_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+def _on_device(optimizer: OptimizerLike, param: torch.Tensor) -> bool:
     """torch Adam keeps the step on the parameter's device when capturable or fused."""
     for group in optimizer.param_groups:
         if any(p is param for p in group["params"]):

@@ -2,9 +2,10 @@
 
 fp32: the optimizer is the client's own, over the module's parameters. bf16 without ZeRO: DeepSpeed 0.19.8
 wraps it in FP16_UnfusedOptimizer, which steps fp32 copies (``fp32_groups``, in step with the module's
-``fp16_groups``): the masters and optimizer state go to the copies and the module takes them cast, as its
-own ``load_state_dict`` leaves them. fp16 without ZeRO keeps a loss scale in the wrapper's own fields, which
-ucp does not set yet: refused in one line.
+``fp16_groups``), or, around DeepSpeed or Apex FusedAdam, in FP16_Optimizer, which steps one flat fp32 copy
+per param group (``fp32_groups_flat``): the masters and optimizer state go to the copies and the module takes
+them cast, as its own ``load_state_dict`` leaves them. fp16 without ZeRO keeps a loss scale in the wrapper's
+own fields, which ucp does not set yet: refused in one line.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from typing import Any
 import torch
 
 from ucp.errors import InputError
+from ucp.model.detect import detect_live
 from ucp.model.records import ParamState, Reader
 from ucp.targets.engine.common import check_names
 from ucp.targets.engine.named import load_named
 
 __all__ = ["restore_zero0"]
 
-#: the wrappers DeepSpeed puts around the client optimizer without ZeRO, whose fp32 copies ucp fills
+#: the wrappers DeepSpeed puts around the client optimizer without ZeRO, whose fp32 copies ucp fills: one per
+#: parameter, or one flat tensor per param group (the fused wrapper, around DeepSpeed or Apex FusedAdam)
 _FP32_COPIES = ("FP16_UnfusedOptimizer",)
+_FLAT_COPIES = ("FP16_Optimizer",)
 
 
 def restore_zero0(
@@ -39,30 +43,102 @@ def restore_zero0(
     opt = engine.optimizer
     module: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
     wrapper = type(opt).__name__
-    if wrapper in _FP32_COPIES:
-        if getattr(opt, "low_precision_dtype", torch.bfloat16) != torch.bfloat16:
-            raise InputError(
-                "fp16 without ZeRO keeps its loss scale in FP16_UnfusedOptimizer's own fields, which ucp does not "
-                "restore: use ZeRO-1/2/3 (zero_optimization.stage) or bf16"
-            )
-        copies: dict[int, torch.Tensor] = {
-            id(lp): hp
-            for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups)
-            for lp, hp in zip(lp_group, hp_group)
-        }
-        named = {name: copies.get(id(param), param) for name, param in module.items()}
-        inner = opt.optimizer
-    elif isinstance(opt, torch.optim.Optimizer):
-        named, inner = module, opt
-    else:
+    if wrapper in _FP32_COPIES + _FLAT_COPIES and getattr(opt, "low_precision_dtype", torch.bfloat16) != torch.bfloat16:
         raise InputError(
-            f"{wrapper} is not an optimizer ucp restores without ZeRO (the client's torch optimizer, or "
-            "FP16_UnfusedOptimizer for bf16)"
+            f"fp16 without ZeRO keeps its loss scale in {wrapper}'s own fields, which ucp does not "
+            "restore: use ZeRO-1/2/3 (zero_optimization.stage) or bf16"
         )
-    load_named(
-        named, inner if load_optimizer_states else None, reader, flavour=optimizer, strict=strict, step_of=step_of
-    )
+    if wrapper in _FLAT_COPIES:
+        named = _restore_flat(opt, module, reader, optimizer, load_optimizer_states, strict, step_of)
+    else:
+        if wrapper in _FP32_COPIES:
+            copies: dict[int, torch.Tensor] = {
+                id(lp): hp
+                for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups)
+                for lp, hp in zip(lp_group, hp_group)
+            }
+            named, inner = {name: copies.get(id(param), param) for name, param in module.items()}, opt.optimizer
+        elif isinstance(opt, torch.optim.Optimizer):
+            named, inner = module, opt
+        else:
+            raise InputError(
+                f"{wrapper} is not an optimizer ucp restores without ZeRO (the client's torch optimizer, or "
+                "DeepSpeed's bf16 wrappers FP16_UnfusedOptimizer and FP16_Optimizer)"
+            )
+        load_named(
+            named, inner if load_optimizer_states else None, reader, flavour=optimizer, strict=strict, step_of=step_of
+        )
     with torch.no_grad():
         for name, param in module.items():
             if named[name] is not param:  # the module's bf16 weight from its restored fp32 copy
                 param.copy_(named[name].to(param.dtype))
+
+
+def _restore_flat(
+    opt: Any,
+    module: dict[str, torch.Tensor],
+    reader: Reader,
+    flavour: str | None,
+    load_optimizer_states: bool,
+    strict: bool,
+    step_of: Callable[[ParamState], int] | None,
+) -> dict[str, torch.Tensor]:
+    """FP16_Optimizer steps one flat fp32 master per param group (its members' masters one after the other):
+    each member's master and state are loaded into its slice of the group's flat tensors, through
+    :func:`load_named` over per-member views, and the per-member state is then joined into the flat state.
+    Returns each parameter's loaded tensor (its slice of the masters; a frozen one itself)."""
+    inner = opt.optimizer
+    name_of = {id(param): name for name, param in module.items()}
+    views: list[list[torch.Tensor]] = []
+    named: dict[str, torch.Tensor] = {}
+    for lp_group, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+        at, row = 0, []
+        for lp in lp_group:
+            # a trained member's slice (load_named gives optimizer state to tensors that require grad)
+            view = flat.detach()[at : at + lp.numel()].view(lp.shape).requires_grad_()
+            named[name_of[id(lp)]] = view
+            row.append(view)
+            at += lp.numel()
+        views.append(row)
+    held = dict(module)
+    held.update(named)  # frozen parameters are loaded in place, trained ones into their slice of the masters
+    shim = _PerMember([{**group, "params": row} for group, row in zip(inner.param_groups, views)])
+    kind = flavour or detect_live(inner).name
+    load_named(held, shim if load_optimizer_states else None, reader, flavour=kind, strict=strict, step_of=step_of)
+    if not load_optimizer_states:
+        return held
+    for g, (group, flat, row) in enumerate(zip(inner.param_groups, opt.fp32_groups_flat, views)):
+        group.update({k: v for k, v in shim.param_groups[g].items() if k != "params"})
+        entries = [shim.state[view] for view in row if view in shim.state]
+        if not entries:
+            continue
+        if len(entries) != len(row):
+            raise InputError(f"param group {g}: the checkpoint holds optimizer state for some of its members only")
+        inner.state[flat] = _joined(entries, g)
+    return held
+
+
+class _PerMember:
+    """A stand-in optimizer over per-member views, for :func:`load_named`: its param groups and state."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.param_groups = param_groups
+        self.state: dict[torch.Tensor, dict[str, Any]] = {}
+
+
+def _joined(entries: list[dict[str, Any]], group: int) -> dict[str, Any]:
+    """Per-member optimizer state as the one flat tensor's: elementwise tensors joined in member order, the
+    step and 0-dim scalars one for all (members that disagree cannot share a flat tensor)."""
+    out: dict[str, Any] = {}
+    for key, value in entries[0].items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            out[key] = torch.cat([e[key].reshape(-1) for e in entries])
+            continue
+        values = {float(e[key]) for e in entries}
+        if len(values) > 1:
+            raise InputError(
+                f"param group {group}: its members carry different {key!r} {sorted(values)}, but DeepSpeed's fused "
+                "FP16_Optimizer steps them as one flat tensor: give an explicit step"
+            )
+        out[key] = value
+    return out

@@ -19,7 +19,7 @@ from ucp.model.records import Facts, ParamState, PieceState
 
 __all__ = ["NativePlan", "Share", "Zero12Sets", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
 
-#: Optimizers DeepSpeed 0.19.8 wraps in its fused FP16_Optimizer without ZeRO in bf16/fp16 (not its unfused one).
+#: Optimizers DeepSpeed 0.19.8 wraps in its fused FP16_Optimizer without ZeRO in bf16/fp16 (others: FP16_UnfusedOptimizer).
 FUSED_WRAPPED = ("ds-fused-adam", "apex-fused-adam")
 
 #: DeepSpeed's default ``zero_optimization.sub_group_size`` (0.19.8).
@@ -165,17 +165,11 @@ def plan_native(
 
 
 def _check_zero0(plan: NativePlan, sets: Mapping[int, Zero12Sets] | None) -> None:
-    """What a checkpoint without ZeRO is written for: the client optimizer (fp32) or FP16_UnfusedOptimizer (bf16)."""
+    """What a checkpoint without ZeRO is written for: the client optimizer (fp32), or DeepSpeed's bf16 wrappers."""
     if plan.dtype == "fp16":
         raise ConfigError(
             "fp16 without ZeRO keeps a dynamic loss scale in DeepSpeed's FP16 optimizer wrappers, which ucp does not "
             "write yet: write bf16 or fp32 (--dtype), or a ZeRO stage"
-        )
-    if plan.dtype == "bf16" and plan.flavour.name in FUSED_WRAPPED:
-        raise ConfigError(
-            f"bf16 without ZeRO with {plan.flavour.name} runs DeepSpeed's fused FP16_Optimizer (one flat fp32 master "
-            "per group), which ucp does not write yet: write fp32, another optimizer (--optimizer torch-adam), or a "
-            "ZeRO stage"
         )
     if sets:
         raise ConfigError("expert parameters held by some ranks only need a ZeRO stage: a stage-0 target holds all")

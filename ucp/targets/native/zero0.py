@@ -6,27 +6,33 @@ output folder. Without ZeRO every rank holds the whole model and optimizer, so o
 tied aliases and buffers too) and ``optimizer``, what the new engine's optimizer loads. In fp32 that is
 the client torch optimizer's own ``state_dict()``: state by parameter index, param groups in the
 source's order with their members in its order (which is how DeepSpeed's loader and torch's match
-them to the new run's parameters). In bf16 it is DeepSpeed 0.19.8's FP16_UnfusedOptimizer's, which
-wraps the same state_dict with the fp32 masters per group. Tensors are the reader's spans, copied
-straight into the file (a reader that does not stream is read once, parameter by parameter).
+them to the new run's parameters). In bf16 DeepSpeed 0.19.8 wraps the optimizer: FP16_UnfusedOptimizer
+keeps the same state_dict beside the fp32 masters per group; for DeepSpeed or Apex FusedAdam its fused
+FP16_Optimizer steps one flat fp32 master per group (members one after the other, no padding), so the
+state is written flat too. Tensors are the reader's spans, copied straight into the file (a reader that
+does not stream is read once, parameter by parameter).
 
-Not written: fp16 (the wrapper's dynamic loss scale), tensor parallelism, and DeepSpeed's fused
-FP16_Optimizer (bf16/fp16 with DeepSpeed or Apex FusedAdam, which keeps one flat master per group).
+Not written: fp16 (the wrappers' dynamic loss scale) and tensor parallelism.
 """
 
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file
-from ucp.model.records import Reader, torch_dtype
+from ucp.model.pieces import Pieces
+from ucp.model.records import PieceState, Reader, torch_dtype
 from ucp.model.steps import settle_steps
-from ucp.targets.blocks.stream import Held, Weight, locate, module_weight, read_weight
+from ucp.targets.blocks.common import merge_scalars
+from ucp.targets.blocks.stream import Held, Weight, flat_pieces, locate, module_weight, read_weight
 from ucp.targets.native.common import model_states, module_of, optimizer_groups, save_rank_file
-from ucp.targets.native.plan import NativePlan, Share, param_step
+from ucp.targets.native.plan import FUSED_WRAPPED, NativePlan, Share, param_step
 
 __all__ = ["write_zero0", "WRITTEN_DTYPES"]
 
@@ -58,31 +64,68 @@ def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
             step_of=lambda state: param_step(plan, state),
             unit="parameter",
         )
-        steps = [next(iter(seen)) for seen in located.steps]
-        at = 0
-        indices: list[list[int]] = []
-        for names in plan.group_names:
-            indices.append(list(range(at, at + len(names))))
-            at += len(names)
-        groups = optimizer_groups(
-            reader, plan, indices, [_group_step(plan, [steps[i] for i in idx]) for idx in indices]
-        )
         states = [located.states[name] for name in order]
-        optimizer = ds_states.zero0_optimizer(
-            flavour=plan.flavour,
-            optim=[state.optim for state in states],
-            steps=steps,
-            scalars=located.scalars,
-            groups=groups,
-            moments=moments,
-            masters=None if plan.dtype == "fp32" else [[states[i].fp32 for i in idx] for idx in indices],
-            cur_scale=_static_scale(reader, plan),
-            cur_iter=facts.info.global_steps,
-        )
+        steps = [next(iter(seen)) for seen in located.steps]
+        firsts = list(accumulate((len(names) for names in plan.group_names), initial=0))
+        spans = [range(a, b) for a, b in zip(firsts, firsts[1:])]
+        if plan.dtype != "fp32" and plan.flavour.name in FUSED_WRAPPED:
+            optimizer = _fused(reader, plan, states, steps, located.scalars, spans, moments)
+        else:
+            groups = optimizer_groups(
+                reader,
+                plan,
+                [list(span) for span in spans],
+                [_group_step(plan, [steps[i] for i in span]) for span in spans],
+            )
+            optimizer = ds_states.client_state_dict(
+                flavour=plan.flavour,
+                optim=[state.optim for state in states],
+                steps=steps,
+                scalars=located.scalars,
+                groups=groups,
+                moments=moments,
+            )
+            if plan.dtype != "fp32":
+                masters = [[states[i].fp32 for i in span] for span in spans]
+                scale, iteration = _static_scale(reader, plan), facts.info.global_steps
+                optimizer = ds_states.unfused_wrapper(optimizer, masters, cur_scale=scale, cur_iter=iteration)
         lp = torch_dtype(plan.dtype)
         weights = {name: module_weight(state, lp) for name, state in located.states.items()}
         save_rank_file(_model_file(reader, plan, weights, optimizer), tag_dir / model_file(0))
     logger.debug("wrote a checkpoint without ZeRO (%s) to %s", plan.dtype, tag_dir)
+
+
+def _fused(
+    reader: Reader,
+    plan: NativePlan,
+    states: list[PieceState],
+    steps: list[int],
+    scalars: list[dict[str, torch.Tensor]],
+    spans: list[range],
+    moments: bool,
+) -> dict[str, Any]:
+    """FP16_Optimizer's dict: per param group one flat fp32 master, its members' one after the other (no
+    padding), stepped as one tensor with one step and one set of scalars."""
+    facts = reader.facts
+    flat_steps = settle_steps([{steps[i] for i in span} for span in spans], "param group")
+    flat_scalars: list[dict[str, torch.Tensor]] = [{} for _ in spans]
+    flats: list[Pieces] = []
+    optim: list[dict[str, Pieces]] = []
+    for g, span in enumerate(spans):
+        offsets = list(accumulate((states[i].fp32.numel for i in span), initial=0))
+        size = offsets[-1]
+        flats.append(flat_pieces(size, [(o, states[i].fp32) for o, i in zip(offsets, span)]))
+        keys = facts.groups[g].state_keys if moments else ()
+        optim.append({k: flat_pieces(size, [(o, states[i].optim[k]) for o, i in zip(offsets, span)]) for k in keys})
+        for i in span:
+            if moments:
+                merge_scalars(plan.group_names[g][i - span.start], states[i], flat_scalars[g], "param group")
+    groups = optimizer_groups(reader, plan, [[g] for g in range(len(spans))], flat_steps)
+    inner = ds_states.client_state_dict(
+        flavour=plan.flavour, optim=optim, steps=flat_steps, scalars=flat_scalars, groups=groups, moments=moments
+    )
+    clip = ds_states.clip_grad(reader.extras(), facts.info.ds_config, facts.info.ds_version)
+    return ds_states.fused_wrapper(inner, flats, clip_grad=clip)
 
 
 def _group_step(plan: NativePlan, steps: list[int]) -> int:
