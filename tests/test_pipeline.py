@@ -27,7 +27,15 @@ import ucp
 from tests.support.digest import tree
 from tests.support.ds_convert import assert_trained_params_match, ds_to_universal
 from tests.support.files import resave
-from tests.support.pipeline_runs import BuiltPipe, build_pipe, merged_record, run_pipe, run_through, universal_of
+from tests.support.pipeline_runs import (
+    BuiltPipe,
+    assert_reader_matches_stages,
+    build_pipe,
+    merged_record,
+    run_pipe,
+    run_through,
+    universal_of,
+)
 from ucp.cli import main as cli
 from ucp.errors import ConfigError, InputError
 from ucp.harness import LoadSpec
@@ -56,35 +64,6 @@ def test_stages_hold_the_tied_embedding_and_their_own_layers(pipe):
     assert TIED in stage0["params"] and TIED in stage1["params"]
     assert not (set(stage0["params"]) & set(stage1["params"])) - {TIED}
     assert stage0["losses"] == stage1["losses"]  # every stage reports the pipeline's loss
-
-
-def assert_reader_matches_stages(reader, pipe: BuiltPipe) -> None:
-    """Every parameter, state tensor, step and buffer the reader gives is what the stages' engines held."""
-    expected = merged_record(pipe.records)
-    assert expected["steps"] == {float(pipe.spec.steps)}
-    assert sorted(expected["state"]) == ["exp_avg", "exp_avg_sq"]
-    facts = reader.facts
-    names = [p.name for p in facts.params]
-    assert len(names) == len(set(names)), "a tied module is kept once"
-    assert {p.name for p in facts.params if not p.frozen} == set(expected["params"])
-    assert sorted(p.name for p in facts.params if p.frozen) == sorted(expected["frozen"])
-    assert facts.step == pipe.spec.steps and facts.info.dp_world_size == pipe.spec.dp
-    assert facts.info.dtype == pipe.spec.dtype
-    for meta in facts.params:
-        state = reader.read(meta.name)
-        if meta.frozen:
-            assert torch.equal(state.fp32, expected["module"][meta.name].float()), meta.name
-            continue
-        assert torch.equal(state.fp32, expected["params"][meta.name]), meta.name
-        assert list(state.optim) == ["exp_avg", "exp_avg_sq"], meta.name
-        for key, value in state.optim.items():
-            assert torch.equal(value, expected["state"][key][meta.name].float()), (meta.name, key)
-        assert state.step == pipe.spec.steps, meta.name
-    buffers = reader.buffers()
-    assert set(buffers) == set(expected["buffers"]) == {"1.calls"}
-    assert all(torch.equal(v, expected["buffers"][k]) for k, v in buffers.items())
-    lives = pipe.records[0]["group_hparams"]
-    assert [(g.hyper.lr, g.hyper.weight_decay) for g in facts.groups] == [(g["lr"], g["weight_decay"]) for g in lives]
 
 
 def test_to_universal_is_bit_exact_against_every_stages_live_engine(pipe, universal):

@@ -13,6 +13,7 @@ from ucp.harness.pipeline import PipeSpec, run_pipeline
 
 __all__ = [
     "BuiltPipe",
+    "assert_reader_matches_stages",
     "build_pipe",
     "merged_record",
     "tp_merged",
@@ -145,3 +146,32 @@ def tp_merged(stage: list[dict[str, Any]]) -> dict[str, Any]:
         assert rec["losses"] == first["losses"] and rec["state_steps"] == first["state_steps"]
         assert all(torch.equal(v, first["buffers"][k]) for k, v in rec["buffers"].items())
     return out
+
+
+def assert_reader_matches_stages(reader, pipe: BuiltPipe) -> None:
+    """Every parameter, state tensor, step and buffer the reader gives is what the stages' engines held."""
+    expected = merged_record(pipe.records)
+    assert expected["steps"] == {float(pipe.spec.steps)}
+    assert sorted(expected["state"]) == ["exp_avg", "exp_avg_sq"]
+    facts = reader.facts
+    names = [p.name for p in facts.params]
+    assert len(names) == len(set(names)), "a tied module is kept once"
+    assert {p.name for p in facts.params if not p.frozen} == set(expected["params"])
+    assert sorted(p.name for p in facts.params if p.frozen) == sorted(expected["frozen"])
+    assert facts.step == pipe.spec.steps and facts.info.dp_world_size == pipe.spec.dp
+    assert facts.info.dtype == pipe.spec.dtype
+    for meta in facts.params:
+        state = reader.read(meta.name)
+        if meta.frozen:
+            assert torch.equal(state.fp32, expected["module"][meta.name].float()), meta.name
+            continue
+        assert torch.equal(state.fp32, expected["params"][meta.name]), meta.name
+        assert list(state.optim) == ["exp_avg", "exp_avg_sq"], meta.name
+        for key, value in state.optim.items():
+            assert torch.equal(value, expected["state"][key][meta.name].float()), (meta.name, key)
+        assert state.step == pipe.spec.steps, meta.name
+    buffers = reader.buffers()
+    assert set(buffers) == set(expected["buffers"]) == {"1.calls"}
+    assert all(torch.equal(v, expected["buffers"][k]) for k, v in buffers.items())
+    lives = pipe.records[0]["group_hparams"]
+    assert [(g.hyper.lr, g.hyper.weight_decay) for g in facts.groups] == [(g["lr"], g["weight_decay"]) for g in lives]

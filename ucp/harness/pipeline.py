@@ -56,6 +56,9 @@ class PipeSpec(JsonSpec):
     steps: int = 3
     first_step: int = 0
     plain: bool = False  # the same layers as an ordinary module (PP must be 1): a non-pipeline engine
+    #: the first tied embedding is a plain module (no forward_fn, as Megatron-DeepSpeed's EmbeddingPipe), so it
+    #: gets a layer file; by default both uses are forward_fn partials, whose weights only the optimizer holds
+    embed_module: bool = False
     load: LoadSpec | None = None
     save_dir: str | None = None
     save_tag: str | None = None
@@ -163,15 +166,16 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def layer_specs(spec: ModelSpec, tp: TpGroup | None = None) -> list:
-    """embed (tied) | blocks | norm | head (tied to embed): ``layers + 3`` layers."""
+def layer_specs(spec: ModelSpec, tp: TpGroup | None = None, embed_module: bool = False) -> list:
+    """embed (tied) | blocks | norm | head (tied to embed): ``layers + 3`` layers; ``embed_module``: the embed
+    runs as the module itself (its own forward, the same computation) rather than through a forward_fn."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     blocks = [
         LayerSpec(PipeBlock, spec.hidden, spec.ffn, extras=(i == 0 and spec.frozen), tp=tp) for i in range(spec.layers)
     ]
     return [
-        TiedLayerSpec(TIED_KEY, nn.Embedding, spec.vocab, spec.hidden, forward_fn=_embed),
+        TiedLayerSpec(TIED_KEY, nn.Embedding, spec.vocab, spec.hidden, forward_fn=None if embed_module else _embed),
         *blocks,
         LayerSpec(nn.LayerNorm, spec.hidden),
         TiedLayerSpec(TIED_KEY, nn.Embedding, spec.vocab, spec.hidden, forward_fn=_head),
@@ -232,7 +236,7 @@ def _pipe_module(spec: PipeSpec):
     # without TP, DeepSpeed's default topology: no model axis, so no "-model_00" in the layer files' names
     topology = PipeModelDataParallelTopology(num_pp=spec.pp, num_mp=spec.tp, num_dp=spec.dp) if spec.tp > 1 else None
     module = PipelineModule(
-        layers=layer_specs(spec.model, tp),
+        layers=layer_specs(spec.model, tp, spec.embed_module),
         num_stages=None if topology else spec.pp,
         topology=topology,
         loss_fn=_loss,
@@ -278,7 +282,9 @@ def _record(engine, spec: PipeSpec, losses: list[float], stage: int, dp_rank: in
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     _relink_optimizer_state(engine.optimizer)  # DeepSpeed 0.19.8 links group 1 too early
-    base = engine.optimizer.optimizer
+    # ZeRO-1 and bf16 (BF16_Optimizer) wrap the client optimizer; fp32 without ZeRO steps it over the parameters
+    wrapped = hasattr(engine.optimizer, "optimizer")
+    base = engine.optimizer.optimizer if wrapped else engine.optimizer
     keys = _state_keys(base)
     out: dict = {"losses": losses, "params": {}, "state": {k: {} for k in keys}, "module": {}, "frozen": []}
     module = engine.module
@@ -287,16 +293,16 @@ def _record(engine, spec: PipeSpec, losses: list[float], stage: int, dp_rank: in
         if not param.requires_grad:
             out["frozen"].append(name)
             continue
-        out["params"][name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+        fp32 = safe_get_full_fp32_param(param) if wrapped else param
+        out["params"][name] = fp32.detach().float().cpu().clone()
         for key in keys:
-            value = safe_get_full_optimizer_state(param, key)
+            value = safe_get_full_optimizer_state(param, key) if wrapped else base.state.get(param, {}).get(key)
             out["state"][key][name] = None if value is None else value.detach().cpu().clone()
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in module.named_buffers()}
     out["parts"] = [int(x) for x in getattr(module, "parts", [])]  # the stage partition PipelineModule made
     out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
-    out["group_params"] = [
-        [engine.param_names[p] for p in group] for group in getattr(engine.optimizer, "bit16_groups", [])
-    ]
+    groups = getattr(engine.optimizer, "bit16_groups", None) if wrapped else [g["params"] for g in base.param_groups]
+    out["group_params"] = [[engine.param_names[p] for p in group] for group in groups or []]
     out["state_steps"] = [
         float(s["step"]) if torch.is_tensor(s.get("step")) else s.get("step") for s in base.state.values()
     ]

@@ -28,6 +28,7 @@ import torch
 from ucp.deepspeed.fields import build_facts, need_mapping, need_tensor
 from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.model_states import module_buffers, zero12_frozen_values
+from ucp.deepspeed.optim_states import optimizer_block
 from ucp.deepspeed.pipeline import TIED_PREFIX, layer_prefix, pipeline_degrees
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
@@ -102,8 +103,14 @@ class PipelineSource(Reader):
 
         def rank(mp_rank: int) -> Reader:
             # the stage's model-states file says module=None; an empty module leaves frozen weights and
-            # buffers to the layer files, read below
-            return Zero12Source(self.files, optimizer=optimizer, mp_rank=mp_rank, module={})
+            # buffers to the layer files, read below (and, for a bf16 save without ZeRO, the shapes)
+            return Zero12Source(
+                self.files,
+                optimizer=optimizer,
+                mp_rank=mp_rank,
+                module={},
+                shapes_of=lambda names: self._layer_shapes(mp_rank % self.tp, set(names) | self._mapped_names()),
+            )
 
         if self.tp == 1:
             return rank(stage)
@@ -211,6 +218,34 @@ class PipelineSource(Reader):
             step = max((s for s in steps if s is not None), default=None)
             groups.append(replace(head, params=names, step=step, state_keys=keys.pop() if keys else ()))
         return groups, params, warnings
+
+    def _mapped_names(self) -> set[str]:
+        """Every parameter name the optim files of all stages map (``param_slice_mappings``): a layer file's
+        names are told apart by them (a stage's own names alone would take another stage's LayerNorm
+        ``weight`` for the tied embedding's)."""
+        if not hasattr(self, "_mapped"):
+            self._mapped: set[str] = set()
+            for paths in self.files.optim:
+                for path in paths:
+                    with TorchFile(path) as tf:
+                        for mapping in optimizer_block(tf).get("param_slice_mappings") or []:
+                            self._mapped.update(str(n) for n in need_mapping(mapping, f"{path.name}: a slice mapping"))
+        return self._mapped
+
+    def _layer_shapes(self, tp_rank: int, known: set[str]) -> dict[str, tuple[int, ...]]:
+        """Every layer tensor's shape in TP rank ``tp_rank``'s layer files, under the PipelineModule's names
+        (``known``: the names the optim files give): what a bf16 save without ZeRO (BF16_Optimizer, no
+        ``param_shapes``) says of its parameters' shapes nowhere else."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for layer, rank, path in self.files.layers:
+            if rank not in (None, tp_rank):
+                continue
+            with TorchFile(path) as tf:
+                obj = need_mapping(tf.obj, path.name)
+                prefix = layer_prefix(layer, map(str, obj), known)
+                for key, value in obj.items():
+                    shapes[prefix + str(key)] = tuple(need_tensor(value, f"{path.name}: {key}", floating=False).shape)
+        return shapes
 
     def _layer_module(self, known: set[str], buffers: set[str]) -> dict[str, torch.Tensor]:
         """Every layer file's tensors under the PipelineModule's names. A tied module written by several

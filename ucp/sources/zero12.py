@@ -12,7 +12,8 @@ order (``param_shapes``) and holds the low-precision module, frozen parameters i
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,6 +84,7 @@ class Zero12Source(Reader):
         groups: Collection[int] | None = None,
         rename: Mapping[str, str] | None = None,
         head: Mapping[str, Any] | None = None,
+        shapes_of: Callable[[Collection[str]], Mapping[str, tuple[int, ...]]] | None = None,
     ) -> None:
         self.files = files
         self.mp_rank = mp_rank
@@ -95,6 +97,9 @@ class Zero12Source(Reader):
         # global names (``rename``: param_shapes name -> name read)
         self._only = None if groups is None else frozenset(groups)
         self._rename = dict(rename or {})
+        # a stage-0 BF16_Optimizer save (a bf16 pipeline's) writes no param_shapes: the ranks' param_slice_mappings
+        # name the members in flat order, and ``shapes_of(names)`` gives their shapes (a pipeline's layer files)
+        self._shapes_of = shapes_of
         self._optim: list[TorchFile] = []
         self._model: TorchFile | None = None
 
@@ -157,6 +162,35 @@ class Zero12Source(Reader):
             )
         self._stage0 = stage == 0
         return 1, kind
+
+    def _mapped_shapes(
+        self, blocks: list[Mapping[str, Any]], shapes_of: Callable[[Collection[str]], Mapping[str, tuple[int, ...]]]
+    ) -> list[OrderedDict[str, torch.Size]]:
+        """param_shapes rebuilt: each group's members in flat order (rank by rank, by slice start, as the ranks'
+        ``param_slice_mappings`` place them; checked against the layout later) and their shapes from ``shapes_of``."""
+        placed: list[dict[str, tuple[int, int]]] = []
+        for rank, (tf, block) in enumerate(zip(self._optim, blocks)):
+            mappings = block.get("param_slice_mappings")
+            if mappings is None:
+                raise InputError(
+                    f"{tf.path.name}: neither it nor {self._model_name()} names the parameters (no param_slice_mappings, "
+                    "no param_shapes): not converted"
+                )
+            for g, mapping in enumerate(need_list(mappings, f"{tf.path.name}: param_slice_mappings")):
+                placed += [{} for _ in range(g + 1 - len(placed))]
+                for pname, address in need_mapping(mapping, f"{tf.path.name}: param_slice_mappings[{g}]").items():
+                    start = as_int(getattr(address, "start", None), f"{tf.path.name}: slice start of {pname!r}")
+                    placed[g].setdefault(str(pname), (rank, start))
+        order = [sorted(group, key=group.__getitem__) for group in placed]
+        shapes = shapes_of([n for names in order for n in names])
+        for names in order:
+            for pname in names:
+                if pname not in shapes:
+                    raise InputError(
+                        f"{self._model_name()}: a stage-0 BF16_Optimizer save records no param_shapes, and no layer file "
+                        f"holds {pname!r} (a TiedLayerSpec given a forward_fn gets none): its shape is unknown; not converted"
+                    )
+        return [OrderedDict((n, torch.Size(shapes[n])) for n in names) for names in order]
 
     def _reads(self, group: int) -> bool:
         return self._only is None or group in self._only
@@ -330,6 +364,12 @@ class Zero12Source(Reader):
     def _facts(self, optimizer: str | None) -> Facts:
         dp = len(self._optim)
         blocks = [optimizer_block(tf) for tf in self._optim]
+        if (
+            self._shapes_of is not None
+            and isinstance(self._head(), Mapping)
+            and self._head().get("param_shapes") is None
+        ):
+            self._fields["param_shapes"] = self._mapped_shapes(blocks, self._shapes_of)
         head = self._check_model()
         stage, self._kind = self._stage(blocks, head)
         self._check_rank_count(blocks, head)

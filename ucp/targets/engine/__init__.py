@@ -53,7 +53,8 @@ def restore(
         # this rank's pipeline stage (a PipelineEngine), then its shards under tensor parallelism
         reader = live_tp_view(engine, live_stage_view(engine, source, strict=strict))
         stage = int(engine.zero_optimization_stage())
-        if stage == 0:
+        # a bf16 PipelineEngine without ZeRO runs BF16_Optimizer, partitioned like ZeRO-1: restored as ZeRO-1
+        if stage == 0 and not hasattr(engine.optimizer, "bf16_groups"):
             restore_zero0(
                 engine,
                 reader,
