@@ -4,8 +4,8 @@ writes and loads.
 A stage-0 source written back at stage 0 gives DeepSpeed's own file, tensor for tensor, and resumes bit-identically
 to DeepSpeed's native resume. ZeRO sources written at stage 0 and another DP size load into a stage-0 engine holding
 the source engine's state bit for bit, and train within 1e-5 of DeepSpeed's native ZeRO resume (fp32: the engines
-agree within 1.2e-7 from one state, measured). What is not written yet (fp16, TP, the fused FP16_Optimizer,
-pipeline and expert targets) is refused in one line before anything is written.
+agree within 1.2e-7 from one state, measured); the fused FP16_Optimizer's flat groups too. What is not written yet
+(fp16, pipeline and expert targets) is refused in one line before anything is written. TP: tests/test_zero0_tp.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ import pytest
 import torch
 
 import ucp
-from tests.support.checks import assert_every_state_equals_record, assert_same_training, assert_state_equals_record
+from tests.support.checks import (
+    assert_every_state_equals_record,
+    assert_same_training,
+    assert_same_tree,
+    assert_state_equals_record,
+)
 from tests.support.fixtures import Built, build, resume
 from ucp.cli import main as cli
 from ucp.errors import ConfigError
@@ -37,22 +42,6 @@ def _stage0_run(dtype: str, optimizer: str = "torch-adamw") -> Built:
 def _model_states(root: Path) -> dict[str, Any]:
     tag = (root / "latest").read_text().strip()
     return load(root / tag / MODEL_FILE)
-
-
-def _assert_same_tree(ours: Any, theirs: Any, where: str = "") -> None:
-    """Two object trees equal: tensors bit for bit (dtype and shape too), everything else by value."""
-    if torch.is_tensor(theirs):
-        assert torch.is_tensor(ours) and ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
-    elif isinstance(theirs, dict):
-        assert list(ours) == list(theirs) if where.endswith("state") else set(ours) == set(theirs), where
-        for key in theirs:
-            _assert_same_tree(ours[key], theirs[key], f"{where}.{key}")
-    elif isinstance(theirs, (list, tuple)):
-        assert len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            _assert_same_tree(a, b, f"{where}[{i}]")
-    else:
-        assert ours == theirs, where
 
 
 @pytest.mark.parametrize(
@@ -75,7 +64,7 @@ def test_stage0_source_written_at_stage0_is_deepspeeds_own_file_and_resumes_bit_
             group["step"] = built.spec.steps + 1
     assert set(ours) == set(theirs)
     for key in theirs:
-        _assert_same_tree(ours[key], theirs[key], key)
+        assert_same_tree(ours[key], theirs[key], key)
     native = resume(built, LoadSpec(str(built.path)), name="native", work=tmp_path)
     again = resume(built, LoadSpec(str(tmp_path / "n")), name="ucp", work=tmp_path)
     assert_same_training(native, again)
@@ -185,7 +174,6 @@ def test_bf16_fused_and_unfused_stage0_files_of_one_state_train_alike(source, un
     "args, message",
     [
         (["--dtype", "fp16"], "fp16 without ZeRO"),
-        (["--tp", "2"], "--tp > 1 at --stage 0"),
     ],
 )
 def test_what_stage0_does_not_write_yet_is_refused_in_one_line_before_writing(

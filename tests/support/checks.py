@@ -149,3 +149,20 @@ def assert_state_equals_record(after, record, *, steps, buffers=True):
     ]
     if buffers:
         assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())
+
+
+def assert_same_tree(ours: Any, theirs: Any, where: str = "") -> None:
+    """Two object trees (a checkpoint file's) equal: tensors bit for bit with their dtype and shape, dict keys
+    as sets (a torch optimizer's ``state``: in order too), everything else by value."""
+    if torch.is_tensor(theirs):
+        assert torch.is_tensor(ours) and ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert list(ours) == list(theirs) if where.endswith("state") else set(ours) == set(theirs), where
+        for key in theirs:
+            assert_same_tree(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same_tree(a, b, f"{where}[{i}]")
+    else:
+        assert ours == theirs, where

@@ -78,7 +78,7 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
         "--tp",
         type=_positive,
         default=1,
-        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 1 or 2)",
+        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 0, 1 or 2)",
     )
     p.add_argument(
         "--pp",

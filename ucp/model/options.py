@@ -66,10 +66,8 @@ class RestoreOptions:
             out.append(f"--tp must be a positive integer, got {self.tp!r}")
         elif self.tp > 1 and self.stage == 3:
             out.append(
-                "--tp > 1 needs --stage 1 or 2: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages 0-2"
+                "--tp > 1 needs --stage 0, 1 or 2: DeepSpeed's tensor parallelism (AutoTP) trains with ZeRO stages 0-2"
             )
-        elif self.tp > 1 and self.stage == 0:
-            out.append("--tp > 1 at --stage 0 is not written yet: use --stage 1 or 2")
         if self.stage not in STAGES:
             out.append(f"--stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.dtype is not None and self.dtype not in DTYPES:

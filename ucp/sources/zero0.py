@@ -62,20 +62,28 @@ class Zero0Source(Reader):
     Call order: construct (reads the one model-states file's object tree, places every optimizer index
     on a parameter name and checks the state; tensors stay on the mmap), then ``read`` per parameter from
     any thread, ``buffers``/``extras``, ``close``. ``frozen`` names parameters that are not trained, for a
-    checkpoint where the optimizer's shapes alone cannot tell them from trained ones.
+    checkpoint where the optimizer's shapes alone cannot tell them from trained ones. ``mp_rank``: the
+    tensor-parallel rank whose file is read (its shards; ``open_reader`` merges the ranks).
     """
 
-    def __init__(self, files: CheckpointFiles, *, optimizer: str | None = None, frozen: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        *,
+        optimizer: str | None = None,
+        frozen: Collection[str] = (),
+        mp_rank: int | None = None,
+    ) -> None:
         self.files = files
         self._model: TorchFile | None = None
 
         def build() -> Facts:
-            if files.mp > 1:
+            if mp_rank is None and files.mp > 1:
                 raise InputError(
-                    f"{files.tag_dir} holds {files.mp} mp_rank_XX_model_states.pt files without ZeRO: "
-                    "tensor-parallel stage-0 checkpoints are not supported yet"
+                    f"{files.tag_dir} holds {files.mp} mp_rank_XX_model_states.pt files without ZeRO: read each "
+                    "tensor-parallel rank on its own (mp_rank=) and merge them (open_reader does)"
                 )
-            self._model = TorchFile(files.model[0][0])
+            self._model = TorchFile(files.model[mp_rank or 0][0])
             return self._facts(optimizer, frozen)
 
         self.facts = build_facts(

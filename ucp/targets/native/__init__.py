@@ -65,16 +65,14 @@ def write_files(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
     if plan.stage == 3:
         write_zero3(reader, plan, tag_dir, workers, share)
         return
-    if plan.stage == 0:
-        write_zero0(reader, plan, tag_dir, workers, share)
-        return
+    write = write_zero0 if plan.stage == 0 else write_zero12
     for mp_rank in range(plan.tp):
         view = (  # at TP=1 the reader itself, so that it streams
             reader
             if plan.tp == 1
             else TpShardReader(reader, rank_layouts(reader, plan.tp, mp_rank), tp=plan.tp, rank=mp_rank)
         )
-        write_zero12(view, replace(plan, mp_rank=mp_rank), tag_dir, workers, share)
+        write(view, replace(plan, mp_rank=mp_rank), tag_dir, workers, share)
 
 
 def write_native(

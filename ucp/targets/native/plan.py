@@ -137,8 +137,8 @@ def plan_native(
     if options.stage == 0:
         _check_zero0(plan, sets)
         plan.notes.append(
-            "without ZeRO every rank loads the one mp_rank_00_model_states.pt: the checkpoint serves any DP size, and "
-            "the new run's optimizer must hold the trained parameters in the source's group order"
+            "without ZeRO every rank loads its TP rank's one mp_rank_XX_model_states.pt: the checkpoint serves any DP "
+            "size, and the new run's optimizer must hold the trained parameters in the source's group order"
         )
     plan.zero12_sets = dict(sets or {})
     if options.stage == 3:

@@ -2,7 +2,7 @@
 
 Call order: ``ucp.targets.native.write_plan`` calls :func:`write_zero0` for stage 0 inside its staged
 output folder. Without ZeRO every rank holds the whole model and optimizer, so one file,
-``mp_rank_00_model_states.pt``, serves any DP size: the module in the run's dtype (frozen weights,
+``mp_rank_00_model_states.pt`` (one per TP rank), serves any DP size: the module in the run's dtype (frozen weights,
 tied aliases and buffers too) and ``optimizer``, what the new engine's optimizer loads. In fp32 that is
 the client torch optimizer's own ``state_dict()``: state by parameter index, param groups in the
 source's order with their members in its order (which is how DeepSpeed's loader and torch's match
@@ -12,7 +12,8 @@ FP16_Optimizer steps one flat fp32 master per group (members one after the other
 state is written flat too. Tensors are the reader's spans, copied straight into the file (a reader that
 does not stream is read once, parameter by parameter).
 
-Not written: fp16 (the wrappers' dynamic loss scale) and tensor parallelism.
+At TP > 1 every TP rank has its own such file (``mp_rank_MM_model_states.pt``) of its shards, with the
+``universal_checkpoint_info`` describing them. Not written: fp16 (the wrappers' dynamic loss scale).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ WRITTEN_DTYPES = ("fp32", "bf16")
 
 
 def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
-    """Write the one model-states file of a stage-0 checkpoint into ``tag_dir`` (under a ``share``: unit 0)."""
-    if plan.dtype not in WRITTEN_DTYPES or plan.tp != 1:
-        raise ValueError(f"plan_native refuses a stage-0 plan in {plan.dtype} at TP={plan.tp}")
-    if not share.mine(0):
+    """Write TP rank ``plan.mp_rank``'s one model-states file of a stage-0 checkpoint into ``tag_dir`` (``reader``:
+    that rank's view of the shards at TP > 1; under a ``share``, unit ``mp_rank``)."""
+    if plan.dtype not in WRITTEN_DTYPES:
+        raise ValueError(f"plan_native refuses a stage-0 plan in {plan.dtype}")
+    if not share.mine(plan.mp_rank):
         return
     facts = reader.facts
     moments = not plan.reset_moments
@@ -91,7 +93,7 @@ def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
                 optimizer = ds_states.unfused_wrapper(optimizer, masters, cur_scale=scale, cur_iter=iteration)
         lp = torch_dtype(plan.dtype)
         weights = {name: module_weight(state, lp) for name, state in located.states.items()}
-        save_rank_file(_model_file(reader, plan, weights, optimizer), tag_dir / model_file(0))
+        save_rank_file(_model_file(reader, plan, weights, optimizer), tag_dir / model_file(plan.mp_rank))
     logger.debug("wrote a checkpoint without ZeRO (%s) to %s", plan.dtype, tag_dir)
 
 
