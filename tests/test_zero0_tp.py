@@ -22,6 +22,7 @@ from tests.support.tp_records import assert_training_close, expected_full, full_
 from ucp.harness import LoadSpec
 from ucp.io.torchfile import load
 from ucp.sources import open_reader
+from ucp.universal.writer import write_universal
 
 #: replicated under TP, the frozen projection's bias [10] is shaped like the trained LayerNorm vectors
 FROZEN = ["proj.weight", "proj.bias"]
@@ -87,6 +88,19 @@ def test_zero2_tp_source_written_without_zero_trains_like_its_native_resume(sour
     assert_training_close(native, ours, atol=1e-5)
 
 
-def _resumed(built: Built, path: Path, work: Path, name: str, **overrides: Any) -> Path:
-    resume(built, LoadSpec(str(path)), name=name, work=work, **overrides)
+def _resumed(built: Built, path: Path, work: Path, name: str, load_kind: str = "native", **overrides: Any) -> Path:
+    resume(built, LoadSpec(str(path), kind=load_kind), name=name, work=work, **overrides)
     return work / f"{name}.pt"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_live_restore_into_a_tp_stage0_engine_is_bit_identical_to_native_resume(dtype, tmp_path):
+    built = _run(dtype)
+    with open_reader(built.path, frozen=FROZEN) as reader:
+        write_universal(reader, tmp_path / "u")
+    native = records(_resumed(built, built.path, tmp_path, "native"), 2)
+    live = records(_resumed(built, tmp_path / "u", tmp_path, "live", load_kind="ucp"), 2)
+    for ref, got in zip(native, live):
+        assert ref["losses"] == got["losses"]
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(v, got[key][n]) for n, v in ref[key].items()), key
