@@ -441,3 +441,18 @@ def test_deepspeeds_ds_to_universal_keeps_each_fused_tensor_whole_with_the_same_
                 states = [ours.read(expert_name(prefix, "w2", e)) for e in range(4)]
                 stacked = torch.stack([s.fp32 if key == "fp32" else s.optim[key] for s in states])
                 assert theirs.shape == (4, 16, 23) and torch.equal(theirs, stacked), (prefix, key)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_bf16_run_reads_bit_exact_and_resumes_at_the_same_sizes_bit_identically(stage, tmp_path):
+    """bf16 AutoEP (ZeRO-1: BF16 masters in DeepSpeedZeroOptimizer; ZeRO-3): the ranks' fp32 masters and moments
+    read bit for bit, and written back at the source's sizes the run resumes as DeepSpeed's own resume does."""
+    run = build_autoep(world=2, ep=2, stage=stage, dtype="bf16")
+    with open_reader(run.path) as reader:
+        assert reader.facts.info.dtype == "bf16"
+        assert_reader_matches_ranks(reader, run)
+    ucp.to_universal(run.path, tmp_path / "u")
+    write_autoep(tmp_path / "u", tmp_path / "n", dp=2, ep=2, stage=stage)
+    native = run_autoep_from(run, name="native", work=tmp_path, load=LoadSpec(str(run.path)))
+    ours = run_autoep_from(run, name="ours", work=tmp_path, load=LoadSpec(str(tmp_path / "n")))
+    assert_resumed_alike(ours, native, atol=0.0)
