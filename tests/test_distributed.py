@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,7 +146,9 @@ def _same_files(a, b) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "verb, stage", [("restore", "3"), ("restore", "2"), ("reshard", None)], ids=["restore-z3", "restore-z2", "reshard"]
+    "verb, stage",
+    [("restore", "3"), ("restore", "2"), ("restore", "0"), ("reshard", None)],
+    ids=["restore-z3", "restore-z2", "restore-z0", "reshard"],
 )
 def test_two_nodes_of_two_write_the_same_native_checkpoint_as_one_process(
     z3_bf16_dp2, universals, tmp_path, verb, stage
@@ -164,16 +167,19 @@ def test_two_nodes_of_two_write_the_same_native_checkpoint_as_one_process(
 
 
 @pytest.mark.slow
-def test_a_damaged_source_file_fails_every_node_and_writes_nothing(universals, tmp_path):
-    """The source files are checked by the process whose share holds them; its failure stops them all."""
+@pytest.mark.parametrize("stage", ["3", "0"])
+def test_a_damaged_source_file_fails_every_node_and_writes_nothing(universals, tmp_path, stage):
+    """The source files are checked by the process whose share holds them; its failure stops them all (at stage 0
+    one process writes the one file, and the others still check their shares)."""
     import shutil
 
     from tests.test_restore_stream import _flip, _victim
 
     root = tmp_path / "u"
     shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
-    _flip(_victim(root), "tensor")
-    done = _two_nodes("restore", str(root), str(tmp_path / "out"), "--dp", "3")
+    # the largest file, checked by process 0 (which writes the one stage-0 file), and one process 3 checks
+    _flip(_victim(root), "tensor") if stage == "3" else _flip(_checked_by(root, process=3, world=4), "tensor")
+    done = _two_nodes("restore", str(root), str(tmp_path / "out"), "--dp", "3", "--stage", stage)
     assert all(d.returncode != 0 for d in done), [d.returncode for d in done]
     errors = "\n".join(d.stderr for d in done)
     lines = [line for line in errors.splitlines() if line.startswith("ucp: error: ")]
@@ -182,3 +188,14 @@ def test_a_damaged_source_file_fails_every_node_and_writes_nothing(universals, t
     frames = [line for line in errors.splitlines() if line.strip().startswith('File "')]
     assert not [f for f in frames if "/ucp/" in f], frames
     assert sorted(p.name for p in tmp_path.iterdir()) == ["u"], "no OUT and no staging folder"
+
+
+def _checked_by(root: Path, *, process: int, world: int) -> Path:
+    """The exp_avg.pt of a trained parameter whose source files process ``process`` of ``world`` checks."""
+    from ucp.sources import open_reader
+
+    with open_reader(root) as reader:
+        metas = reader.facts.params
+        name = next(metas[i].name for i in assign(metas, world)[process] if not metas[i].frozen)
+    entry = next(p for p in json.loads((root / "ucp.json").read_text())["params"] if p["name"] == name)
+    return root / "zero" / entry["folder"] / "exp_avg.pt"

@@ -48,8 +48,9 @@ def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
     that rank's view of the shards at TP > 1; under a ``share``, unit ``mp_rank``)."""
     if plan.dtype not in WRITTEN_DTYPES:
         raise ValueError(f"plan_native refuses a stage-0 plan in {plan.dtype}")
-    if not share.mine(plan.mp_rank):
-        return
+    mine = share.mine(plan.mp_rank)
+    if not mine and not reader.streams:
+        return  # a reader that does not stream checks what it reads; nothing is read here
     facts = reader.facts
     moments = not plan.reset_moments
     order = [name for names in plan.group_names for name in names]
@@ -66,6 +67,8 @@ def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
             step_of=lambda state: param_step(plan, state),
             unit="parameter",
         )
+        if not mine:
+            return  # the other processes write the file; this one checked its share of the source on the way
         states = [located.states[name] for name in order]
         steps = [next(iter(seen)) for seen in located.steps]
         firsts = list(accumulate((len(names) for names in plan.group_names), initial=0))
