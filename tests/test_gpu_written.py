@@ -48,7 +48,7 @@ RESUMABLE = [
 @pytest.mark.parametrize("built", WRITTEN)
 def test_a_gpu_written_checkpoint_reads_bit_exact_on_cpu(built, tmp_path):
     ucp.to_universal(built.path, tmp_path / "u")
-    assert_adam_universal_matches_record(tmp_path / "u", built.record)
+    assert_adam_universal_matches_record(tmp_path / "u", built.record, built_steps=1 if built.spec.stage == 0 else 0)
 
 
 @pytest.mark.slow

@@ -46,12 +46,13 @@ def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, step
         assert tuple(group.hyper.betas) == tuple(live["betas"]) and group.hyper.eps == live["eps"]
 
 
-def assert_adam_universal_matches_record(universal: Path, record: dict[str, Any]) -> None:
+def assert_adam_universal_matches_record(universal: Path, record: dict[str, Any], *, built_steps: int = 0) -> None:
     """An Adam run's universal directory holds what its live engine held: every trained parameter and both
-    moments bit for bit, the optimizer's step (the applied steps: an fp16 run's overflows count none) on
+    moments bit for bit, the optimizer's step (the applied steps: an fp16 run's overflows count none; plus
+    ``built_steps``, the steps its wrapper took when built: DeepSpeed's bf16/fp16 ones without ZeRO take one) on
     every parameter, and DeepSpeed's skipped-step counter."""
     counters = record["counters"]
-    applied = counters["global_steps"] - counters["skipped_steps"]
+    applied = counters["global_steps"] - counters["skipped_steps"] + built_steps
     with open_universal(universal) as reader:
         assert reader.facts.step == applied and reader.facts.info.skipped_steps == counters["skipped_steps"]
         for param, value in record["params"].items():
