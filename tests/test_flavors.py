@@ -13,6 +13,7 @@ import torch
 
 import ucp
 from tests.support.files import resave
+from ucp.errors import InputError
 from ucp.io.torchfile import load
 from ucp.model.detect import detect
 from ucp.sources import open_reader
@@ -86,6 +87,11 @@ def test_detection_tells_every_flavour_apart_on_a_real_state_dict(source):
     assert found.flavour.read_step(apex["param_groups"][0], apex["state"][0]) == 3
     assert detect({"state": {}, "param_groups": base["param_groups"]}).flavour is None
     assert detect(base, override="ds-cpu-adam").flavour.name == "ds-cpu-adam"
+    # a step that is no number (found by fuzzing a stage-0 file): read as "no step found" it was dropped silently
+    damaged = copy.deepcopy(fused)
+    damaged["state"][1]["step"] = None
+    with pytest.raises(InputError, match="step is None, not a number: the file is damaged"):
+        detect(damaged)
 
 
 def test_converting_an_apex_checkpoint_keeps_its_step_and_moments(source, tmp_path):

@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 
 from tests.support.checks import assert_reader_matches_record
 from tests.support.files import resave
-from tests.support.fixtures import Built
+from tests.support.fixtures import Built, build
 from ucp.errors import CorruptFileError, UcpError
 from ucp.io import standins, torchfile
 from ucp.ops.convert import to_universal
@@ -139,13 +139,18 @@ def _torch_globals(paths: list[Path]) -> list[Any]:
     return [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
 
 
-@pytest.fixture(scope="module", params=["z3-bf16-dp2-adamw", "z1-fp32-dp2-adamw"])
+#: besides conftest's SOURCES, a bf16 stage-0 save of DeepSpeed FusedAdam: its fused FP16_Optimizer's flat groups
+#: are cut per parameter by matching the module's weights, the stage-0 reader's most intricate path
+_STAGE0_FUSED = dict(dp=2, stage=0, dtype="bf16", optimizer="ds-fused-adam")
+
+
+@pytest.fixture(scope="module", params=["z3-bf16-dp2-adamw", "z1-fp32-dp2-adamw", "z0-bf16-dp2-fused"])
 def pristine(
     request: pytest.FixtureRequest, source: Callable[[str], Built], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
-    """One ZeRO-3 and one ZeRO-1 checkpoint (conftest SOURCES), read once per module, with their
-    conversion: the reference every fuzzed result is held to, itself equal to the live engine's record."""
-    built = source(request.param)
+    """A ZeRO-3, a ZeRO-1 and a stage-0 checkpoint, read once per module, with their conversion: the reference
+    every fuzzed result is held to, itself equal to the live engine's record."""
+    built = build(**_STAGE0_FUSED) if request.param == "z0-bf16-dp2-fused" else source(request.param)
     tag = built.tag_dir
     files = sorted(p.name for p in tag.iterdir() if p.suffix == ".pt")
     data = {name: (tag / name).read_bytes() for name in files}

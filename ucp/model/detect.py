@@ -79,6 +79,13 @@ def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any
     return None
 
 
+def _a_number(value: Any) -> bool:
+    """A step as optimizers keep it: an int, a float, or a one-element tensor."""
+    if torch.is_tensor(value):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def detect(
     optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, override: str | None = None
 ) -> Detection:
@@ -92,6 +99,9 @@ def detect(
     if override is not None:
         return Detection(get(override), cfg_adam_w, "given by the user")
     steps = [s.get("step") for s in states if isinstance(s, Mapping) and "step" in s]
+    odd = [s for s in steps if not _a_number(s)]
+    if odd:  # read as "no step found", the steps would be dropped: damage, said in one line
+        raise InputError(f"an optimizer state entry's step is {odd[0]!r:.40}, not a number: the file is damaged")
     group_keys = set().union(*(g.keys() for g in groups)) if groups else set()
     other = _detect_beyond_adam(group_keys, states, steps)
     if other is not None:

@@ -278,6 +278,12 @@ class Zero0Source(Reader):
                     raise InputError(f"{name}: {pname!r} is shaped {tuple(value.shape)}, its state {shape}")
                 entry = state.get(index, {})
                 step = flavour.read_step(groups_raw[g], entry) if flavour is not None else None
+                if step is None and self._keys[g] and flavour is not None and flavour.group_has_step(groups_raw[g]):
+                    where = "per parameter" if flavour.step_in_state else "in its param group"
+                    raise InputError(
+                        f"{name}: the optimizer state of {pname!r} holds {list(self._keys[g])} but no step, which "
+                        f"{flavour.name} keeps {where}: the file is damaged"
+                    )
                 seen.add(step)
                 self._steps[pname] = step
                 self._group[pname] = g
