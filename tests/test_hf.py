@@ -218,3 +218,24 @@ def test_migration_yaml_writes_the_same_whole_folder_as_restore(hf_source: dict[
             a, b = want.read(meta.name), got.read(meta.name)
             assert torch.equal(a.fp32, b.fp32) and a.optim.keys() == b.optim.keys(), meta.name
             assert all(torch.equal(a.optim[k], b.optim[k]) for k in a.optim), meta.name
+
+
+@pytest.mark.slow
+def test_a_trainer_run_without_zero_resumes_from_ucps_folder_at_3_processes(tmp_path: Path) -> None:
+    """Trainer with DeepSpeed at stage 0 (bf16: FP16_UnfusedOptimizer around Trainer's AdamW): ucp's folder for 3
+    processes loads the state DeepSpeed's own resume at 2 loads, bit for bit (one file serves every size; the
+    wrapper's build-time step makes every step one more), and trains within bf16 noise of it."""
+    saved = cached_run("trainer-z0-save", HfSpec(world=2, stage=0))
+    ckpt = saved.out / f"checkpoint-{SAVED_AT}"
+    native = cached_run("trainer-z0-native", HfSpec(world=2, stage=0, resume=str(ckpt)))
+    new = tmp_path / f"checkpoint-{SAVED_AT}"
+    result = write_hf(ckpt, new, dp=3)
+    assert result.plan.stage == 0 and (new / f"global_step{SAVED_AT}" / "mp_rank_00_model_states.pt").exists()
+    run = _resume({"stage": 0}, new, 3, tmp_path / "run")
+    loaded, ref = run.loaded(), native.loaded()
+    assert_state_equal(loaded["state"], ref["state"])
+    assert set(loaded["steps"]) == set(ref["steps"]) == {float(SAVED_AT + 1)}
+    final, ref_final = run.final(), native.final()
+    assert final["global_step"] == SAVED_AT + 3
+    for step in range(SAVED_AT + 1, SAVED_AT + 4):
+        assert abs(final["losses"][step] - ref_final["losses"][step]) <= LOSS_TOL, (step, final["losses"])

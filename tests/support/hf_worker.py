@@ -99,17 +99,21 @@ def _engine_state(engine: Any) -> dict[str, Any]:
     """fp32 master and Adam moments of every trained parameter, gathered (collective: every rank calls)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from ucp.harness.worker import _relink_optimizer_state
+    from ucp.harness.worker import _relink_optimizer_state, _stage0_state
 
     _relink_optimizer_state(engine.optimizer)  # DeepSpeed 0.19.8 ZeRO-1/2 links group 1's fragments too early
     state: dict[str, Any] = {}
     stepped = any(_optimizer_steps(engine))  # before the first step there are no moments (ZeRO-2 keeps step 0)
+    keys = ["exp_avg", "exp_avg_sq"] if stepped else []
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
             continue
-        entry = {"fp32": safe_get_full_fp32_param(param)}
-        for key in ("exp_avg", "exp_avg_sq") if stepped else ():
-            entry[key] = safe_get_full_optimizer_state(param, key)
+        if engine.zero_optimization_stage() == 0:  # no ZeRO: no fragment mapping to gather through
+            fp32, moments = _stage0_state(engine, param, keys)
+            entry = {"fp32": fp32, **moments}
+        else:
+            entry = {"fp32": safe_get_full_fp32_param(param)}
+            entry.update({key: safe_get_full_optimizer_state(param, key) for key in keys})
         state[name] = {k: v.detach().clone().cpu() if v is not None else None for k, v in entry.items()}
     return state
 
