@@ -56,6 +56,7 @@ def _native_options(args: argparse.Namespace, step: int | str, stage: int | None
 
 
 def _cmd_restore_hf(args: argparse.Namespace, step: int | str, tag: str) -> int:
+    from ucp.model.options import zero_label
     from ucp.sources import open_reader
     from ucp.targets.hf import write_hf
 
@@ -64,7 +65,7 @@ def _cmd_restore_hf(args: argparse.Namespace, step: int | str, tag: str) -> int:
         result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
     summary = (
         f"wrote {'a Trainer' if result.folder.kind == 'trainer' else 'an Accelerate'} folder for "
-        f"{result.world} process{'es' if result.world > 1 else ''} (ZeRO-{result.plan.stage}, tag "
+        f"{result.world} process{'es' if result.world > 1 else ''} ({zero_label(result.plan.stage)}, tag "
         f"{result.plan.tag}, {len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {args.out}"
     )
     return done(
@@ -152,6 +153,8 @@ def _expert_target(reader: Reader) -> _ExpertTarget:
 def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) -> int:
     """A legacy-MoE or AutoEP checkpoint for --dp ranks at --ep, which defaults to the source's expert-parallel
     size (the one DeepSpeed setting a run with experts cannot load its checkpoint without)."""
+    from ucp.model.options import zero_label
+
     target = _expert_target(reader)
     ep = args.ep if args.ep is not None else target.source_ep_size(reader)
     if args.ep is None and args.dp % ep:
@@ -160,7 +163,7 @@ def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) ->
     options = _native_options(args, step, _given(args.stage, reader.facts.info.zero_stage))
     plan = target.write(reader, args.out, ep=ep, **options)
     summary = (
-        f"wrote {target.kind} checkpoint for dp={plan.dp} at {target.size}={ep} (ZeRO-{plan.stage}, "
+        f"wrote {target.kind} checkpoint for dp={plan.dp} at {target.size}={ep} ({zero_label(plan.stage)}, "
         f"{plan.flavour.name}, {plan.dtype}) to {args.out}/{plan.tag}"
     )
     return done(
@@ -215,9 +218,11 @@ def _native_done(
     args: argparse.Namespace, plan: NativePlan, *, summary: str | None = None, format: str = "deepspeed", **more: Any
 ) -> int:
     """The result line and JSON of a native write (``summary`` and ``more`` fields for the pipeline layout)."""
+    from ucp.model.options import zero_label
+
     tp = f" tp={plan.tp}" if plan.tp > 1 else ""
     summary = summary or (
-        f"wrote a ZeRO-{plan.stage} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
+        f"wrote a {zero_label(plan.stage)} checkpoint for dp={plan.dp}{tp} ({plan.flavour.name}, {plan.dtype}) to "
         f"{args.out}/{plan.tag}"
     )
     return done(
@@ -237,6 +242,7 @@ def _native_done(
 
 def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
     """A native pipeline-parallel checkpoint: per-stage ZeRO-1 files and layer files for --pp x --tp x --dp."""
+    from ucp.model.options import zero_label
     from ucp.sources import open_reader
     from ucp.targets.pipeline import PipelineLayout, write_pipeline
 
@@ -260,7 +266,7 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
         # PipelineEngine runs ZeRO-0/1 only: stage 1 unless told
         plan = write_pipeline(reader, args.out, layout, **_native_options(args, step, _given(args.stage, 1)))
     summary = (
-        f"wrote a pipeline checkpoint for pp={layout.pp} x tp={plan.tp} x dp={plan.dp} (ZeRO-{plan.stage}, "
+        f"wrote a pipeline checkpoint for pp={layout.pp} x tp={plan.tp} x dp={plan.dp} ({zero_label(plan.stage)}, "
         f"{plan.flavour.name}, {plan.dtype}) to {args.out}/{plan.tag}"
     )
     return _native_done(

@@ -19,6 +19,7 @@ from ucp.migrate.schema import (
     TensorParallelConfig,
 )
 from ucp.model import flavours
+from ucp.model.options import zero_label
 from ucp.model.records import DTYPES, Facts, Reader
 from ucp.sources.hf import find_hf_folder
 from ucp.transforms import TransformedReader, TransformPlan, plan_transforms
@@ -341,7 +342,9 @@ def _step_conflicts(config: MigrationConfig, reader: Reader, tplan: TransformPla
             )
     issues = []
     keep = max((s for n, s in steps.items() if n not in tplan.restarted), default=0)
-    layout = f"dp={plan.dp}, sub_group_size={plan.sub_group_size}" if plan.layout is not None else f"ZeRO-{plan.stage}"
+    layout = (
+        f"dp={plan.dp}, sub_group_size={plan.sub_group_size}" if plan.layout is not None else zero_label(plan.stage)
+    )
     for index, names in sorted(by_step.items()):
         others = sorted(shared[index])
         more = f" and {len(others) - 4} more" if len(others) > 4 else ""
@@ -385,8 +388,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
     out = [head + (" (dry run: nothing is written)" if dry_run else "")]
     kind = {
         "universal": "universal directory",
-        "ds-universal": f"DeepSpeed ds_to_universal folder (from ZeRO-{info.zero_stage})",
-    }.get(info.format, f"DeepSpeed ZeRO-{info.zero_stage} checkpoint")
+        "ds-universal": f"DeepSpeed ds_to_universal folder (from {zero_label(info.zero_stage)})",
+    }.get(info.format, f"DeepSpeed {zero_label(info.zero_stage)} checkpoint")
     out.append(
         f"read       {config.source}: {kind}, tag {info.tag}, dp={info.dp_world_size}, {info.dtype}, "
         f"{source.flavour or 'unknown optimizer'}, optimizer step {source.step}"
@@ -429,7 +432,7 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
             kind = f"native pipeline ({pipeline.describe()})"
             tp = f" x pp={pipeline.pp}{tp}"
         out.append(
-            f"write      {config.target.output}: {kind} ZeRO-{native.stage} checkpoint for dp={native.dp}{tp}, "
+            f"write      {config.target.output}: {kind} {zero_label(native.stage)} checkpoint for dp={native.dp}{tp}, "
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"
         )
         out += [f"             note: {note}" for note in native.notes]

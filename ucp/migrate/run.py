@@ -12,6 +12,7 @@ from ucp.io.guard import OutputPolicy, check_output, universal_bytes, weight_byt
 from ucp.migrate.issues import Issue, KeyPath, MigrationConfigError
 from ucp.migrate.plan import MigrationPlan, plan_with
 from ucp.migrate.yaml_file import read_config
+from ucp.model.options import zero_label
 from ucp.model.records import Reader
 from ucp.transforms import TransformedReader
 
@@ -70,7 +71,7 @@ def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: 
         logger.warning("%s", note)
     kind = "Trainer" if result.folder.kind == "trainer" else "Accelerate"
     return (
-        f"wrote a {kind} folder for {result.world} process(es) (ZeRO-{result.plan.stage}, tag {result.plan.tag}, "
+        f"wrote a {kind} folder for {result.world} process(es) ({zero_label(result.plan.stage)}, tag {result.plan.tag}, "
         f"{len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {target.output}"
     )
 
@@ -85,7 +86,7 @@ def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool, wor
     layout = target.pipeline.layout(reader.facts)
     native = write_pipeline(reader, target.output, layout, target.options(), overwrite=overwrite, workers=workers)
     return (
-        f"wrote a pipeline checkpoint for pp={layout.pp} x dp={native.dp} (ZeRO-{native.stage}, "
+        f"wrote a pipeline checkpoint for pp={layout.pp} x dp={native.dp} ({zero_label(native.stage)}, "
         f"{native.flavour.name}, {native.dtype}) to {target.output}/{native.tag}"
     )
 
@@ -112,7 +113,7 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
         ) from None
     tp = f" tp={native.tp}" if native.tp > 1 else ""
     return (
-        f"wrote a native ZeRO-{native.stage} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
+        f"wrote a native {zero_label(native.stage)} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
         f"{native.dtype}) to {target.output}/{native.tag}"
     )
 

@@ -13,10 +13,16 @@ from ucp.errors import ConfigError
 from ucp.model.flavours import FLAVOURS
 from ucp.model.records import DTYPES
 
-__all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step", "options_with"]
+__all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step", "options_with", "zero_label"]
 
 #: ZeRO stages a restore can write (0: DeepSpeed without ZeRO, its default).
 STAGES = (0, 1, 2, 3)
+
+
+def zero_label(stage: int | None) -> str:
+    """How a result line names a DeepSpeed stage: ``ZeRO-2``, or ``stage 0 (no ZeRO)``."""
+    return "stage 0 (no ZeRO)" if stage == 0 else f"ZeRO-{stage}"
+
 
 #: ``keep`` each parameter's own step, ``reset`` to 0 (optimizer state dropped on request), or one step for all.
 StepPolicy = int | str

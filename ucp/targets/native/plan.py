@@ -136,9 +136,10 @@ def plan_native(
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
     if options.stage == 0:
         _check_zero0(plan, sets)
+        files = "the one mp_rank_00_model_states.pt" if options.tp == 1 else "its TP rank's mp_rank_XX_model_states.pt"
         plan.notes.append(
-            "without ZeRO every rank loads its TP rank's one mp_rank_XX_model_states.pt: the checkpoint serves any DP "
-            "size, and the new run's optimizer must hold the trained parameters in the source's group order"
+            f"without ZeRO every rank loads {files}: the checkpoint serves any DP size, and the new run's optimizer "
+            "must hold the trained parameters in the source's group order"
         )
     plan.zero12_sets = dict(sets or {})
     if options.stage == 3:
