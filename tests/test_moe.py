@@ -244,3 +244,15 @@ def test_cli_ep_on_a_dense_checkpoint_is_refused_in_one_line(tmp_path, capsys):
     dense = build_pipe(pp=2, dp=2, stage=1, dtype="fp32").path
     code, err = run_cli(capsys, "restore", str(dense), str(tmp_path / "x"), "--dp", "2", "--ep", "1")
     assert_one_line_error(code, err, "records no MoE layers")
+
+
+def test_a_moe_save_without_zero_is_refused_in_one_line_naming_what_it_is(tmp_path, capsys):
+    """DeepSpeed MoE at stage 0 saves each expert-parallel rank's optimizer state_dict in its own
+    expp_rank_*_optim_states.pt: not read yet, and said so (it was called 'not a ZeRO checkpoint')."""
+    run = build_moe(world=4, ep=2, stage=0)
+    assert sorted(p.name for p in run.path.glob("*/expp_rank_*")) == [
+        f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(2)
+    ]
+    code, err = run_cli(capsys, "to-universal", str(run.path), str(tmp_path / "u"))
+    assert_one_line_error(code, err, "mixture-of-experts save without ZeRO", "does not read it yet")
+    assert not (tmp_path / "u").exists()

@@ -100,3 +100,14 @@ def test_written_as_a_zero1_pipeline_it_resumes_close_to_the_uninterrupted_run(p
     write_pipeline(tmp_path / "u", tmp_path / "p", LAYOUT, dp=2, stage=1)
     ours = run_pipe(pipe, name="z1", work=tmp_path, load=LoadSpec(str(tmp_path / "p")), stage=1)
     _assert_trains_like(through, ours, pipe.spec.steps, 1e-2)
+
+
+def test_an_fp32_pipeline_save_without_zero_is_refused_in_one_line_naming_what_it_is(tmp_path, capsys):
+    """In fp32 each stage's optimizer state_dict sits in its model-states file and nothing names the layers a stage
+    holds: not read yet, and said so (it was called 'not a ZeRO checkpoint')."""
+    fp32 = build_pipe(pp=2, dp=2, stage=0, dtype="fp32")
+    assert not list(fp32.path.glob("*/*optim_states.pt"))
+    with pytest.raises(InputError, match="a pipeline save without ZeRO and without optim files.*not read it yet"):
+        open_reader(fp32.path)
+    assert cli(["to-universal", str(fp32.path), str(tmp_path / "u")]) != 0
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -68,6 +68,8 @@ def expert_file(layer: int, expert: int, mp_rank: int = 0) -> str:
 
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: a mixture-of-experts save without ZeRO: each expert-parallel rank's optimizer state_dict (0.19.8)
+_EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _PIPELINE_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
@@ -227,6 +229,17 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
             # stage 0: DeepSpeed 0.19.8 writes only mp_rank_XX_model_states.pt, optimizer state inside
             model_grid = _grid(model, "model", tag_dir)
             return CheckpointFiles(tag_dir, tag, False, False, tuple(() for _ in model_grid), model_grid, stage0=True)
+        if model and experts and any(_EXPERT_OPTIM.match(p.name) for p in tag_dir.iterdir()):
+            raise InputError(
+                f"{tag_dir} is a mixture-of-experts save without ZeRO (expp_rank_*_optim_states.pt, each expert-parallel "
+                "rank's optimizer state_dict): ucp does not read it yet; MoE saves at ZeRO-1/2 are read"
+            )
+        if model and layers and not z3_model:
+            raise InputError(
+                f"{tag_dir} is a pipeline save without ZeRO and without optim files (fp32: each stage's optimizer "
+                "state in its model-states file, nothing naming its layers): ucp does not read it yet; bf16 ones "
+                "(BF16_Optimizer) and ZeRO-1 pipelines are read"
+            )
         raise InputError(
             f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or saved without optimizer state)"
         )

@@ -21,7 +21,7 @@ from ucp.harness.expert_runs import base_config, drive, record_tail, run_expert_
 from ucp.harness.launch import end_rank
 from ucp.harness.model import build_param_groups
 from ucp.harness.spec import JsonSpec, LoadSpec, ModelSpec
-from ucp.harness.worker import _relink_optimizer_state, lr_decay
+from ucp.harness.worker import _relink_optimizer_state, _stage0_state, lr_decay
 
 __all__ = ["MoeSpec", "MoeLM", "run_moe", "global_name", "MODULE"]
 
@@ -124,21 +124,25 @@ def _record(engine, spec: MoeSpec, losses: list[float], ep_rank: int) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     _relink_optimizer_state(engine.optimizer)  # DeepSpeed 0.19.8 links groups >= 1 too early
-    base = engine.optimizer.optimizer
+    zero = spec.stage > 0
+    base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     keys = sorted({k for s in base.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() == 1})
     local = engine.module.moe.num_local_experts
     out: dict = {"losses": losses, "params": {}, "state": {k: {} for k in keys}, "module": {}, "ep_rank": ep_rank}
     for name, param in engine.module.named_parameters():
         name = global_name(name, ep_rank, local)
         out["module"][name] = param.detach().cpu().clone()
-        out["params"][name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
-        for key in keys:
-            value = safe_get_full_optimizer_state(param, key)
+        if zero:
+            fp32 = safe_get_full_fp32_param(param)
+            states = {key: safe_get_full_optimizer_state(param, key) for key in keys}
+        else:  # no ZeRO: no fragment mapping to gather through
+            fp32, states = _stage0_state(engine, param, keys)
+        out["params"][name] = fp32.detach().float().cpu().clone()
+        for key, value in states.items():
             out["state"][key][name] = None if value is None else value.detach().cpu().clone()
     out.update(record_tail(engine, base))
-    out["group_params"] = [
-        [global_name(engine.param_names[p], ep_rank, local) for p in group] for group in engine.optimizer.bit16_groups
-    ]
+    groups = engine.optimizer.bit16_groups if zero else [g["params"] for g in base.param_groups]
+    out["group_params"] = [[global_name(engine.param_names[p], ep_rank, local) for p in group] for group in groups]
     torch.save(out, spec.rank_record(torch.distributed.get_rank()))
 
 

@@ -67,11 +67,6 @@ def open_reader(
     if files.stage0:
         from ucp.sources.zero0 import Zero0Source
 
-        if files.layers:
-            raise InputError(
-                f"{files.tag_dir} is a pipeline save without ZeRO and without optim files (fp32: each stage's "
-                "optimizer state in its model-states file), which ucp does not read yet; bf16 ones and ZeRO-1 are read"
-            )
         if files.mp > 1:
             from ucp.sources.tensor_parallel import TensorParallelSource
 
