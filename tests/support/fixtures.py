@@ -75,6 +75,7 @@ def _key(spec: RunSpec) -> str:
         ("exclude_frozen", False),
         ("loss_scale_power", 16),
         ("device", "cpu"),
+        ("master", "fp32"),
     )
     for key, default in later:
         if fields.get(key) == default:

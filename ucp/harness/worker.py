@@ -109,6 +109,9 @@ def _ds_config(spec: RunSpec) -> dict:
         params = {"lr": spec.lr, "momentum": 0.95, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
         config["optimizer"] = {"type": "Muon", "params": params}
         zero["reduce_scatter"] = False  # DeepSpeed 0.19.8 refuses Muon with reduce scatter
+    if spec.master != "fp32":
+        config["bf16"]["bf16_master_weights_and_grads"] = True
+        config["bf16"]["bf16_optimizer_states"] = spec.master == "bf16-states"
     if spec.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.grad_accum_dtype}
     if spec.tp > 1:
@@ -223,6 +226,20 @@ def _stage0_state(engine: Any, param: torch.nn.Parameter, keys: list[str]) -> tu
     return param, {k: base.state.get(param, {}).get(k) for k in keys}
 
 
+def _z3_full_state(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """A ZeRO-3 parameter's whole optimizer state in the dtype the optimizer keeps it: DeepSpeed 0.19.8's
+    safe_get_full_optimizer_state gathers it in the masters' dtype, which cuts the fp32 moments CPU Adam keeps
+    for bf16 masters to bf16."""
+    import deepspeed.comm as dist
+
+    opt = param._z3_optimizer  # type: ignore[attr-defined]
+    part, _ = opt._get_fp32_opt_state_partition(param, release_swap_buffers=True, optim_state_key=key)
+    group = opt._get_param_partition_group(param)
+    whole = torch.empty(dist.get_world_size(group=group) * part.numel(), dtype=part.dtype, device=part.device)
+    dist.all_gather_into_tensor(whole, part.contiguous(), group=group)
+    return whole.narrow(0, 0, param.ds_numel).view(param.ds_shape)  # type: ignore[attr-defined]
+
+
 def record_path(record: str, tp_rank: int) -> str:
     """Where a tensor-parallel rank's record goes: tp rank 0 writes ``record`` itself."""
     return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
@@ -264,7 +281,8 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
                 fp32, states = _stage0_state(engine, param, _keys_of(param, keys))
             else:
                 fp32 = safe_get_full_fp32_param(param)
-                states = {key: safe_get_full_optimizer_state(param, key) for key in _keys_of(param, keys)}
+                full = _z3_full_state if spec.stage == 3 and spec.master != "fp32" else safe_get_full_optimizer_state
+                states = {key: full(param, key) for key in _keys_of(param, keys)}
             out["params"][name] = fp32.detach().float().cpu().clone()
             for key, state in states.items():
                 out["state"].setdefault(key, {})[name] = None if state is None else state.detach().cpu().clone()

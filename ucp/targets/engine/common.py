@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ __all__ = [
     "dp_rank_and_size",
     "live_groups",
     "loss_scaler_wrapper",
+    "keep_wide_state",
 ]
 
 
@@ -122,3 +125,24 @@ def loss_scaler_wrapper(opt: Any, reader: Reader, stage: int) -> dict[str, Any]:
         "dynamic_loss_scale": getattr(opt, "dynamic_loss_scale", False),
         "overflow": False,
     }
+
+
+def keep_wide_state(base: Any, saved: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+    """Give back, after ``base.load_state_dict(saved)``, the exact state an optimizer keeps wider than its tensors
+    (``tensors``: the flat tensors it steps, in the order of ``saved``'s param groups' members).
+
+    torch's ``Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype. With bf16
+    masters (DeepSpeed's ``bf16_master_weights_and_grads``) DeepSpeed's CPU Adam and Adagrad keep fp32 moments
+    (``fp32_optimizer_states``, their default): the cast cuts them to bf16 and the optimizer steps on those from
+    then on. DeepSpeed 0.19.8's own resume does exactly that; a restore through ucp keeps them fp32.
+    """
+    if not getattr(base, "fp32_optimizer_states", False):
+        return
+    saved_ids = chain.from_iterable(g["params"] for g in saved["param_groups"])
+    for index, param in zip(saved_ids, tensors):
+        entry, live = saved["state"].get(index, {}), base.state.get(param, {})
+        for key, value in entry.items():
+            if key == "step" or not torch.is_tensor(value) or not value.is_floating_point() or key not in live:
+                continue
+            if live[key].dtype != torch.float32:
+                live[key] = value.to(device=live[key].device, dtype=torch.float32, copy=True)

@@ -29,6 +29,7 @@ from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buf
 from ucp.targets.engine.common import (
     check_names,
     dp_rank_and_size,
+    keep_wide_state,
     live_groups,
     loss_scaler_wrapper,
     match_groups,
@@ -132,6 +133,10 @@ def restore_zero12(
         load_optimizer_states=load_optimizer_states,
         load_from_fp32_weights=True,
     )
+    if load_optimizer_states:
+        keep_wide_state(
+            opt.optimizer, block["base_optimizer_state"], [p for g in opt.optimizer.param_groups for p in g["params"]]
+        )
     opt.update_lp_params()
     _restore_frozen(engine, reader)
     if hasattr(opt, "checkpoint_event_epilogue"):

@@ -18,6 +18,7 @@ from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.engine.common import (
     check_names,
     dp_rank_and_size,
+    keep_wide_state,
     live_groups,
     loss_scaler_wrapper,
     match_groups,
@@ -114,6 +115,10 @@ def restore_zero3(
         load_optimizer_states=load_optimizer_states,
         load_from_fp32_weights=True,
     )
+    if load_optimizer_states:
+        # ZeRO-3 lends the optimizer its fp32 sub-group partitions only while it loads
+        order = [s for g in groups for s in g["params"]]
+        keep_wide_state(base, block["optimizer_state_dict"], [opt.fp32_partitioned_groups_flat[s] for s in order])
     _restore_frozen_zero3(engine, reader, rank, dp)
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()
