@@ -13,7 +13,7 @@ import torch
 from ucp.errors import InputError
 from ucp.model.flavours import FLAVOURS, Flavour, get
 
-__all__ = ["Detection", "detect", "detect_live", "offloads_optimizer"]
+__all__ = ["Detection", "detect", "detect_live", "offloads_optimizer", "LowPrecisionMasters", "low_precision_masters"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,35 @@ def offloads_optimizer(ds_config: Mapping[str, Any] | None) -> bool:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
     offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
     return isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class LowPrecisionMasters:
+    """DeepSpeed's masters kept below fp32 (``bf16_master_weights_and_grads``, ``fp16_master_weights_and_grads``)."""
+
+    masters: str  # bf16 | fp16: the dtype of the flat master partitions in the optim files
+    state: str  # the dtype of the optimizer's moments: fp32 (CPU Adam's fp32_optimizer_states) or bf16
+    option: str  # the config key that asked for it
+
+    @property
+    def wide_state(self) -> bool:
+        """The moments are wider than the masters: DeepSpeed 0.19.8's own load casts them down to the masters'."""
+        return self.state == "fp32"
+
+
+def low_precision_masters(ds_config: Mapping[str, Any] | None) -> LowPrecisionMasters | None:
+    """What a DeepSpeed config says of its masters, or None for fp32 masters (the default). DeepSpeed 0.19.8
+    allows bf16 masters with fp32 moments only under ZeRO-Offload with CPU Adam, and ``bf16_optimizer_states``
+    keeps the moments bf16 too; fp16 masters need CPU Adam (fp32 moments)."""
+    if not isinstance(ds_config, Mapping):
+        return None
+    for section, dtype in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        block = ds_config.get(section)
+        option = f"{'fp16' if dtype == 'fp16' else 'bf16'}_master_weights_and_grads"
+        if isinstance(block, Mapping) and block.get("enabled", False) and block.get(option) is True:
+            state = "bf16" if dtype == "bf16" and block.get("bf16_optimizer_states") is True else "fp32"
+            return LowPrecisionMasters(dtype, state, option)
+    return None
 
 
 def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | None, bool | None, bool]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ucp.model import flavours
+from ucp.model.detect import low_precision_masters
 from ucp.model.records import Facts, Reader
 from ucp.sources import is_universal, open_reader
 from ucp.sources.hf import find_hf_folder
@@ -113,6 +114,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "buffers": list(facts.buffer_names),
         "warnings": list(facts.warnings),
         "tensor_parallel": dict(facts.tp_rules),
+        "low_precision_masters": _masters(info.ds_config),
     }
     # a pipeline-parallel source's stages, a mixture-of-experts source's MoE or AutoEP layers (a universal directory
     # keeps its source's in ucp.json)
@@ -122,6 +124,11 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         report["format_version"] = manifest.get("format_version")
         report["created_by"] = manifest.get("created_by")
     return report
+
+
+def _masters(ds_config: dict[str, Any]) -> dict[str, str] | None:
+    low = low_precision_masters(ds_config)
+    return None if low is None else {"masters": low.masters, "state": low.state, "option": low.option}
 
 
 def _fmt_int(n: int) -> str:
@@ -217,6 +224,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"  {report['num_params']} parameters, {_fmt_int(report['numel'])} elements"
         f" ({report['num_frozen']} frozen, {_fmt_int(report['frozen_numel'])} elements)",
     ]
+    low = report.get("low_precision_masters")
+    if low:
+        lines.insert(2, f"  masters {low['masters']} ({low['option']}), optimizer state {low['state']}")
     if report.get("hf"):
         lines[1:1] = _hf_lines(report["hf"])
     if report.get("pipeline"):

@@ -12,7 +12,7 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.model import flavours
 from ucp.model.batch import global_batch_advice
-from ucp.model.detect import offloads_optimizer
+from ucp.model.detect import low_precision_masters, offloads_optimizer
 from ucp.model.options import RestoreOptions
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
@@ -157,6 +157,12 @@ def plan_native(
             + ("as each rank's flat partition" if plan.offload else "whole per parameter")
             + f", as a run {'with' if plan.offload else 'without'} optimizer offload reads it "
             "(DeepSpeed would start the other from zero: set offload to match the new run)"
+        )
+    low = low_precision_masters(facts.info.ds_config)
+    if low is not None and low.wide_state and options.stage > 0 and not options.reset:
+        plan.notes.append(
+            f"the source kept {low.masters} masters with fp32 moments ({low.option}): DeepSpeed 0.19.8's "
+            f"load_checkpoint casts the moments to {low.masters} on load; ucp.restore(engine, ...) keeps them fp32"
         )
     if batch_note:
         plan.notes += _batch_notes(facts, options.dp)
