@@ -80,10 +80,14 @@ def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(univer
     assert_same_training(reference, ours)
 
 
+@pytest.mark.parametrize("through", ["universal", "reshard"])
 @pytest.mark.parametrize("name", ["z2-cpu-adam", "z3-bf16-states"])
-def test_a_new_dp_loads_what_deepspeeds_own_load_of_the_source_holds(universal, name, tmp_path):
+def test_a_new_dp_loads_what_deepspeeds_own_load_of_the_source_holds(universal, name, through, tmp_path):
     built = build(**SOURCES[name])
-    ucp.write_native(universal(name), tmp_path / "n", dp=3, stage=built.spec.stage)
+    if through == "universal":
+        ucp.write_native(universal(name), tmp_path / "n", dp=3, stage=built.spec.stage)
+    else:  # straight from the rank files, no universal copy
+        assert cli(["reshard", str(built.path), str(tmp_path / "n"), "--dp", "3"]) == 0
     native = resume(built, LoadSpec(str(built.path)), steps=0, name="native", work=tmp_path)
     ours = resume(built, LoadSpec(str(tmp_path / "n")), dp=3, steps=0, name="ucp", work=tmp_path)
     assert_every_state_equals_record(ours, native)
