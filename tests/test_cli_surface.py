@@ -116,3 +116,21 @@ def test_a_restore_at_another_dp_says_which_batch_settings_keep_the_global_batch
     assert cli(["restore", str(z3_bf16_dp2.path), str(tmp_path / "n"), "--dp", str(dp), "--json"]) == 0
     notes = [n for n in json.loads(capsys.readouterr().out)["notes"] if "global batch" in n]
     assert notes == [] if advice is None else len(notes) == 1 and advice in notes[0], notes
+
+
+def test_each_line_ucp_says_on_stderr_is_one_write(monkeypatch, tmp_path):
+    """The processes of a --distributed run share their launcher's stderr: a line written as text, then newline (as
+    print does) ran into another process's line in CI (PYTHONUNBUFFERED=1), and a line was lost to the reader."""
+    import io
+
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert cli(["inspect", str(tmp_path / "missing")]) != 0
+    assert any(w.startswith("ucp: error: ") for w in writes), writes
+    assert all(w.endswith("\n") for w in writes), writes

@@ -20,6 +20,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ucp.cli.output import say
 from ucp.cli.parser import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, build_parser
 from ucp.errors import Stopped, UcpError
 from ucp.io.signals import held_signals, raise_if_stopped, stop_on_signals
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     if held:
         name = signal.Signals(held[0]).name
-        print(f"ucp: interrupted by {name} while starting; nothing was written", file=sys.stderr)
+        say(f"ucp: interrupted by {name} while starting; nothing was written")
         return 128 + held[0]
     try:
         with stop_on_signals():
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UcpError as err:
         if args.debug:
             raise
-        print(f"ucp: error: {err}", file=sys.stderr)
+        say(f"ucp: error: {err}")
         return err.exit_code
     except BrokenPipeError:  # `ucp inspect CKPT | head`: the reader left; say nothing more, as `cat` would
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -61,5 +62,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe closed
     except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, SIGHUP (ucp.errors.Stopped): staging already removed
         name = err.name if isinstance(err, Stopped) else "Ctrl-C"
-        print(f"ucp: interrupted by {name}; nothing was left half-written", file=sys.stderr)
+        say(f"ucp: interrupted by {name}; nothing was left half-written")
         return err.exit_code if isinstance(err, Stopped) else 130

@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from ucp.io.guard import OutputPolicy
     from ucp.model.records import Facts, Reader
 
-__all__ = ["done", "output", "output_policy", "universal_size", "weights"]
+__all__ = ["done", "output", "output_policy", "say", "universal_size", "weights"]
+
+
+def say(line: str) -> None:
+    """One line to stderr in one write. The processes of a ``--distributed`` run share their launcher's stderr, and
+    ``print`` writes the text and its newline apart: with PYTHONUNBUFFERED two processes' lines ran into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def output_policy(args: argparse.Namespace) -> OutputPolicy:
@@ -65,6 +72,6 @@ def done(args: argparse.Namespace, summary: str, notes: Sequence[str] = (), **da
         print(json.dumps({"verb": args.verb, "out": str(args.out), "summary": summary, "notes": list(notes), **data}))
     elif not args.quiet:
         for note in notes:
-            print(f"note: {note}", file=sys.stderr)
+            say(f"note: {note}")
         print(summary)
     return 0

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ucp.cli.output import done, output, output_policy, universal_size, weights
+from ucp.cli.output import done, output, output_policy, say, universal_size, weights
 from ucp.errors import UcpError
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         for line in report.lines():
             print(line)
         if args.plot and not args.quiet:
-            print(f"note: wrote the chart to {args.plot}", file=sys.stderr)
+            say(f"note: wrote the chart to {args.plot}")
     return 0 if report.equal else 1
 
 
