@@ -76,6 +76,7 @@ def _key(spec: RunSpec) -> str:
         ("loss_scale_power", 16),
         ("device", "cpu"),
         ("master", "fp32"),
+        ("hpz", 0),
     )
     for key, default in later:
         if fields.get(key) == default:

@@ -100,6 +100,7 @@ class RunSpec(JsonSpec):
     # bf16 only, ZeRO-1/2/3: DeepSpeed's low-precision masters. "bf16": bf16_master_weights_and_grads (DeepSpeed
     # requires offload and ds-cpu-adam, whose moments stay fp32); "bf16-states": also bf16_optimizer_states
     master: str = "fp32"
+    hpz: int = 0  # ZeRO++ hierarchical partitioning (zero_hpz_partition_size) at ZeRO-3: 0 = off
     grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer
     exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True), as PEFT/LoRA runs save
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)

@@ -91,6 +91,8 @@ def _ds_config(spec: RunSpec) -> dict:
         zero["stage3_param_persistence_threshold"] = 0
     if spec.sub_group_size:
         zero["sub_group_size"] = spec.sub_group_size
+    if spec.hpz:
+        zero["zero_hpz_partition_size"] = spec.hpz
     if spec.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     force = spec.offload and spec.optimizer != "ds-cpu-adam"  # DeepSpeed's other CPU optimizers are client ones
@@ -293,6 +295,8 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         with deepspeed.zero.GatheredParameters(params):
             out["module"][name] = param.detach().cpu().clone()
     out["names"] = names
+    # ZeRO++ hpZ: how many groups hold a secondary copy of each weight (1 without hpZ)
+    out["hpz_groups"] = max((getattr(p, "ds_secondary_tensor_num_of_groups", 1) for p in model.parameters()), default=1)
     out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}
     out["group_hparams"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
