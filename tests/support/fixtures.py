@@ -77,6 +77,7 @@ def _key(spec: RunSpec) -> str:
         ("device", "cpu"),
         ("master", "fp32"),
         ("hpz", 0),
+        ("sp", 1),
     )
     for key, default in later:
         if fields.get(key) == default:

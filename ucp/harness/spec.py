@@ -101,6 +101,9 @@ class RunSpec(JsonSpec):
     # requires offload and ds-cpu-adam, whose moments stay fp32); "bf16-states": also bf16_optimizer_states
     master: str = "fp32"
     hpz: int = 0  # ZeRO++ hierarchical partitioning (zero_hpz_partition_size) at ZeRO-3: 0 = off
+    # Ulysses sequence parallelism: DeepSpeed's parallel_state_sp groups, as ALST and Accelerate's sp_backend
+    # "deepspeed" hand them to deepspeed.initialize; ZeRO then partitions over all dp ranks (sp x dp/sp)
+    sp: int = 1
     grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer
     exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True), as PEFT/LoRA runs save
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)

@@ -296,6 +296,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
             out["module"][name] = param.detach().cpu().clone()
     out["names"] = names
     # ZeRO++ hpZ: how many groups hold a secondary copy of each weight (1 without hpZ)
+    out["sequence_parallel"] = engine.sequence_parallel_size
     out["hpz_groups"] = max((getattr(p, "ds_secondary_tensor_num_of_groups", 1) for p in model.parameters()), default=1)
     out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}
@@ -334,12 +335,19 @@ def main(argv: list[str]) -> None:
     groups = build_param_groups(model, spec.param_groups, spec.lr)
     optimizer = _make_optimizer(spec, groups)
     scheduler = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay)) if spec.scheduler else None
+    mpu: Any = None
+    if spec.sp > 1:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        parallel_state_sp.initialize_sequence_parallel(spec.sp)
+        mpu = parallel_state_sp
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         model_parameters=groups if optimizer is None else None,
         lr_scheduler=scheduler,
         config=_ds_config(spec),
+        mpu=mpu,
     )
     if spec.load is not None:
         if spec.load.kind == "ucp":
