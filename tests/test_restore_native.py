@@ -118,3 +118,24 @@ def test_a_zero3_source_keeps_its_gradient_clipping_at_zero2(z3_bf16_dp2, tmp_pa
     assert optim["optimizer_state_dict"]["clip_grad"] == 1.0
     assert (default_clipping("0.19.2"), default_clipping("0.19.3"), default_clipping("0.19.8+cpu")) == (0.0, 1.0, 1.0)
     assert default_clipping(None) == 1.0
+
+
+@pytest.mark.parametrize("name", ["z2-bf16-dp3-adamw", "z1-fp32-dp2-adamw"])
+def test_restore_without_stage_writes_the_sources_stage_which_its_own_run_loads(source, name, tmp_path, capsys):
+    """ucp restore once wrote ZeRO-3 unless told: a ZeRO-1/2 run then failed in DeepSpeed's loader with a bare
+    AssertionError. Now the source's stage is kept, and the source's own kind of run loads the output."""
+    from ucp.io import torchfile
+
+    built = source(name)
+    universal = tmp_path / "u"
+    ucp.to_universal(built.path, universal)
+    assert cli(["restore", str(universal), str(tmp_path / "n"), "--dp", "2"]) == 0
+    assert f"ZeRO-{built.spec.stage} checkpoint" in capsys.readouterr().out
+    tag = (tmp_path / "n" / "latest").read_text().strip()
+    optim = torchfile.load(sorted((tmp_path / "n" / tag).glob("*optim_states.pt"))[0])["optimizer_state_dict"]
+    assert optim["zero_stage"] == built.spec.stage
+    after = resume(built, LoadSpec(str(tmp_path / "n")), dp=2, steps=0, name="after", work=tmp_path)
+    for param, value in built.record["params"].items():
+        assert torch.equal(after["params"][param], value), param
+    plan = ucp.write_native(universal, tmp_path / "api", dp=2)  # the API keeps it too
+    assert plan.stage == built.spec.stage

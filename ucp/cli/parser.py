@@ -72,7 +72,7 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
         "--stage",
         type=int,
         choices=(0, 1, 2, 3),
-        help="ZeRO stage of the new run, 0 without ZeRO (default 3; a Hugging Face folder's own)",
+        help="ZeRO stage of the new run, 0 without ZeRO (default: the source's; 3 for an FSDP2 / DCP source)",
     )
     p.add_argument(
         "--tp",

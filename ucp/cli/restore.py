@@ -181,8 +181,9 @@ def _write_experts(args: argparse.Namespace, reader: Reader, step: int | str) ->
 
 
 def _stage(args: argparse.Namespace, facts: Facts) -> int:
-    """restore writes ZeRO-3 unless told; reshard keeps the source's stage unless told."""
-    return int(_given(args.stage, facts.info.zero_stage if args.verb == "reshard" else 3))
+    """The source's stage unless told: a ZeRO-2 run loads a ZeRO-2 checkpoint (DeepSpeed 0.19.8 meets a ZeRO-3 one
+    with a bare AssertionError); a DCP source is written as ZeRO-3."""
+    return int(_given(args.stage, facts.info.zero_stage))
 
 
 def _given(stage: int | None, default: int) -> int:

@@ -238,7 +238,9 @@ def _plan_target(
         return None
     step: str | int = target.step
     try:
-        options = target.options() if hf is None else hf_options(facts, hf, None, target.option_fields())
+        options = (
+            target.options(facts.info.zero_stage) if hf is None else hf_options(facts, hf, None, target.option_fields())
+        )
         plan = plan_native(facts, options, batch_note=hf is None)
     except ConfigError as err:
         issues.append(Issue(("target",), str(err)))

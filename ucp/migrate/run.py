@@ -84,7 +84,14 @@ def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool, wor
     if target is None or target.pipeline is None:
         raise ValueError("the plan has no pipeline target")
     layout = target.pipeline.layout(reader.facts)
-    native = write_pipeline(reader, target.output, layout, target.options(), overwrite=overwrite, workers=workers)
+    native = write_pipeline(
+        reader,
+        target.output,
+        layout,
+        target.options(reader.facts.info.zero_stage),
+        overwrite=overwrite,
+        workers=workers,
+    )
     return (
         f"wrote a pipeline checkpoint for pp={layout.pp} x dp={native.dp} ({zero_label(native.stage)}, "
         f"{native.flavour.name}, {native.dtype}) to {target.output}/{native.tag}"

@@ -280,9 +280,11 @@ class TargetConfig(Node):
         """The RestoreOptions fields as given (None: not given)."""
         return {name: getattr(self, name) for name in RestoreOptions.field_names()}
 
-    def options(self) -> RestoreOptions:
-        """The same choices as the CLI's and the API's: one RestoreOptions, planned once."""
-        default = 1 if self.pipeline is not None else 3  # PipelineEngine runs ZeRO-1, as ucp restore --pp
+    def options(self, source_stage: int) -> RestoreOptions:
+        """The same choices as the CLI's and the API's: one RestoreOptions, planned once. Unless told, the stage is
+        the source's (``source_stage``), or ZeRO-1 for a pipeline target (PipelineEngine runs ZeRO-1, as ucp restore
+        --pp)."""
+        default = 1 if self.pipeline is not None else source_stage
         return RestoreOptions(**{**self.option_fields(), "stage": default if self.stage is None else self.stage})
 
 

@@ -88,14 +88,20 @@ def write_native(
     """Write ``out/latest`` and ``out/<tag>/`` for a DeepSpeed engine of the options' DP size (and TP degree).
 
     ``options`` or its fields as keywords (``dp=8, stage=3, optimizer=..., dtype=..., tag=...,
-    sub_group_size=..., step=..., tp=...``). At ``tp`` > 1 each TP rank's files hold its shards, cut
+    sub_group_size=..., step=..., tp=...``); without either, the stage is the source's. At ``tp`` > 1 each TP rank's files hold its shards, cut
     by the rules the checkpoint records (``ucp.model.tp``); the model-states files carry a
     ``universal_checkpoint_info`` describing them.
     """
-    options = options_with(options, **fields)
     with opened(source) as reader:
+        if options is None and "stage" not in fields:  # the source's stage, as ucp restore and reshard keep it
+            fields["stage"] = reader.facts.info.zero_stage
         return write_plan(
-            reader, plan_native(reader.facts, options), out, overwrite=overwrite, workers=workers, fsync=fsync
+            reader,
+            plan_native(reader.facts, options_with(options, **fields)),
+            out,
+            overwrite=overwrite,
+            workers=workers,
+            fsync=fsync,
         )
 
 
