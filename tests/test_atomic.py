@@ -232,3 +232,43 @@ def test_checksum_is_crc32_hex(tmp_path: Path) -> None:
     (tmp_path / "e").write_bytes(b"")
     assert atomic.checksum(tmp_path / "f") == f"{zlib.crc32(b'hello'):08x}"
     assert atomic.checksum(tmp_path / "e") == "00000000"
+
+
+def test_a_stop_already_raised_is_not_raised_again_by_its_re_delivery():
+    """A stop noted inside importlib is delivered again 10 ms later; when raise_if_stopped raised it first, the
+    re-delivery landed inside the clean-up's rmtree (CI: OSError, a descriptor closed twice, and a traceback)."""
+    import signal
+    import time
+
+    from ucp.errors import Stopped
+    from ucp.io import signals
+
+    with signals.stop_on_signals():
+        signals._RECEIVED.append(signal.SIGTERM)  # what the handler notes for a stop inside importlib's frames
+        signals._DEFERRED.append(signal.SIGTERM)
+        with pytest.raises(Stopped):
+            signals.raise_if_stopped()
+        os.kill(os.getpid(), signal.SIGTERM)  # the re-delivery: ignored, the command is already stopping
+        time.sleep(0.05)
+
+
+def test_a_signal_during_the_clean_up_removes_the_folder_whole_then_stops(tmp_path, monkeypatch):
+    import shutil
+    import signal
+
+    from ucp.errors import Stopped
+    from ucp.io import signals
+
+    folder = tmp_path / "staging"
+    (folder / "a" / "b").mkdir(parents=True)
+    (folder / "a" / "b" / "f").write_bytes(b"x")
+    real = shutil.rmtree
+
+    def rmtree_with_a_signal(path, ignore_errors=False):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_with_a_signal)
+    with signals.stop_on_signals(), pytest.raises(Stopped):
+        atomic.remove_tree(folder)
+    assert not folder.exists()

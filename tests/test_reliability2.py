@@ -418,6 +418,19 @@ def _staging_of(out: Path) -> list[Path]:
     return list(out.parent.glob(f".{out.name}{PARTIAL_MARK}*"))
 
 
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until the kernel says the process is stopped (state T in /proc/PID/stat), or it has gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.0002)
+
+
 def _start_and_stop_mid_write(argv: list[str], out: Path, **env: str) -> subprocess.Popen[str] | None:
     """Start ``python -m ucp argv`` and SIGSTOP it once its staging folder exists (writing has begun)
     while OUT does not (it has not finished); None when it finished before it could be caught."""
@@ -432,6 +445,7 @@ def _start_and_stop_mid_write(argv: list[str], out: Path, **env: str) -> subproc
     while proc.poll() is None and time.monotonic() < deadline:
         if _staging_of(out):
             proc.send_signal(signal.SIGSTOP)
+            _wait_stopped(proc.pid)  # SIGSTOP lands a moment later: it had published first once (export-file)
             if _staging_of(out) and not out.exists():
                 return proc
             proc.send_signal(signal.SIGCONT)

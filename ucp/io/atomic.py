@@ -25,12 +25,13 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ucp.errors import OutputExistsError, UcpError, WriteError
-from ucp.io.signals import raise_if_stopped
+from ucp.errors import OutputExistsError, Stopped, UcpError, WriteError
+from ucp.io.signals import held_signals, raise_if_stopped, stopped_by
 from ucp.model.version import VERSION
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "owner_kind",
     "remove_own_partials",
     "publish_new",
+    "remove_tree",
     "PARTIAL_MARK",
     "OLD_MARK",
     "OWNER_MARK",
@@ -156,7 +158,7 @@ def _publish_over(staging: Path, out: Path, token: str) -> None:
     """Replace out with staging; at every instant out is the old whole folder or the new one."""
     if _renameat2(staging, out, _RENAME_EXCHANGE):
         # staging now holds the old folder, under a partial name: garbage from here on
-        _remove(staging)
+        remove_tree(staging)
         return
     aside = out.parent / f".{out.name}{OLD_MARK}{token}-{os.getpid()}"
     try:
@@ -168,7 +170,7 @@ def _publish_over(staging: Path, out: Path, token: str) -> None:
         raise
     doomed = out.parent / f".{out.name}{PARTIAL_MARK}old-{token}-{os.getpid()}"
     os.rename(aside, doomed)
-    _remove(doomed)
+    remove_tree(doomed)
 
 
 # -- leftovers of interrupted runs ------------------------------------------------------------
@@ -204,7 +206,7 @@ def remove_own_partials(out: str | os.PathLike) -> None:
     writer stopped between creating its staging folder and the code that would have removed it."""
     for path, whole, pid in _leftovers(Path(out).absolute()):
         if not whole and pid == os.getpid():
-            _remove(path)
+            remove_tree(path)
 
 
 def _clear_stale(out: Path) -> None:
@@ -293,19 +295,15 @@ def _staged(out: Path, overwrite: bool, durable: bool, check: Callable[[Path], N
             publish_new(staging, out)
         _fsync_dir(out.parent)
     except BaseException:
-        _remove(staging)
+        remove_tree(staging)
         raise
 
 
-def _remove(folder: Path) -> None:
-    """rmtree that a signal cannot cut short: an interrupt (``ucp.io.signals``) while it runs is
-    held until the folder is gone, then raised."""
-    held: BaseException | None = None
-    while True:
-        try:
-            shutil.rmtree(folder, ignore_errors=True)
-            break
-        except KeyboardInterrupt as err:
-            held = held or err
-    if held is not None:
-        raise held
+def remove_tree(folder: Path) -> None:
+    """rmtree that a signal cannot cut short: a stop signal while it runs is only noted (an exception
+    inside rmtree can leave it closing a descriptor twice, an OSError), then raised once the folder is
+    gone, unless the command is already stopping."""
+    with held_signals() as got:
+        shutil.rmtree(folder, ignore_errors=True)
+    if got and stopped_by() is None:
+        raise Stopped(got[0], signal.Signals(got[0]).name)

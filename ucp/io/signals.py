@@ -29,6 +29,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 #: the signals received inside stop_on_signals, first one first (a library may swallow the exception)
 _RECEIVED: list[int] = []
+#: a stop noted inside importlib's clean-up, raised on its re-delivery unless raise_if_stopped raised it first
+_DEFERRED: list[int] = []
 
 
 def stopped_by() -> int | None:
@@ -41,6 +43,9 @@ def raise_if_stopped() -> None:
     """Raise :class:`Stopped` again if a stop signal came: called before an output is published."""
     signum = stopped_by()
     if signum is not None:
+        # raised now: its re-delivery must not raise it again inside the clean-up this starts (it did, inside
+        # shutil.rmtree, which then failed closing a file descriptor twice)
+        _DEFERRED.clear()
         raise Stopped(signum, signal.Signals(signum).name)
 
 
@@ -89,8 +94,8 @@ def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Itera
         yield
         return
     _RECEIVED.clear()
-
-    deferred: list[int] = []  # a stop noted inside importlib's clean-up, raised on the next delivery
+    _DEFERRED.clear()
+    deferred = _DEFERRED  # a stop noted inside importlib's clean-up, raised on the next delivery
     active = threading.Event()  # this handler is installed (a late re-delivery must not reach the default one)
 
     def handler(signum: int, frame: FrameType | None) -> None:

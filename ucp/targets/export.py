@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,9 @@ from typing import Any
 import torch
 
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
-from ucp.io.atomic import PARTIAL_MARK, publish_new, staged_output
+from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree, staged_output
 from ucp.io.pool import default_workers, parallel_map
+from ucp.io.signals import raise_if_stopped
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import opened
@@ -309,10 +309,11 @@ class _staged:
                 staged = self._stage / self.file_name
                 with open(staged, "rb") as handle:
                     os.fsync(handle.fileno())
+                raise_if_stopped()  # a stop whose exception a library swallowed: never publish (as staged_output)
                 if self.overwrite:
                     os.replace(staged, self.out)
                 else:  # never over a file another run published meanwhile
                     publish_new(staged, self.out)
         finally:
-            shutil.rmtree(self._stage, ignore_errors=True)
+            remove_tree(self._stage)
         return False
