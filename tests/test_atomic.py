@@ -272,3 +272,24 @@ def test_a_signal_during_the_clean_up_removes_the_folder_whole_then_stops(tmp_pa
     with signals.stop_on_signals(), pytest.raises(Stopped):
         atomic.remove_tree(folder)
     assert not folder.exists()
+
+
+def test_a_stop_handled_by_one_command_is_not_raised_again_by_the_next_in_the_same_process(tmp_path):
+    """In a notebook a Ctrl-C'd ``ucp.cli.main`` left its stop noted, and the next API call that publishes an output
+    raised it again (and a test run in another order aborted the whole pytest session)."""
+    import signal
+
+    from ucp.errors import Stopped
+    from ucp.io import signals
+
+    with pytest.raises(Stopped), signals.stop_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+    try:
+        signals.raise_if_stopped()
+        with staged_output(tmp_path / "out") as stage:
+            (stage / "f").write_text("x")
+    except Stopped:  # a KeyboardInterrupt: uncaught it would end the whole session rather than fail the test
+        pytest.fail("the earlier command's stop was raised again")
+    assert (tmp_path / "out" / "f").read_text() == "x"
