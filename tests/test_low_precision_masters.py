@@ -16,7 +16,7 @@ import torch
 
 import ucp
 from tests.support.checks import assert_every_state_equals_record, assert_same_training
-from tests.support.fixtures import Built, build, resume
+from tests.support.fixtures import Built, build, resume, universals_of
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
 from ucp.model.detect import LowPrecisionMasters, low_precision_masters
@@ -35,15 +35,7 @@ CPU_ADAM = ["z2-cpu-adam", "z3-cpu-adam"]
 
 @pytest.fixture(scope="module")
 def universal(tmp_path_factory):
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(build(**SOURCES[name]).path, made[name])
-        return made[name]
-
-    return get
+    return universals_of(SOURCES, tmp_path_factory.mktemp("universal"))
 
 
 def _files_hold_bf16_masters(built: Built) -> bool:

@@ -13,7 +13,7 @@ import torch
 
 import ucp
 from tests.support.checks import assert_every_state_equals_record, assert_same_training
-from tests.support.fixtures import build, resume
+from tests.support.fixtures import build, resume, universals_of
 from ucp.harness import LoadSpec
 from ucp.universal import open_universal
 
@@ -22,15 +22,7 @@ SOURCES = {"z2": dict(dp=4, sp=2, stage=2, dtype="bf16"), "z3": dict(dp=4, sp=2,
 
 @pytest.fixture(scope="module")
 def universal(tmp_path_factory):
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(build(**SOURCES[name]).path, made[name])
-        return made[name]
-
-    return get
+    return universals_of(SOURCES, tmp_path_factory.mktemp("universal"))
 
 
 @pytest.mark.parametrize("name", list(SOURCES))

@@ -116,3 +116,18 @@ def resume(
     )
     run_ranks(spec, log_dir=work / f"{name}-logs")
     return torch.load(spec.record, weights_only=True)
+
+
+def universals_of(sources: dict[str, dict[str, Any]], root: Path) -> Callable[[str], Path]:
+    """universal(name) -> a universal directory converted once (under ``root``) from build(**sources[name])."""
+    import ucp
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = root / name / "u"
+            ucp.to_universal(build(**sources[name]).path, made[name])
+        return made[name]
+
+    return get
