@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("UCP_HARNESS_FORK", "1")  # CPU ranks fork from a parent holding torch and DeepSpeed
 
-from tests.support.fixtures import Built, build, resume  # noqa: E402
+from tests.support.fixtures import Built, build, resume, universals_of  # noqa: E402
 from ucp.harness import LoadSpec, ModelSpec  # noqa: E402
 
 #: The source checkpoints of the suite: ZeRO-3 across DP 1-4, fp32/bf16, three optimizers,
@@ -86,19 +86,9 @@ def native_resume(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Built],
 
 
 @pytest.fixture(scope="session")
-def universals(source: Callable[[str], Built], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+def universals(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """universals(name) -> a universal directory converted once from source(name)."""
-    import ucp
-
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = tmp_path_factory.mktemp(name) / "u"
-            ucp.to_universal(source(name).path, made[name])
-        return made[name]
-
-    return get
+    return universals_of({**SOURCES, **TP_SOURCES, **OPTIMIZER_SOURCES}, tmp_path_factory.mktemp("universals"))
 
 
 @pytest.fixture(scope="session")

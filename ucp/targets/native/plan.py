@@ -161,8 +161,9 @@ def plan_native(
     low = low_precision_masters(facts.info.ds_config)
     if low is not None and low.wide_state and options.stage > 0 and not options.reset:
         plan.notes.append(
-            f"the source kept {low.masters} masters with fp32 moments ({low.option}): DeepSpeed 0.19.8's "
-            f"load_checkpoint casts the moments to {low.masters} on load; ucp.restore(engine, ...) keeps them fp32"
+            f"the source kept {low.masters} masters with fp32 moments ({low.option}): if the new run keeps "
+            f"{low.masters} masters too, DeepSpeed 0.19.8's load_checkpoint casts the moments to {low.masters}; "
+            "ucp.restore(engine, ...) keeps them fp32"
         )
     if batch_note:
         plan.notes += _batch_notes(facts, options.dp)
