@@ -78,6 +78,7 @@ def _key(spec: RunSpec) -> str:
         ("master", "fp32"),
         ("hpz", 0),
         ("sp", 1),
+        ("round_robin", False),
     )
     for key, default in later:
         if fields.get(key) == default:

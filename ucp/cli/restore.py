@@ -49,6 +49,7 @@ def _native_options(args: argparse.Namespace, step: int | str, stage: int | None
         "step": step,
         "tp": args.tp,
         "offload": args.offload,
+        "round_robin_gradients": args.round_robin_gradients,
         "overwrite": args.overwrite,
         "workers": args.workers,
         "fsync": args.fsync,

@@ -290,15 +290,24 @@ def zero12_layouts(shapes: list[Mapping[str, Any]], paddings: Any, dp: int, file
     return layouts
 
 
-def check_slice_mappings(mapping: Any, names: list[str], layout: Zero12Group, rank: int, where: str) -> None:
+def check_slice_mappings(
+    mapping: Any,
+    names: list[str],
+    layout: Zero12Group,
+    rank: int,
+    where: str,
+    round_robin: tuple[list[str], Zero12Group] | None = None,
+) -> None:
     """A rank's ``param_slice_mappings`` for one group must be the slices ucp's layout gives (params in
-    param_shapes order, aligned to 2 x dp); anything else is a layout this ucp does not know."""
+    param_shapes order, aligned to 2 x dp); anything else is a layout this ucp does not know.
+
+    ``round_robin``: the group's members in their original order and the layout they would have in it.
+    DeepSpeed 0.19.8 maps a ``round_robin_gradients`` group's fragments walking its members in that order,
+    though the flat buffer holds them in round-robin order (param_shapes' order): its mappings name other
+    parameters' bytes. Either mapping is accepted (ucp writes the true one); the flat buffer is read by
+    param_shapes' order, which the module's weights prove.
+    """
     mapping = need_mapping(mapping, f"{where}: param_slice_mappings")
-    expected = {}
-    for i, pname in enumerate(names):
-        span = layout.rank_slice(i, rank)
-        if span is not None:
-            expected[pname] = span
     found = {
         k: (
             as_int(getattr(v, "start", None), f"{where}: slice start"),
@@ -306,11 +315,22 @@ def check_slice_mappings(mapping: Any, names: list[str], layout: Zero12Group, ra
         )
         for k, v in mapping.items()
     }
-    if found != expected:
+    accepted = [(names, layout)] + ([round_robin] if round_robin is not None else [])
+    if not any(found == _slices(members, members_layout, rank) for members, members_layout in accepted):
         raise InputError(
             f"{where}: param_slice_mappings do not match the flat layout ucp expects (params in "
             "param_shapes order, aligned to 2 x dp): a layout this ucp does not know"
         )
+
+
+def _slices(names: list[str], layout: Zero12Group, rank: int) -> dict[str, tuple[int, int]]:
+    """name -> (start, numel) of each member's slice on ``rank``, as param_slice_mappings hold them."""
+    out = {}
+    for i, pname in enumerate(names):
+        span = layout.rank_slice(i, rank)
+        if span is not None:
+            out[pname] = span
+    return out
 
 
 def rank_scalars(

@@ -276,11 +276,14 @@ def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any], ds_versio
         return 0.0
 
 
-def config_for_stage(config: Mapping[str, Any], stage: int) -> dict[str, Any]:
-    """The source's config with the stage it is now written for."""
+def config_for_stage(config: Mapping[str, Any], stage: int, *, round_robin: bool | None = None) -> dict[str, Any]:
+    """The source's config with the stage it is now written for (and, given, the round_robin_gradients
+    its ZeRO-1/2 files are laid out for)."""
     out = dict(config)
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = stage
+    if round_robin is not None and (round_robin or "round_robin_gradients" in zero):
+        zero["round_robin_gradients"] = round_robin
     out["zero_optimization"] = zero
     return out
 

@@ -93,6 +93,8 @@ def _ds_config(spec: RunSpec) -> dict:
         zero["sub_group_size"] = spec.sub_group_size
     if spec.hpz:
         zero["zero_hpz_partition_size"] = spec.hpz
+    if spec.round_robin:
+        zero["round_robin_gradients"] = True
     if spec.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     force = spec.offload and spec.optimizer != "ds-cpu-adam"  # DeepSpeed's other CPU optimizers are client ones
@@ -242,6 +244,31 @@ def _z3_full_state(param: torch.nn.Parameter, key: str) -> torch.Tensor:
     return whole.narrow(0, 0, param.ds_numel).view(param.ds_shape)  # type: ignore[attr-defined]
 
 
+def _round_robin_full(opt, param: torch.nn.Parameter, key: str | None) -> torch.Tensor:
+    """A ZeRO-1/2 parameter's whole fp32 master (``key`` None) or optimizer state ``key``, cut from its
+    group's gathered flat buffer where the buffer holds it.
+
+    With ``round_robin_gradients`` the flat buffers hold each group's members in round-robin order, but
+    DeepSpeed 0.19.8 links the fragment mappings (``_hp_mapping``) walking them in their original order, so
+    safe_get_full_fp32_param and safe_get_full_optimizer_state return other parameters' bytes.
+    """
+    import deepspeed.comm as dist
+
+    for g, members in enumerate(opt.round_robin_bit16_groups):
+        index = next((j for j, p in enumerate(members) if p is param), None)
+        if index is None:
+            continue
+        part = opt.single_partition_of_fp32_groups[g]
+        if key is not None:
+            part = opt.optimizer.state[part][key]
+        group = opt.real_dp_process_group[g]
+        part = part.detach().clone()
+        whole = torch.empty(dist.get_world_size(group=group) * part.numel(), dtype=part.dtype, device=part.device)
+        dist.all_gather_into_tensor(whole, part, group=group)
+        return whole.narrow(0, opt.round_robin_bit16_offsets[g][index], param.numel()).view(param.shape)
+    raise KeyError("the parameter is in no flat group")
+
+
 def record_path(record: str, tp_rank: int) -> str:
     """Where a tensor-parallel rank's record goes: tp rank 0 writes ``record`` itself."""
     return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
@@ -281,6 +308,10 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         if param.requires_grad:
             if spec.stage == 0:  # no ZeRO: no fragment mapping
                 fp32, states = _stage0_state(engine, param, _keys_of(param, keys))
+            elif getattr(engine.optimizer, "round_robin_gradients", False):
+                fp32 = _round_robin_full(engine.optimizer, param, None)
+                states = {key: _round_robin_full(engine.optimizer, param, key) for key in _keys_of(param, keys)}
+                out.setdefault("deepspeed_fp32", {})[name] = safe_get_full_fp32_param(param).detach().float().cpu()
             else:
                 fp32 = safe_get_full_fp32_param(param)
                 full = _z3_full_state if spec.stage == 3 and spec.master != "fp32" else safe_get_full_optimizer_state

@@ -220,6 +220,7 @@ _NATIVE_ONLY = {
     "sub_group_size": None,
     "tp": 1,
     "offload": None,
+    "round_robin_gradients": None,
     "pipeline": None,
 }
 
@@ -241,6 +242,7 @@ class TargetConfig(Node):
     sub_group_size: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
     tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
     offload: bool | None = None  # the new run offloads its optimizer (None: as the source did)
+    round_robin_gradients: bool | None = None  # ZeRO-1/2 groups flattened in round-robin order (None: as the source)
     pipeline: PipelineConfig | None = None  # a PipelineEngine checkpoint (ZeRO-1) for this partition
 
     def cross_issues(self) -> Iterator[Issue]:

@@ -13,7 +13,15 @@ import torch
 from ucp.errors import InputError
 from ucp.model.flavours import FLAVOURS, Flavour, get
 
-__all__ = ["Detection", "detect", "detect_live", "offloads_optimizer", "LowPrecisionMasters", "low_precision_masters"]
+__all__ = [
+    "Detection",
+    "detect",
+    "detect_live",
+    "offloads_optimizer",
+    "round_robin_gradients",
+    "LowPrecisionMasters",
+    "low_precision_masters",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +41,13 @@ def offloads_optimizer(ds_config: Mapping[str, Any] | None) -> bool:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
     offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
     return isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme")
+
+
+def round_robin_gradients(ds_config: Mapping[str, Any] | None) -> bool:
+    """Whether a DeepSpeed config flattens ZeRO-1/2 groups in round-robin order
+    (``zero_optimization.round_robin_gradients``; ``ucp.model.partition.round_robin_order``)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    return isinstance(zero, Mapping) and zero.get("round_robin_gradients") is True
 
 
 @dataclass(frozen=True)

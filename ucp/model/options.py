@@ -62,6 +62,9 @@ class RestoreOptions:
     #: the new run offloads its optimizer to CPU (``offload_optimizer``); None: as the source did.
     #: Only DeepSpeed Muon at ZeRO-1/2 lays its state out differently then.
     offload: bool | None = None
+    #: the new run sets ``zero_optimization.round_robin_gradients`` (ZeRO-1/2 flatten each group's members in
+    #: round-robin order over the ranks); None: as the source did
+    round_robin_gradients: bool | None = None
 
     def problems(self) -> list[str]:
         """Everything wrong with these options, each in one line (empty when they are sound)."""
@@ -88,6 +91,8 @@ class RestoreOptions:
             out.append(f"sub_group_size must be positive, got {self.sub_group_size}")
         if self.offload is not None and not isinstance(self.offload, bool):
             out.append(f"offload must be true or false, got {self.offload!r}")
+        if self.round_robin_gradients is not None and not isinstance(self.round_robin_gradients, bool):
+            out.append(f"round_robin_gradients must be true or false, got {self.round_robin_gradients!r}")
         if self.tag is not None and ("/" in self.tag or self.tag in ("", ".", "..")):
             out.append(f"tag {self.tag!r} is not a folder name")
         return out

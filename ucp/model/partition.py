@@ -11,7 +11,8 @@ unless ``parameter_alignment`` asks for them), pad the flat buffer at the end to
 ``A = 2 * dp`` elements (``nccl_start_alignment_factor`` 2 times the DP size, for every dtype), and
 cut it into ``dp`` equal partitions of ``S = T / dp``. A parameter can straddle ranks; the padding
 sits at the end, where it can cover whole trailing ranks (DeepSpeed 0.19.8, ``stage_1_and_2.py``
-and ``bf16_optimizer.py``; proven bit-exact on real checkpoints).
+and ``bf16_optimizer.py``; proven bit-exact on real checkpoints). With ``round_robin_gradients`` a
+group's members enter the flat buffer in round-robin order over the DP ranks (:func:`round_robin_order`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "zero12_whole_slots",
     "Zero12Group",
     "zero12_group",
+    "round_robin_order",
 ]
 
 
@@ -274,3 +276,12 @@ def zero12_group(
         offsets.append(position)
         position += numel + pad
     return Zero12Group(dp, tuple(numels), tuple(offsets), position, zero12_partition_size(position, dp, alignment))
+
+
+def round_robin_order(count: int, dp: int) -> list[int]:
+    """The order ``zero_optimization.round_robin_gradients`` flattens a ZeRO-1/2 group's ``count`` members
+    in at ``dp`` ranks: flat position k holds original member ``order[k]``. Members i with i % dp == 0 come
+    first, then i % dp == 1, ... (DeepSpeed 0.19.8 ``_round_robin_reorder``), so the order changes with dp."""
+    if dp <= 0 or count < 0:
+        raise ValueError(f"round_robin_order needs dp > 0 and count >= 0, got dp={dp}, count={count}")
+    return [i for start in range(min(dp, count)) for i in range(start, count, dp)]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ucp.model import flavours
-from ucp.model.detect import low_precision_masters
+from ucp.model.detect import low_precision_masters, round_robin_gradients
 from ucp.model.records import Facts, Reader
 from ucp.sources import is_universal, open_reader
 from ucp.sources.hf import find_hf_folder
@@ -115,6 +115,8 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "warnings": list(facts.warnings),
         "tensor_parallel": dict(facts.tp_rules),
         "low_precision_masters": _masters(info.ds_config),
+        # ZeRO-1/2 flat groups in round-robin order: a restore keeps the setting unless told
+        "round_robin_gradients": info.zero_stage in (1, 2) and round_robin_gradients(info.ds_config),
     }
     # a pipeline-parallel source's stages, a mixture-of-experts source's MoE or AutoEP layers (a universal directory
     # keeps its source's in ucp.json)
@@ -227,6 +229,8 @@ def format_report(report: dict[str, Any]) -> str:
     low = report.get("low_precision_masters")
     if low:
         lines.insert(2, f"  masters {low['masters']} ({low['option']}), optimizer state {low['state']}")
+    if report.get("round_robin_gradients"):
+        lines.insert(2, "  round_robin_gradients: each param group flattened in round-robin order over the ranks")
     if report.get("hf"):
         lines[1:1] = _hf_lines(report["hf"])
     if report.get("pipeline"):

@@ -60,7 +60,7 @@ from ucp.deepspeed.optim_states import check_zero3_membership, read_universal_op
 from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, offloads_optimizer
+from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.autoep import AUTOEP_EXTRAS
@@ -163,6 +163,7 @@ class DsUniversalSource(Reader):
         else:
             members, detection, sub_steps = self._zero12_layout(shapes, groups_raw, layout, ds_config, optimizer)
             _refuse_whole_state(detection, groups_raw, ds_config, stage)
+            _refuse_round_robin(shapes, ds_config, dp, stage)
 
         dtype = model_dtype(head, shapes, files_bf16=False)
         params, groups = self._optimized(groups_raw, members, shapes, sub_steps, detection, dtype)
@@ -499,4 +500,16 @@ def _refuse_whole_state(
             f"this ds_to_universal folder comes from DeepSpeed Muon at ZeRO-{stage}, whose per-rank momentum "
             "holds whole parameters; ds_to_universal cuts it as a flat partition, so its momentum files are "
             "not the momentum: convert the original checkpoint with `ucp to-universal` instead"
+        )
+
+
+def _refuse_round_robin(shapes: list[Mapping[str, Any]], ds_config: Mapping[str, Any], dp: int, stage: int) -> None:
+    """A ``round_robin_gradients`` run flattens its groups in round-robin order, but DeepSpeed 0.19.8 maps the
+    fragments ds_to_universal cuts walking the members in their original order: unless that order is the same
+    (at most dp members per group), its parameter folders hold other parameters' bytes. Refused."""
+    if round_robin_gradients(ds_config) and any(len(members) > dp > 1 for members in shapes):
+        raise InputError(
+            f"this ds_to_universal folder comes from a ZeRO-{stage} run with round_robin_gradients, whose flat "
+            "buffers DeepSpeed 0.19.8 cuts at the wrong offsets (its parameter folders hold other parameters' "
+            "bytes): convert the original checkpoint with `ucp to-universal` instead"
         )

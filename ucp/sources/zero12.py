@@ -51,8 +51,8 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, offloads_optimizer
-from ucp.model.partition import Zero12Group
+from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients
+from ucp.model.partition import Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import file_pieces, group_meta
@@ -303,7 +303,29 @@ class Zero12Source(Reader):
                     self._scalars[g] = rank_scalars(entry, self._scalars[g] if rank else None, where)
                 if mappings is not None:
                     mapping = need_list(mappings, f"{name}: param_slice_mappings")[g]
-                    check_slice_mappings(mapping, list(shapes[g]), layout, rank, f"{name}: param group {g}")
+                    where = f"{name}: param group {g}"
+                    check_slice_mappings(mapping, list(shapes[g]), layout, rank, where, self._original_layout(g))
+
+    def _original_order(self, g: int) -> list[int]:
+        """Param group g's members in their original order, as indices into param_shapes (flat order): a
+        ``round_robin_gradients`` run flattens them in round-robin order over its ranks."""
+        count = len(self._flat_names[g])
+        if not self._round_robin:
+            return list(range(count))
+        flat_of = [0] * count
+        for k, original in enumerate(round_robin_order(count, len(self._optim))):
+            flat_of[original] = k
+        return flat_of
+
+    def _original_layout(self, g: int) -> tuple[list[str], Zero12Group] | None:
+        """A round-robin group's members in their original order and the layout DeepSpeed's fragment
+        mappings assume for them (``check_slice_mappings``); None for other runs."""
+        if not self._round_robin:
+            return None
+        flat = self._layouts_[g]
+        order = self._original_order(g)
+        names = [self._flat_names[g][i] for i in order]
+        return names, zero12_group([flat.numels[i] for i in order], flat.dp)
 
     def _check_moments(self, bases: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]) -> None:
         """Every rank holds optimizer state, or none does."""
@@ -350,7 +372,9 @@ class Zero12Source(Reader):
         groups: list[GroupMeta] = []
         for g, group in enumerate(groups_raw):
             names = []
-            for i, (local, shape) in enumerate(shapes[g].items() if self._reads(g) else ()):
+            members = list(shapes[g].items()) if self._reads(g) else []
+            for i in self._original_order(g) if members else ():
+                local, shape = members[i]
                 pname = self._rename.get(local, local)
                 if pname in self._where:
                     raise InputError(f"parameter {pname!r} appears twice in param_shapes")
@@ -392,6 +416,8 @@ class Zero12Source(Reader):
                 raise InputError("rank files disagree on param_alignment_paddings: ranks from different runs are mixed")
         self._check_moments(bases)
         self._layouts_ = self._layouts(shapes, blocks)
+        self._flat_names = [list(g) for g in shapes]
+        self._round_robin = self._kind == "zero" and dp > 1 and round_robin_gradients(ds_config)
         detection = detect(blocks[0][_BASE], ds_config, optimizer)
         offload = offloads_optimizer(ds_config)
         flavour = detection.flavour

@@ -12,8 +12,8 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.model import flavours
 from ucp.model.batch import global_batch_advice
-from ucp.model.detect import low_precision_masters, offloads_optimizer
-from ucp.model.options import RestoreOptions
+from ucp.model.detect import low_precision_masters, offloads_optimizer, round_robin_gradients
+from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
 
@@ -72,6 +72,7 @@ class NativePlan:
     tp: int = 1  # tensor-parallel degree of the checkpoint written
     mp_rank: int = 0  # the TP rank whose files are being written
     offload: bool = False  # the new run offloads its optimizer (DeepSpeed Muon's ZeRO-1/2 layout follows it)
+    round_robin: bool = False  # ZeRO-1/2: each group's members flattened in round-robin order (round_robin_gradients)
     #: param group -> its sets of members when ranks hold different ones (others: one set, all ranks)
     zero12_sets: dict[int, Zero12Sets] = field(default_factory=dict)
     #: more fields of the model-states file (a MoE run's ``num_experts``)
@@ -133,6 +134,17 @@ def plan_native(
         tp=options.tp,
         offload=offloads_optimizer(facts.info.ds_config) if options.offload is None else options.offload,
     )
+    if options.stage in (1, 2):
+        asked = options.round_robin_gradients
+        plan.round_robin = round_robin_gradients(facts.info.ds_config) if asked is None else asked
+        if plan.round_robin:
+            plan.notes.append(
+                "written for a run with zero_optimization.round_robin_gradients=true (each group's parameters "
+                "flattened in round-robin order over the ranks): the new run must set it too"
+                + ("" if asked else "; --no-round-robin-gradients writes for one without")
+            )
+    elif options.round_robin_gradients:
+        raise ConfigError(f"round_robin_gradients applies to ZeRO-1/2, not {zero_label(options.stage)}")
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
     if options.stage == 0:
         _check_zero0(plan, sets)

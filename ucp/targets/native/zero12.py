@@ -28,7 +28,7 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file, optim_file
 from ucp.io.pool import parallel_map
-from ucp.model.partition import Span, Zero12Group, zero12_group
+from ucp.model.partition import Span, Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import ParamState, PieceState, Reader, torch_dtype
 from ucp.targets.blocks.common import RankBuffers
@@ -176,7 +176,10 @@ class _Zero12Files:
                 # DeepSpeed keeps frozen parameters and trainable ones with zero elements outside the flat
                 # groups (0.19.8 ``is_optimized_parameter``)
                 kept = [i for i, n in enumerate(members) if facts.param(n).numel > 0]
-                layout = zero12_group([facts.param(members[i]).numel for i in kept], plan.dp // len(pairs))
+                ranks = plan.dp // len(pairs)
+                if plan.round_robin:
+                    kept = [kept[k] for k in round_robin_order(len(kept), ranks)]
+                layout = zero12_group([facts.param(members[i]).numel for i in kept], ranks)
                 self.flats.append(_Flat(g, [members[i] for i in kept], [labels[i] for i in kept], layout))
         kept_names = {n for flat in self.flats for n in flat.names}
         self.outside = [m.name for m in facts.params if m.name not in kept_names]
@@ -186,7 +189,7 @@ class _Zero12Files:
         self.keys = [facts.groups[flat.group].state_keys if self.moments else () for flat in self.flats]
         whole = plan.whole_keys(facts) if self.moments else []
         self.whole = [whole[flat.group] if flat.group < len(whole) else () for flat in self.flats]
-        self.config = ds_states.config_for_stage(facts.info.ds_config, plan.stage)
+        self.config = ds_states.config_for_stage(facts.info.ds_config, plan.stage, round_robin=plan.round_robin)
         self.wrapper = zero_wrapper(reader, plan)
         self.clip_grad = ds_states.clip_grad(reader.extras(), facts.info.ds_config, facts.info.ds_version)
         self.steps: list[int] = []
