@@ -79,6 +79,7 @@ def _key(spec: RunSpec) -> str:
         ("hpz", 0),
         ("sp", 1),
         ("round_robin", False),
+        ("persistence_threshold", 0),
     )
     for key, default in later:
         if fields.get(key) == default:

@@ -104,9 +104,11 @@ class RunSpec(JsonSpec):
     # Ulysses sequence parallelism: DeepSpeed's parallel_state_sp groups, as ALST and Accelerate's sp_backend
     # "deepspeed" hand them to deepspeed.initialize; ZeRO then partitions over all dp ranks (sp x dp/sp)
     sp: int = 1
-    round_robin: bool = (
-        False  # ZeRO-1/2 round_robin_gradients: the flat buffer holds the params in a DP-dependent order
-    )
+    # ZeRO-3 stage3_param_persistence_threshold: 0 partitions every parameter; DeepSpeed's default (100000) keeps
+    # small ones whole on every rank between steps (a real run's biases and norms)
+    persistence_threshold: int = 0
+    # ZeRO-1/2 round_robin_gradients: each flat group holds its params in a DP-dependent order
+    round_robin: bool = False
     grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer
     exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True), as PEFT/LoRA runs save
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)

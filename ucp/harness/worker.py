@@ -88,7 +88,7 @@ def _other_optimizer(spec: RunSpec, groups: list[dict], betas: tuple[float, floa
 def _ds_config(spec: RunSpec) -> dict:
     zero: dict = {"stage": spec.stage}
     if spec.stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_param_persistence_threshold"] = spec.persistence_threshold
     if spec.sub_group_size:
         zero["sub_group_size"] = spec.sub_group_size
     if spec.hpz:
@@ -328,6 +328,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
     out["names"] = names
     # ZeRO++ hpZ: how many groups hold a secondary copy of each weight (1 without hpZ)
     out["sequence_parallel"] = engine.sequence_parallel_size
+    out["persistent"] = [n for n, p in model.named_parameters() if getattr(p, "ds_persist", False)]  # ZeRO-3
     out["hpz_groups"] = max((getattr(p, "ds_secondary_tensor_num_of_groups", 1) for p in model.parameters()), default=1)
     out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}
