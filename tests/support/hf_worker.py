@@ -65,6 +65,19 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _model(spec: HfSpec) -> torch.nn.Module:
+    """The tiny Llama, or with ``spec.extra["lora"]`` (LoraConfig's fields) a PEFT LoRA model of it: the
+    base weights frozen, Trainer saving the DeepSpeed checkpoint with exclude_frozen_parameters=True."""
+    model = tiny_llama()
+    lora = spec.extra.get("lora")
+    if lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+
+
 class _Tokens(torch.utils.data.Dataset):
     """Fixed random token rows; labels are the inputs (causal LM)."""
 
@@ -164,7 +177,7 @@ def _run_trainer(spec: HfSpec, rank: int) -> None:
         disable_tqdm=True,
     )
     trainer = RecordingTrainer(
-        model=tiny_llama(), args=args, train_dataset=_Tokens(spec.samples, 7), callbacks=[Recorder()]
+        model=_model(spec), args=args, train_dataset=_Tokens(spec.samples, 7), callbacks=[Recorder()]
     )
     if spec.live_from:
         from ucp.integrations.hf import resume_trainer
