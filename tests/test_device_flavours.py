@@ -1,7 +1,8 @@
 """The Adam family trained for real on the device each member needs: its step, moments and loss scale.
 
-Cells are real runs of the harness. The CPU cells (torch AdamW ``fused=True`` at ZeRO-2 and ZeRO-3) run
-everywhere, and so does one without ZeRO (stage 0, bf16: FP16_UnfusedOptimizer around it). The CUDA cells are
+Cells are real runs of the harness. The CPU cells (torch AdamW ``fused=True`` at ZeRO-2 and ZeRO-3, and at ZeRO-2 in
+fp16 with DeepSpeed's fp16 gate lifted) run everywhere, and so does one without ZeRO (stage 0, bf16:
+FP16_UnfusedOptimizer around it). The CUDA cells are
 marked ``gpu`` and skip without one: Apex FusedAdam (its step in the param group), DeepSpeed FusedAdam's CUDA build,
 torch AdamW ``fused=True`` and ``capturable=True`` (step tensors on the device), each at ZeRO-1/2/3, bf16 and
 fp16, and without ZeRO in bf16 (the Apex and DeepSpeed FusedAdam ones inside DeepSpeed's fused FP16_Optimizer). The fp16 runs start their dynamic loss scale at 2**20 so the
@@ -63,6 +64,9 @@ def _cells() -> dict[str, dict[str, Any]]:
         f"cpu-z{stage}-bf16-torch-adamw-fused": dict(dp=2, stage=stage, dtype="bf16", optimizer="torch-adamw-fused")
         for stage in (0, 2, 3)
     }
+    # fp16 on CPU: DeepSpeed's gate lifted by the harness (ucp.harness.worker._allow_fp16_on_cpu)
+    fp16 = dict(steps=_FP16_STEPS, loss_scale_power=_FP16_SCALE_POWER)
+    cells["cpu-z2-fp16-torch-adamw-fused"] = dict(dp=2, stage=2, dtype="fp16", optimizer="torch-adamw-fused", **fp16)
     for stage in (0, 1, 2, 3):
         for dtype in ("bf16", "fp16") if stage else ("bf16",):  # fp16 without ZeRO: refused (its loss scale)
             for optimizer in _CUDA_OPTIMIZERS:
@@ -89,12 +93,12 @@ def _param(name: str) -> Any:
 
 
 ALL = [_param(name) for name in CELLS]
-#: the sources a cross-flavour restore starts from: torch AdamW at ZeRO-2, bf16 on each device and fp16 on CUDA;
+#: the sources a cross-flavour restore starts from: torch AdamW at ZeRO-2, bf16 and fp16 on each device;
 #: without ZeRO, bf16 (the restore into FusedAdam goes through DeepSpeed's fused FP16_Optimizer, on CPU too)
 CROSS = [
     _param(n)
     for n in CELLS
-    if n.endswith(("-z2-bf16-torch-adamw-fused", "-z0-bf16-torch-adamw-fused")) or n == "cuda-z2-fp16-torch-adamw-fused"
+    if n.endswith(("-z2-bf16-torch-adamw-fused", "-z0-bf16-torch-adamw-fused", "-z2-fp16-torch-adamw-fused"))
 ]
 
 

@@ -1,10 +1,12 @@
-"""bf16 masters (DeepSpeed's ``bf16_master_weights_and_grads``) on real DeepSpeed runs, at ZeRO-1/2/3.
+"""Low-precision masters (DeepSpeed's ``bf16_master_weights_and_grads``, ``fp16_master_weights_and_grads``) on real
+DeepSpeed runs: bf16 at ZeRO-1/2/3, fp16 at ZeRO-2 (the one stage DeepSpeed allows it at, with CPU Adam under
+ZeRO-Offload; an fp16 run with a dynamic loss scale and skipped steps).
 
 Two real set-ups: CPU Adam under ZeRO-Offload keeps fp32 moments for its bf16 masters (``fp32_optimizer_states``,
 DeepSpeed's only way to run bf16 masters without ``bf16_optimizer_states``), and torch AdamW with
-``bf16_optimizer_states`` keeps bf16 moments. The optim files then hold bf16 flat masters. Read exactly; written back
+``bf16_optimizer_states`` keeps bf16 moments. The optim files then hold bf16 (fp16) flat masters. Read exactly; written back
 at the same size they resume bit-identically to DeepSpeed's own resume, and at another size they load what
-DeepSpeed's own load holds. DeepSpeed 0.19.8's own load casts CPU Adam's fp32 moments to bf16 (torch's
+DeepSpeed's own load holds. DeepSpeed 0.19.8's own load casts CPU Adam's fp32 moments to the masters' dtype (torch's
 ``load_state_dict`` casts state to the parameter's dtype), so its resume drifts from the uninterrupted run;
 ``ucp.restore`` into the live engine keeps them fp32 and resumes bit-identically to it.
 """
@@ -24,13 +26,15 @@ from ucp.universal import open_universal
 
 _CPU_ADAM = dict(dtype="bf16", master="bf16", optimizer="ds-cpu-adam", offload=True)
 _BF16_STATES = dict(dtype="bf16", master="bf16-states", optimizer="torch-adamw")
+_FP16 = dict(dtype="fp16", master="fp16", optimizer="ds-cpu-adam", offload=True, steps=12, loss_scale_power=20)
 SOURCES = {
     "z2-cpu-adam": dict(dp=2, stage=2, **_CPU_ADAM),
     "z3-cpu-adam": dict(dp=2, stage=3, **_CPU_ADAM),
+    "z2-fp16-cpu-adam": dict(dp=2, stage=2, **_FP16),
     "z1-bf16-states": dict(dp=2, stage=1, **_BF16_STATES),
     "z3-bf16-states": dict(dp=2, stage=3, **_BF16_STATES),
 }
-CPU_ADAM = ["z2-cpu-adam", "z3-cpu-adam"]
+CPU_ADAM = ["z2-cpu-adam", "z3-cpu-adam", "z2-fp16-cpu-adam"]
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +42,28 @@ def universal(tmp_path_factory):
     return universals_of(SOURCES, tmp_path_factory.mktemp("universal"))
 
 
-def _files_hold_bf16_masters(built: Built) -> bool:
-    """The optim files really hold bf16 masters (the run is what the test says it is)."""
+def _files_hold_low_precision_masters(built: Built) -> bool:
+    """The optim files really hold the run's bf16 or fp16 masters (the run is what the test says it is)."""
     from ucp.io import torchfile
 
     first = sorted(built.tag_dir.glob("*optim_states.pt"))[0]
     block = torchfile.load(first)["optimizer_state_dict"]
     masters = block.get("single_partition_of_fp32_groups") or block.get("fp32_flat_groups")
-    return all(t.dtype == torch.bfloat16 for t in masters)
+    return all(t.dtype == _dtype(built) for t in masters)
+
+
+def _dtype(built: Built) -> torch.dtype:
+    return torch.float16 if built.spec.dtype == "fp16" else torch.bfloat16
 
 
 @pytest.mark.parametrize("name", list(SOURCES))
-def test_bf16_masters_and_every_moment_reach_the_universal_directory_bit_exact(universal, name):
+def test_low_precision_masters_and_every_moment_reach_the_universal_directory_bit_exact(universal, name):
     built = build(**SOURCES[name])
-    assert _files_hold_bf16_masters(built)
+    assert _files_hold_low_precision_masters(built)
     record = built.record
     assert record["state"], "the run kept no optimizer state"
+    if built.spec.dtype == "fp16":  # overflows skipped steps: the step counters disagree
+        assert 0 < record["counters"]["skipped_steps"] < built.spec.steps, record["counters"]
     with open_universal(universal(name)) as reader:
         for param, value in record["params"].items():
             state = reader.read(param)
@@ -73,7 +83,7 @@ def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(univer
 
 
 @pytest.mark.parametrize("through", ["universal", "reshard"])
-@pytest.mark.parametrize("name", ["z2-cpu-adam", "z3-bf16-states"])
+@pytest.mark.parametrize("name", ["z2-cpu-adam", "z3-bf16-states", "z2-fp16-cpu-adam"])
 def test_a_new_dp_loads_what_deepspeeds_own_load_of_the_source_holds(universal, name, through, tmp_path):
     built = build(**SOURCES[name])
     if through == "universal":
@@ -95,8 +105,8 @@ def test_live_restore_keeps_cpu_adams_fp32_moments_where_deepspeeds_load_cuts_th
         )
         assert_every_state_equals_record(after, record)
     native = resume(built, LoadSpec(str(built.path)), steps=0, name="native", work=tmp_path)
-    # pinned: DeepSpeed 0.19.8's own load holds the moments cut to bf16
-    cut = {p: v.bfloat16().float() for p, v in record["state"]["exp_avg_sq"].items()}
+    # pinned: DeepSpeed 0.19.8's own load holds the moments cut to the masters' dtype
+    cut = {p: v.to(_dtype(built)).float() for p, v in record["state"]["exp_avg_sq"].items()}
     assert all(torch.equal(native["state"]["exp_avg_sq"][p], v) for p, v in cut.items())
     assert any(not torch.equal(v, record["state"]["exp_avg_sq"][p]) for p, v in cut.items())
 
@@ -104,10 +114,11 @@ def test_live_restore_keeps_cpu_adams_fp32_moments_where_deepspeeds_load_cuts_th
 @pytest.mark.parametrize("name", CPU_ADAM)
 def test_live_restore_resumes_like_the_uninterrupted_run_bit_for_bit(universal, name, tmp_path):
     built = build(**SOURCES[name])
-    whole = build(**{**SOURCES[name], "steps": 6}).record
+    steps = built.spec.steps
+    whole = build(**{**SOURCES[name], "steps": steps + 3}).record
     ours = resume(built, LoadSpec(str(universal(name)), kind="ucp"), name="live", work=tmp_path)
-    assert_same_training({**whole, "losses": whole["losses"][3:]}, ours)
-    # DeepSpeed's own resume steps on moments cut to bf16 and leaves the uninterrupted run
+    assert_same_training({**whole, "losses": whole["losses"][steps:]}, ours)
+    # DeepSpeed's own resume steps on moments cut to the masters' dtype and leaves the uninterrupted run
     native = resume(built, LoadSpec(str(built.path)), name="native", work=tmp_path)
     assert any(not torch.equal(v, native["params"][p]) for p, v in whole["params"].items())
 

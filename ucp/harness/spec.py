@@ -92,13 +92,14 @@ class RunSpec(JsonSpec):
     dp: int = 2
     tp: int = 1  # DeepSpeed AutoTP degree (stage 0-2 only); the run uses dp x tp ranks
     stage: int = 3
-    dtype: str = "bf16"  # fp32 | bf16 | fp16 (fp16 needs a GPU: DeepSpeed refuses it on most CPUs)
+    dtype: str = "bf16"  # fp32 | bf16 | fp16 (on a CPU the worker lifts DeepSpeed's fp16 gate: _allow_fp16_on_cpu)
     loss_scale_power: int = 16  # fp16: the dynamic loss scale starts at 2**this (20 makes the first steps overflow)
     device: str = "cpu"  # cpu (gloo ranks) | cuda (one GPU per rank, nccl)
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
-    # bf16 only, ZeRO-1/2/3: DeepSpeed's low-precision masters. "bf16": bf16_master_weights_and_grads (DeepSpeed
-    # requires offload and ds-cpu-adam, whose moments stay fp32); "bf16-states": also bf16_optimizer_states
+    # DeepSpeed's low-precision masters. bf16, ZeRO-1/2/3: "bf16": bf16_master_weights_and_grads (DeepSpeed
+    # requires offload and ds-cpu-adam, whose moments stay fp32); "bf16-states": also bf16_optimizer_states.
+    # fp16, ZeRO-2 with offload and ds-cpu-adam: "fp16": fp16_master_weights_and_grads
     master: str = "fp32"
     hpz: int = 0  # ZeRO++ hierarchical partitioning (zero_hpz_partition_size) at ZeRO-3: 0 = off
     # Ulysses sequence parallelism: DeepSpeed's parallel_state_sp groups, as ALST and Accelerate's sp_backend

@@ -113,7 +113,9 @@ def _ds_config(spec: RunSpec) -> dict:
         params = {"lr": spec.lr, "momentum": 0.95, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
         config["optimizer"] = {"type": "Muon", "params": params}
         zero["reduce_scatter"] = False  # DeepSpeed 0.19.8 refuses Muon with reduce scatter
-    if spec.master != "fp32":
+    if spec.master == "fp16":
+        config["fp16"]["fp16_master_weights_and_grads"] = True
+    elif spec.master != "fp32":
         config["bf16"]["bf16_master_weights_and_grads"] = True
         config["bf16"]["bf16_optimizer_states"] = spec.master == "bf16-states"
     if spec.grad_accum_dtype:
@@ -356,12 +358,24 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (bool, int, float, str, type(None)))
 
 
+def _allow_fp16_on_cpu() -> None:
+    """DeepSpeed 0.19.8 refuses fp16 on a CPU without oneDNN fp16 kernels (AVX512-FP16 or AMX-FP16:
+    ``is_fp16_supported``), though torch computes fp16 on any CPU, more slowly. The gate is all that is
+    lifted: the engine, its FP16 optimizers and dynamic loss scaler are DeepSpeed's own."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: True  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> None:
     spec = RunSpec.from_json(argv[0])
     os.environ.setdefault("DS_ACCELERATOR", spec.device)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
+    if spec.dtype == "fp16" and spec.device == "cpu":
+        _allow_fp16_on_cpu()
     torch.manual_seed(spec.seed)
     model = TinyLM(spec.model)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
