@@ -5,7 +5,8 @@ A stage-0 source written back at stage 0 gives DeepSpeed's own file, tensor for 
 to DeepSpeed's native resume. ZeRO sources written at stage 0 and another DP size load into a stage-0 engine holding
 the source engine's state bit for bit, and train within 1e-5 of DeepSpeed's native ZeRO resume (fp32: the engines
 agree within 1.2e-7 from one state, measured); the fused FP16_Optimizer's flat groups too. What is not written yet
-(fp16, pipeline and expert targets) is refused in one line before anything is written. TP: tests/test_zero0_tp.py.
+(pipeline and expert targets) is refused in one line before anything is written; fp16: tests/test_fp16.py. TP:
+tests/test_zero0_tp.py.
 """
 
 from __future__ import annotations
@@ -168,22 +169,6 @@ def test_bf16_fused_and_unfused_stage0_files_of_one_state_train_alike(source, un
         optimizer="torch-adamw",
     )
     assert_same_training(fused, unfused, atol=1e-5, steps=False)
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--dtype", "fp16"], "fp16 without ZeRO"),
-    ],
-)
-def test_what_stage0_does_not_write_yet_is_refused_in_one_line_before_writing(
-    args, message, universals, tmp_path, capsys
-):
-    out = tmp_path / "n"
-    assert cli(["restore", str(universals("z1-fp32-dp2-adamw")), str(out), "--dp", "2", "--stage", "0", *args]) != 0
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
-    assert not out.exists()
 
 
 def test_pipeline_target_at_stage0_is_refused(universals, tmp_path):

@@ -9,6 +9,7 @@ target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -17,13 +18,16 @@ from typing import Any
 import torch
 
 from ucp.deepspeed.optim_states import FUSED_MASTERS, UNFUSED_INNER, UNFUSED_MASTERS
-from ucp.io.standins import FragmentAddress, LossScaler, ZeroStageEnum
+from ucp.io.standins import DynamicLossScaler, FragmentAddress, LossScaler, ZeroStageEnum
 from ucp.model.flavours import Flavour
+from ucp.model.loss_scale import LossScale, fresh_fp16_scale
 from ucp.model.partition import Zero12Group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, torch_dtype
 
 __all__ = [
+    "scaler_object",
+    "loss_scale_of",
     "lp_placeholder",
     "model_states",
     "zero_wrapper",
@@ -87,17 +91,40 @@ def model_states(
     return states
 
 
-def zero_wrapper(extras: Mapping[str, Any], *, source_dtype: str, dtype: str, stage: int) -> dict[str, Any]:
-    """The ZeRO wrapper fields shared by every rank's optim file; a loss scaler survives only at the same dtype."""
+def zero_wrapper(
+    extras: Mapping[str, Any], *, source_dtype: str, dtype: str, stage: int, ds_config: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The ZeRO wrapper fields shared by every rank's optim file. A loss scaler survives only at the same dtype;
+    a run that becomes fp16 gets the scaler ``ds_config``'s fp16 block (or DeepSpeed's defaults) starts with,
+    since DeepSpeed's load puts the saved scaler in place of the new run's own."""
     scaler = extras.get("loss_scaler")
-    if scaler is None or dtype != source_dtype:
+    if dtype == "fp16" and (source_dtype != "fp16" or scaler is None):
+        scaler = scaler_object(fresh_fp16_scale(ds_config))
+    elif scaler is None or dtype != source_dtype:
         scaler = LossScaler(cur_scale=1.0, dynamic=False)
     return {
         "zero_stage": ZeroStageEnum(stage),
         "loss_scaler": scaler,
-        "dynamic_loss_scale": extras.get("dynamic_loss_scale") is True and dtype == "fp16",
+        "dynamic_loss_scale": getattr(scaler, "dynamic", False) is True and dtype == "fp16",
         "overflow": False,
     }
+
+
+def scaler_object(scale: LossScale) -> LossScaler | DynamicLossScaler:
+    """DeepSpeed's pickled scaler object holding ``scale`` (a dynamic one keeps its dtype, fp16)."""
+    if not scale.dynamic:
+        return LossScaler(**scale.scaler_fields())
+    return DynamicLossScaler(**scale.scaler_fields(), dtype=torch.float16)
+
+
+def loss_scale_of(scaler: Any) -> LossScale | None:
+    """The numbers of a DeepSpeed scaler object (a checkpoint's, or ``scaler_object``'s); None for anything else."""
+    if isinstance(scaler, DynamicLossScaler):
+        fields = {f.name: getattr(scaler, f.name) for f in dataclasses.fields(LossScale) if hasattr(scaler, f.name)}
+        return LossScale(**fields)
+    if isinstance(scaler, LossScaler):
+        return LossScale(dynamic=False, cur_scale=float(getattr(scaler, "cur_scale", 1.0)))
+    return None
 
 
 def flat_state(
@@ -207,27 +234,31 @@ def client_state_dict(
 
 
 def unfused_wrapper(
-    inner: Mapping[str, Any], masters: Sequence[Sequence[torch.Tensor | Pieces]], *, cur_scale: float, cur_iter: int
+    inner: Mapping[str, Any], masters: Sequence[Sequence[torch.Tensor | Pieces]], *, scale: LossScale
 ) -> dict[str, Any]:
-    """FP16_UnfusedOptimizer.state_dict() (bf16 without ZeRO): a static loss scale, the iteration count, the
-    inner optimizer's state_dict over the fp32 copies and those copies per param group, which its
-    ``load_state_dict`` copies into its own."""
+    """FP16_UnfusedOptimizer.state_dict() (bf16/fp16 without ZeRO): its loss scale's fields, the inner optimizer's
+    state_dict over the fp32 copies and those copies per param group, which its ``load_state_dict`` copies into
+    its own."""
     return {
-        "dynamic_loss_scale": False,
-        "cur_scale": cur_scale,
-        "cur_iter": cur_iter,
+        **scale.wrapper_fields(),
         UNFUSED_INNER: dict(inner),
         UNFUSED_MASTERS: [list(group) for group in masters],
     }
 
 
 def fused_wrapper(
-    inner: Mapping[str, Any], flats: Sequence[torch.Tensor | Pieces], *, clip_grad: float
+    inner: Mapping[str, Any],
+    flats: Sequence[torch.Tensor | Pieces],
+    *,
+    clip_grad: float,
+    scale: LossScale | None = None,
 ) -> dict[str, Any]:
-    """FP16_Optimizer.state_dict() in bf16 (DeepSpeed's fused wrapper, around DeepSpeed or Apex FusedAdam without
-    ZeRO; it saves no loss scale when it does not scale): the inner optimizer's state_dict over one flat fp32
-    master per param group, those masters, and the gradient clipping its ``load_state_dict`` takes."""
-    return {UNFUSED_INNER: dict(inner), FUSED_MASTERS: list(flats), "clip_grad": clip_grad}
+    """FP16_Optimizer.state_dict() (DeepSpeed's fused wrapper, around DeepSpeed or Apex FusedAdam without ZeRO):
+    in fp16 its loss scale's fields (``scale``; in bf16 it scales nothing and saves none), the inner optimizer's
+    state_dict over one flat fp32 master per param group, those masters, and the gradient clipping its
+    ``load_state_dict`` takes."""
+    fields = scale.wrapper_fields() if scale is not None else {}
+    return {**fields, UNFUSED_INNER: dict(inner), FUSED_MASTERS: list(flats), "clip_grad": clip_grad}
 
 
 def _head(flat: torch.Tensor | Pieces, n: int) -> torch.Tensor | Pieces:

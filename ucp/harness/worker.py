@@ -345,6 +345,9 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
         "skipped_steps": engine.skipped_steps,
     }
     scaler = getattr(engine.optimizer, "loss_scaler", None)
+    config = getattr(engine.optimizer, "loss_scale_config", None)
+    if scaler is None and getattr(config, "use_grad_scaling", False):  # an fp16 wrapper without ZeRO keeps it here
+        scaler = config
     out["loss_scaler"] = None if scaler is None else {k: v for k, v in vars(scaler).items() if _plain(v)}
     out["lr_scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     out["lrs"] = [g["lr"] for g in base.param_groups]

@@ -42,10 +42,11 @@ from ucp.deepspeed.model_states import (
     zero12_frozen_values,
 )
 from ucp.deepspeed.optim_states import FUSED_MASTERS, STEP_KEY, UNFUSED_INNER, UNFUSED_MASTERS, flat_state_scalars
+from ucp.deepspeed.states import scaler_object
 from ucp.errors import InputError
-from ucp.io.standins import LossScaler
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import detect
+from ucp.model.loss_scale import scale_from_wrapper
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta
 
@@ -54,6 +55,8 @@ __all__ = ["Zero0Source"]
 logger = logging.getLogger(__name__)
 
 _INNER, _MASTERS, _FLAT_MASTERS = UNFUSED_INNER, UNFUSED_MASTERS, FUSED_MASTERS
+#: the loss-scale fields DeepSpeed's FP16 wrappers save (the last three with a dynamic scale only)
+_WRAPPER_SCALE = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
 
 
 class Zero0Source(Reader):
@@ -120,11 +123,15 @@ class Zero0Source(Reader):
         return head
 
     def _unwrap(
-        self, opt: Mapping[str, Any], dtype: str, candidates: list[tuple[str, torch.Tensor]]
+        self,
+        opt: Mapping[str, Any],
+        candidates: list[tuple[str, torch.Tensor]],
+        head_config: Mapping[str, Any],
     ) -> tuple[Mapping[str, Any], list[list[torch.Tensor]] | None]:
         """The torch optimizer's state_dict and, under DeepSpeed's FP16 wrappers, its fp32 masters per group
-        (the fused one's flat groups cut per parameter, see :func:`_unflatten`); the wrapper's loss scale (a
-        static one only) and gradient clipping are kept for ``extras``."""
+        (the fused one's flat groups cut per parameter, see :func:`_unflatten`); the wrapper's loss scale (as the
+        scaler a ZeRO run keeps, its minimum and hysteresis from ``head_config``, the run's DeepSpeed config) and
+        gradient clipping are kept for ``extras``."""
         name = self._name()
         self._zero: dict[str, Any] | None = None
         fused = _FLAT_MASTERS in opt
@@ -135,19 +142,17 @@ class Zero0Source(Reader):
                     "nor one of DeepSpeed's FP16 optimizer wrappers': the file is damaged or not from DeepSpeed"
                 )
             return opt, None
-        wrapper = "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"
         dynamic = opt.get("dynamic_loss_scale", False)  # the fused wrapper saves no scale when it does not scale
         if not isinstance(dynamic, bool):
             raise InputError(f"{name}: optimizer dynamic_loss_scale is {dynamic!r:.40}, not a flag: file damaged")
-        if dynamic:
-            raise InputError(
-                f"{name}: a {dtype} run with a dynamic loss scale ({wrapper}): ucp cannot carry its "
-                "scale into a ZeRO run's loss scaler (the file lacks its hysteresis and minimum); not converted"
-            )
-        scale = opt.get("cur_scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise InputError(f"{name}: optimizer cur_scale is {scale!r:.40}, not a number: file damaged")
-        self._zero = {"loss_scaler": LossScaler(cur_scale=scale, dynamic=False), "dynamic_loss_scale": False}
+        numbers = {"cur_scale": 1.0, "cur_iter": 0} | {k: opt[k] for k in _WRAPPER_SCALE if k in opt}
+        for key in ("cur_scale", "cur_iter", *(_WRAPPER_SCALE[2:] if dynamic else ())):
+            value = numbers.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"{name}: optimizer {key} is {value!r:.40}, not a number: file damaged")
+        # the wrapper keeps no minimum or hysteresis: those come from the run's fp16 config, the hysteresis whole
+        scale = scale_from_wrapper({"dynamic_loss_scale": dynamic, **numbers}, head_config)
+        self._zero = {"loss_scaler": scaler_object(scale), "dynamic_loss_scale": dynamic}
         clip = opt.get("clip_grad")
         if isinstance(clip, (int, float)) and not isinstance(clip, bool):
             self._zero["clip_grad"] = float(clip)
@@ -229,7 +234,8 @@ class Zero0Source(Reader):
         if unknown:
             raise InputError(f"{name}: the frozen names given list {unknown[:3]}, which its module does not hold")
         trainable = [(n, t) for n, t in candidates.items() if n not in set(frozen)]
-        inner, masters = self._unwrap(need_mapping(head["optimizer"], f"{name}: optimizer"), dtype, trainable)
+        opt = need_mapping(head["optimizer"], f"{name}: optimizer")
+        inner, masters = self._unwrap(opt, trainable, ds_config)
         groups_raw, members, state = self._members(inner)
         if masters is not None and [len(m) for m in masters] != [len(m) for m in members]:
             raise InputError(

@@ -112,12 +112,20 @@ def live_groups(
     return groups
 
 
+#: an engine's parameter dtype as ucp names it
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
 def loss_scaler_wrapper(opt: Any, reader: Reader, stage: int) -> dict[str, Any]:
     """The ZeRO wrapper fields of the optimizer block, with the checkpoint's loss scaler state moved
-    into the engine's own scaler object (it keeps its class, the checkpoint gives its numbers)."""
+    into the engine's own scaler object (it keeps its class, the checkpoint gives its numbers), when the
+    checkpoint ran in the engine's dtype: an engine of another dtype keeps the scaler its config made (a bf16
+    run's static 1 would switch an fp16 engine's scaling off, an fp16 run's scale would scale a bf16 engine)."""
     scaler = getattr(opt, "loss_scaler", None)
     saved = reader.extras().get("loss_scaler")
-    if scaler is not None and saved is not None and hasattr(saved, "__dict__"):
+    dtype = getattr(opt, "dtype", None)
+    same_dtype = isinstance(dtype, torch.dtype) and _DTYPE_NAMES.get(dtype) == reader.facts.info.dtype
+    if scaler is not None and saved is not None and hasattr(saved, "__dict__") and same_dtype:
         scaler.__dict__.update(saved.__dict__)
     return {
         "zero_stage": stage,

@@ -4,8 +4,9 @@ fp32: the optimizer is the client's own, over the module's parameters. bf16 with
 wraps it in FP16_UnfusedOptimizer, which steps fp32 copies (``fp32_groups``, in step with the module's
 ``fp16_groups``), or, around DeepSpeed or Apex FusedAdam, in FP16_Optimizer, which steps one flat fp32 copy
 per param group (``fp32_groups_flat``): the masters and optimizer state go to the copies and the module takes
-them cast, as its own ``load_state_dict`` leaves them. fp16 without ZeRO keeps a loss scale in the wrapper's
-own fields, which ucp does not set yet: refused in one line.
+them cast, as its own ``load_state_dict`` leaves them. In fp16 the wrapper keeps its loss scale in its own
+fields (``loss_scale_config``): a checkpoint that ran in fp16 sets them as the wrapper's ``load_state_dict``
+does; another keeps the ones the engine's config made.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ucp.deepspeed import states as ds_states
 from ucp.errors import InputError
 from ucp.model.detect import detect_live
 from ucp.model.records import ParamState, Reader
@@ -43,11 +45,6 @@ def restore_zero0(
     opt = engine.optimizer
     module: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
     wrapper = type(opt).__name__
-    if wrapper in _FP32_COPIES + _FLAT_COPIES and getattr(opt, "low_precision_dtype", torch.bfloat16) != torch.bfloat16:
-        raise InputError(
-            f"fp16 without ZeRO keeps its loss scale in {wrapper}'s own fields, which ucp does not "
-            "restore: use ZeRO-1/2/3 (zero_optimization.stage) or bf16"
-        )
     if wrapper in _FLAT_COPIES:
         named = _restore_flat(opt, module, reader, optimizer, load_optimizer_states, strict, step_of)
     else:
@@ -72,6 +69,20 @@ def restore_zero0(
         for name, param in module.items():
             if named[name] is not param:  # the module's bf16 weight from its restored fp32 copy
                 param.copy_(named[name].to(param.dtype))
+    if wrapper in _FP32_COPIES + _FLAT_COPIES:
+        _restore_scale(opt, reader)
+
+
+def _restore_scale(opt: Any, reader: Reader) -> None:
+    """An fp16 wrapper's loss scale from a checkpoint that ran in fp16 (the fields its ``load_state_dict`` sets)."""
+    config = getattr(opt, "loss_scale_config", None)
+    if getattr(opt, "low_precision_dtype", None) != torch.float16 or reader.facts.info.dtype != "fp16":
+        return
+    scale = ds_states.loss_scale_of(reader.extras().get("loss_scaler"))
+    if config is None or scale is None:
+        return
+    for key, value in scale.wrapper_fields().items():
+        setattr(config, key, value)
 
 
 def _restore_flat(

@@ -50,8 +50,9 @@ def module_of(reader: Reader, weights: Mapping[str, Weight], *, apart: Collectio
 
 
 def zero_wrapper(reader: Reader, plan: NativePlan) -> dict[str, Any]:
+    info = reader.facts.info
     return ds_states.zero_wrapper(
-        reader.extras(), source_dtype=reader.facts.info.dtype, dtype=plan.dtype, stage=plan.stage
+        reader.extras(), source_dtype=info.dtype, dtype=plan.dtype, stage=plan.stage, ds_config=info.ds_config
     )
 
 

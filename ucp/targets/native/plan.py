@@ -13,6 +13,7 @@ from ucp.errors import ConfigError
 from ucp.model import flavours
 from ucp.model.batch import global_batch_advice
 from ucp.model.detect import low_precision_masters, offloads_optimizer, round_robin_gradients
+from ucp.model.loss_scale import fresh_fp16_scale
 from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
@@ -147,7 +148,12 @@ def plan_native(
         raise ConfigError(f"round_robin_gradients applies to ZeRO-1/2, not {zero_label(options.stage)}")
     flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
     if options.stage == 0:
-        _check_zero0(plan, sets)
+        _check_zero0(sets)
+        if plan.dtype == "fp16" and facts.info.dtype == "fp16" and facts.info.zero_stage:
+            plan.notes.append(
+                "DeepSpeed's FP16 optimizer wrappers without ZeRO keep no loss-scale hysteresis: the scale, its "
+                "counters and window are carried, and an overflow halves the scale at once from here on"
+            )
         files = "the one mp_rank_00_model_states.pt" if options.tp == 1 else "its TP rank's mp_rank_XX_model_states.pt"
         plan.notes.append(
             f"without ZeRO every rank loads {files}: the checkpoint serves any DP size, and the new run's optimizer "
@@ -177,6 +183,12 @@ def plan_native(
             f"{low.masters} masters too, DeepSpeed 0.19.8's load_checkpoint casts the moments to {low.masters}; "
             "ucp.restore(engine, ...) keeps them fp32"
         )
+    if plan.dtype == "fp16" and facts.info.dtype != "fp16":
+        plan.notes.append(
+            f"the run becomes fp16: its loss scaler starts {fresh_fp16_scale(facts.info.ds_config).describe()}, "
+            "from the source config's fp16 block or DeepSpeed's defaults (DeepSpeed's load puts the checkpoint's "
+            "scaler in place of the one the new run's config makes; ucp.restore(engine, ...) keeps the engine's)"
+        )
     if batch_note:
         plan.notes += _batch_notes(facts, options.dp)
     if name != facts.flavour and facts.flavour is not None:
@@ -184,13 +196,8 @@ def plan_native(
     return plan
 
 
-def _check_zero0(plan: NativePlan, sets: Mapping[int, Zero12Sets] | None) -> None:
-    """What a checkpoint without ZeRO is written for: the client optimizer (fp32), or DeepSpeed's bf16 wrappers."""
-    if plan.dtype == "fp16":
-        raise ConfigError(
-            "fp16 without ZeRO keeps a dynamic loss scale in DeepSpeed's FP16 optimizer wrappers, which ucp does not "
-            "write yet: write bf16 or fp32 (--dtype), or a ZeRO stage"
-        )
+def _check_zero0(sets: Mapping[int, Zero12Sets] | None) -> None:
+    """What a checkpoint without ZeRO cannot hold."""
     if sets:
         raise ConfigError("expert parameters held by some ranks only need a ZeRO stage: a stage-0 target holds all")
 

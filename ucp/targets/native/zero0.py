@@ -6,14 +6,15 @@ output folder. Without ZeRO every rank holds the whole model and optimizer, so o
 tied aliases and buffers too) and ``optimizer``, what the new engine's optimizer loads. In fp32 that is
 the client torch optimizer's own ``state_dict()``: state by parameter index, param groups in the
 source's order with their members in its order (which is how DeepSpeed's loader and torch's match
-them to the new run's parameters). In bf16 DeepSpeed 0.19.8 wraps the optimizer: FP16_UnfusedOptimizer
+them to the new run's parameters). In bf16 and fp16 DeepSpeed 0.19.8 wraps the optimizer: FP16_UnfusedOptimizer
 keeps the same state_dict beside the fp32 masters per group; for DeepSpeed or Apex FusedAdam its fused
 FP16_Optimizer steps one flat fp32 master per group (members one after the other, no padding), so the
 state is written flat too. Tensors are the reader's spans, copied straight into the file (a reader that
 does not stream is read once, parameter by parameter).
 
 At TP > 1 every TP rank has its own such file (``mp_rank_MM_model_states.pt``) of its shards, with the
-``universal_checkpoint_info`` describing them. Not written: fp16 (the wrappers' dynamic loss scale).
+``universal_checkpoint_info`` describing them. In fp16 the wrapper's fields carry the loss scale (the wrappers keep
+no hysteresis or minimum: the new run's config gives those).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file
+from ucp.model.loss_scale import LossScale, fresh_fp16_scale
 from ucp.model.pieces import Pieces
 from ucp.model.records import PieceState, Reader, torch_dtype
 from ucp.model.steps import settle_steps
@@ -39,8 +41,8 @@ __all__ = ["write_zero0", "WRITTEN_DTYPES"]
 
 logger = logging.getLogger(__name__)
 
-#: the dtypes a stage-0 checkpoint is written in: fp32 (the client optimizer) and bf16 (FP16_UnfusedOptimizer)
-WRITTEN_DTYPES = ("fp32", "bf16")
+#: the dtypes a stage-0 checkpoint is written in: fp32 (the client optimizer), bf16 and fp16 (DeepSpeed's wrappers)
+WRITTEN_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:
@@ -92,8 +94,7 @@ def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
             )
             if plan.dtype != "fp32":
                 masters = [[states[i].fp32 for i in span] for span in spans]
-                scale, iteration = _static_scale(reader, plan), facts.info.global_steps
-                optimizer = ds_states.unfused_wrapper(optimizer, masters, cur_scale=scale, cur_iter=iteration)
+                optimizer = ds_states.unfused_wrapper(optimizer, masters, scale=_wrapper_scale(reader, plan))
         lp = torch_dtype(plan.dtype)
         weights = {name: module_weight(state, lp) for name, state in located.states.items()}
         save_rank_file(_model_file(reader, plan, weights, optimizer), tag_dir / model_file(plan.mp_rank))
@@ -130,7 +131,8 @@ def _fused(
         flavour=plan.flavour, optim=optim, steps=flat_steps, scalars=flat_scalars, groups=groups, moments=moments
     )
     clip = ds_states.clip_grad(reader.extras(), facts.info.ds_config, facts.info.ds_version)
-    return ds_states.fused_wrapper(inner, flats, clip_grad=clip)
+    scale = _wrapper_scale(reader, plan) if plan.dtype == "fp16" else None
+    return ds_states.fused_wrapper(inner, flats, clip_grad=clip, scale=scale)
 
 
 def _group_step(plan: NativePlan, steps: list[int]) -> int:
@@ -141,12 +143,16 @@ def _group_step(plan: NativePlan, steps: list[int]) -> int:
     return max(steps, default=0)
 
 
-def _static_scale(reader: Reader, plan: NativePlan) -> float:
-    """FP16_UnfusedOptimizer's static loss scale in bf16: the source's when it ran in bf16, else 1."""
-    scaler = reader.extras().get("loss_scaler")
-    if scaler is None or reader.facts.info.dtype != plan.dtype:
-        return 1.0
-    return float(getattr(scaler, "cur_scale", 1.0))
+def _wrapper_scale(reader: Reader, plan: NativePlan) -> LossScale:
+    """The loss scale the wrapper is written with. fp16: the source's when it ran in fp16 (a ZeRO run's scaler
+    or a wrapper's), else what the source config's fp16 block (or DeepSpeed's defaults) starts. bf16: a static
+    scale, the source's when it ran in bf16, else 1; its iteration count is the engine's step count."""
+    facts = reader.facts
+    saved = ds_states.loss_scale_of(reader.extras().get("loss_scaler")) if facts.info.dtype == plan.dtype else None
+    if plan.dtype == "fp16":
+        return saved if saved is not None else fresh_fp16_scale(facts.info.ds_config)
+    cur_scale = saved.cur_scale if saved is not None else 1.0
+    return LossScale(dynamic=False, cur_scale=cur_scale, cur_iter=facts.info.global_steps)
 
 
 def _model_file(reader: Reader, plan: NativePlan, weights: dict[str, Weight], optimizer: Any) -> dict[str, Any]:
