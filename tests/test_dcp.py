@@ -182,11 +182,16 @@ def test_dcp_source_reads_what_the_fsdp2_run_held(fsdp_source):
         assert reader.extras()["lr_scheduler"] == record["lr_scheduler"]
 
 
-def test_fsdp2_run_moves_to_deepspeed_zero3_at_dp3(fsdp_source, fsdp_own_resume, tmp_path):
+@pytest.mark.parametrize("stage", [3, 2])
+def test_fsdp2_run_moves_to_deepspeed_zero_at_dp3(fsdp_source, fsdp_own_resume, stage, tmp_path, capsys):
+    """At ZeRO-3 (a DCP source's default) and ZeRO-2, whose load asserts a ds_version the source cannot name and
+    takes the gradient clipping from the files."""
     u, native = tmp_path / "u", tmp_path / "ds"
     assert cli(["to-universal", str(fsdp_source / "dcp"), str(u)]) == 0
-    assert cli(["restore", str(u), str(native), "--dp", "3"]) == 0
-    spec = replace(FSDP_SOURCE, dp=3, steps=3, first_step=3, load=LoadSpec(str(native)), record=str(tmp_path / "r.pt"))
+    assert cli(["restore", str(u), str(native), "--dp", "3", "--stage", str(stage)]) == 0
+    assert ("records no gradient clipping" in capsys.readouterr().err) == (stage == 2)
+    load = LoadSpec(str(native))
+    spec = replace(FSDP_SOURCE, dp=3, stage=stage, steps=3, first_step=3, load=load, record=str(tmp_path / "r.pt"))
     run_ranks(spec, log_dir=tmp_path / "logs")
     assert_same_training(fsdp_own_resume, _record(spec.record), atol=1e-5)
 

@@ -26,6 +26,7 @@ from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, torch_dtype
 
 __all__ = [
+    "WRITTEN_DS_VERSION",
     "scaler_object",
     "loss_scale_of",
     "lp_placeholder",
@@ -84,7 +85,7 @@ def model_states(
         "dp_world_size": dp,
         "mp_world_size": tp,
         "ds_config": info.ds_config,
-        "ds_version": info.ds_version,
+        "ds_version": info.ds_version or WRITTEN_DS_VERSION,
     }
     states.update(extra)
     states.update(extras.get("client_state") or {})
@@ -214,7 +215,7 @@ def zero12_optim_block(
         "group_paddings": paddings,
         "param_alignment_paddings": alignment_paddings,
         "partition_count": [layout.dp for layout in layouts],
-        "ds_version": ds_version,
+        "ds_version": ds_version or WRITTEN_DS_VERSION,
         "param_slice_mappings": mappings,
     }
 
@@ -277,8 +278,12 @@ def frozen_fields(shapes: Mapping[str, torch.Size], fragments: Mapping[str, Any]
 
 def optim_file_dict(block: Mapping[str, Any], ds_config: Mapping[str, Any], ds_version: str | None) -> dict[str, Any]:
     """What one ``*_optim_states.pt`` file holds around its optimizer block."""
-    return {"optimizer_state_dict": block, "ds_config": ds_config, "ds_version": ds_version}
+    return {"optimizer_state_dict": block, "ds_config": ds_config, "ds_version": ds_version or WRITTEN_DS_VERSION}
 
+
+#: the DeepSpeed release whose layout ucp writes: stamped as ``ds_version`` on the files of a source that names
+#: none (an FSDP2 run's DCP folder), since DeepSpeed's ZeRO-1/2 load asserts one
+WRITTEN_DS_VERSION = "0.19.8"
 
 #: DeepSpeed clips gradients at 1.0 when the config does not say from 0.19.3 on (deepspeedai/DeepSpeed#8068,
 #: ``GRADIENT_CLIPPING_DEFAULT``); earlier versions did not clip
@@ -341,7 +346,7 @@ def universal_optimizer_state(facts: Facts, extras: Mapping[str, Any]) -> dict[s
         "partition_count": info.dp_world_size,
         "optimizer_state_dict": inner,
         "param_groups": group_dicts,
-        "ds_version": info.ds_version,  # DeepSpeed's ZeRO-1/2 universal loader asserts it
+        "ds_version": info.ds_version or WRITTEN_DS_VERSION,  # DeepSpeed's ZeRO-1/2 universal loader asserts it
     }
 
 
@@ -364,6 +369,6 @@ def universal_model_states(
         "dp_world_size": info.dp_world_size,
         "mp_world_size": info.mp_world_size,
         "ds_config": info.ds_config,
-        "ds_version": info.ds_version,
+        "ds_version": info.ds_version or WRITTEN_DS_VERSION,
         **dict(extras.get("client_state") or {}),
     }

@@ -14,6 +14,7 @@ the largest parameter; byte items are unpickled with ``weights_only=True`` only.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -26,10 +27,12 @@ from typing import Any
 
 import torch
 
+from ucp.deepspeed.states import scaler_object
 from ucp.errors import CorruptFileError, InputError
 from ucp.io.small_files import read_small
 from ucp.model.detect import detect
 from ucp.model.hyper import hyper_from_group, raw_group
+from ucp.model.loss_scale import LossScale
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 
 __all__ = [
@@ -408,4 +411,15 @@ class DcpSource(Reader):
         return {name: self._model_tensor(name) for name in self.facts.buffer_names}
 
     def extras(self) -> dict[str, Any]:
-        return {"lr_scheduler": self._extras.get(SCHEDULER), "client_state": {}}
+        out: dict[str, Any] = {"lr_scheduler": self._extras.get(SCHEDULER), "client_state": {}}
+        train = self._extras.get(TRAIN_STATE)
+        saved = train.get("loss_scale") if isinstance(train, Mapping) else None
+        if isinstance(saved, Mapping):  # an fp16 DeepSpeed run's scaler, kept by ucp's DCP writer
+            names = {f.name for f in dataclasses.fields(LossScale)}
+            try:
+                scale = LossScale(**{k: v for k, v in saved.items() if k in names})
+            except TypeError as err:
+                raise InputError(f"{self.path}: train_state.loss_scale is not a loss scale ({err})") from None
+            out["loss_scaler"] = scaler_object(scale)
+            out["dynamic_loss_scale"] = scale.dynamic
+        return out

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ucp.deepspeed import states as ds_states
 from ucp.errors import ConfigError, InputError
 from ucp.io.atomic import staged_output
 from ucp.model import flavours
@@ -191,7 +192,24 @@ def plan_dcp(
         "param_groups": _groups(facts, kind, adam_w, plan),
     }
     info = facts.info
-    train = {"step": info.global_steps, "global_samples": info.global_samples or 0, "skipped_steps": info.skipped_steps}
+    train: dict[str, Any] = {
+        "step": info.global_steps,
+        "global_samples": info.global_samples or 0,
+        "skipped_steps": info.skipped_steps,
+    }
+    scale = ds_states.loss_scale_of(extras.get("loss_scaler")) if info.dtype == "fp16" else None
+    if scale is not None:
+        plan.notes.append(
+            f"the source trained in fp16 with a {'dynamic' if scale.dynamic else 'static'} loss scale of "
+            f"{scale.cur_scale:g}: DCP keeps no loss scaler; "
+            + (
+                "train_state.loss_scale holds it (torch.amp.GradScaler(init_scale=...) continues it; ucp reads it back)"
+                if layout == "torch"
+                else "torchtitan's train_state has no place for it"
+            )
+        )
+        if layout == "torch":
+            train["loss_scale"] = scale.scaler_fields()
     record = {"format_version": 1, "dtype": info.dtype, "tied": facts.tied, "buffers": list(facts.buffer_names)}
     plan.state = {MODEL: model, OPTIM: optim, TRAIN_STATE: train, UCP_KEY: json.dumps(record, sort_keys=True)}
     if titan:

@@ -183,6 +183,11 @@ def plan_native(
             f"{low.masters} masters too, DeepSpeed 0.19.8's load_checkpoint casts the moments to {low.masters}; "
             "ucp.restore(engine, ...) keeps them fp32"
         )
+    if options.stage in (1, 2) and facts.info.format == "dcp":
+        plan.notes.append(
+            "the source records no gradient clipping: the ZeRO-1/2 files say 1.0 (DeepSpeed 0.19's default), which "
+            "DeepSpeed's load takes over the new run's gradient_clipping"
+        )
     if plan.dtype == "fp16" and facts.info.dtype != "fp16":
         plan.notes.append(
             f"the run becomes fp16: its loss scaler starts {fresh_fp16_scale(facts.info.ds_config).describe()}, "
