@@ -186,6 +186,12 @@ def _dynamic_scale(tag: Path) -> None:
     resave(model, path)
 
 
+def _nan_scale(tag: Path) -> None:
+    path, model = _model(tag)
+    model["optimizer"]["cur_scale"] = float("nan")
+    resave(model, path)
+
+
 def _say_stage2(tag: Path) -> None:
     path, model = _model(tag)
     model["ds_config"]["zero_optimization"]["stage"] = 2
@@ -214,6 +220,7 @@ def _reorder_group(tag: Path) -> None:
         ("fp32", _drop_state, "holds state for 10 of the 11 parameters"),
         ("bf16", _short_masters, r"fp32 masters per group, the optimizer's param groups \[5, 6\]"),
         ("bf16", _dynamic_scale, "optimizer last_overflow_iter is None, not a number: file damaged"),
+        ("bf16", _nan_scale, "the optimizer's loss scale is damaged: cur_scale is nan"),
         ("fp32", _say_stage2, "ds_config says zero stage 2.*optim files are missing"),
         ("bf16", _reorder_group, "do not follow the model's parameter order"),
         ("bf16-fused", _short_flat, "fill 76 of the 83 elements of param group 1.s flat fp32 master"),

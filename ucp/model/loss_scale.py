@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 __all__ = ["LossScale", "fresh_fp16_scale", "scale_from_wrapper"]
@@ -71,6 +71,21 @@ class LossScale:
                 scale_window=self.scale_window,
             )
         return fields
+
+    def problem(self) -> str | None:
+        """What makes these numbers no scaler DeepSpeed could have saved (None when they are sound)."""
+        numbers = {f.name: getattr(self, f.name) for f in fields(self)}
+        flags = ("dynamic", "consecutive_hysteresis", "raise_error_at_min_scale")
+        for name, value in numbers.items():
+            if (name in flags) != isinstance(value, bool) or (
+                name not in flags and not (isinstance(value, (int, float)) and math.isfinite(value))
+            ):
+                return f"{name} is {value!r:.40}"
+        positive = ("cur_scale", "scale_factor", "scale_window", "min_scale") if self.dynamic else ("cur_scale",)
+        for name in positive:
+            if numbers[name] <= 0:
+                return f"{name} is {numbers[name]!r}, not positive"
+        return None
 
     def describe(self) -> str:
         """``dynamic from 2**16 (window 1000, hysteresis 2, minimum 1)``, or ``static at 128``."""

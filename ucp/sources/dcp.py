@@ -420,6 +420,8 @@ class DcpSource(Reader):
                 scale = LossScale(**{k: v for k, v in saved.items() if k in names})
             except TypeError as err:
                 raise InputError(f"{self.path}: train_state.loss_scale is not a loss scale ({err})") from None
+            if scale.problem() is not None:
+                raise InputError(f"{self.path}: train_state.loss_scale is damaged: {scale.problem()}")
             out["loss_scaler"] = scaler_object(scale)
             out["dynamic_loss_scale"] = scale.dynamic
         return out

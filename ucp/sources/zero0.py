@@ -152,6 +152,8 @@ class Zero0Source(Reader):
                 raise InputError(f"{name}: optimizer {key} is {value!r:.40}, not a number: file damaged")
         # the wrapper keeps no minimum or hysteresis: those come from the run's fp16 config, the hysteresis whole
         scale = scale_from_wrapper({"dynamic_loss_scale": dynamic, **numbers}, head_config)
+        if scale.problem() is not None:
+            raise InputError(f"{name}: the optimizer's loss scale is damaged: {scale.problem()}")
         self._zero = {"loss_scaler": scaler_object(scale), "dynamic_loss_scale": dynamic}
         clip = opt.get("clip_grad")
         if isinstance(clip, (int, float)) and not isinstance(clip, bool):
