@@ -9,7 +9,6 @@ target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, t
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -121,8 +120,7 @@ def scaler_object(scale: LossScale) -> LossScaler | DynamicLossScaler:
 def loss_scale_of(scaler: Any) -> LossScale | None:
     """The numbers of a DeepSpeed scaler object (a checkpoint's, or ``scaler_object``'s); None for anything else."""
     if isinstance(scaler, DynamicLossScaler):
-        fields = {f.name: getattr(scaler, f.name) for f in dataclasses.fields(LossScale) if hasattr(scaler, f.name)}
-        return LossScale(**fields)
+        return LossScale.from_fields({"dynamic": True, **vars(scaler)})
     if isinstance(scaler, LossScaler):
         return LossScale(dynamic=False, cur_scale=float(getattr(scaler, "cur_scale", 1.0)))
     return None

@@ -42,6 +42,12 @@ class LossScale:
     consecutive_hysteresis: bool = False
     raise_error_at_min_scale: bool = True
 
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any]) -> LossScale:
+        """From a scaler's attributes, others (DeepSpeed's ``dtype``) left out; TypeError when one is missing."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
     def scaler_fields(self) -> dict[str, Any]:
         """The attributes of DeepSpeed's scaler object (``DynamicLossScaler``, or a static ``LossScaler``)."""
         if not self.dynamic:

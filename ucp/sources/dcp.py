@@ -14,7 +14,6 @@ the largest parameter; byte items are unpickled with ``weights_only=True`` only.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
@@ -415,9 +414,8 @@ class DcpSource(Reader):
         train = self._extras.get(TRAIN_STATE)
         saved = train.get("loss_scale") if isinstance(train, Mapping) else None
         if isinstance(saved, Mapping):  # an fp16 DeepSpeed run's scaler, kept by ucp's DCP writer
-            names = {f.name for f in dataclasses.fields(LossScale)}
             try:
-                scale = LossScale(**{k: v for k, v in saved.items() if k in names})
+                scale = LossScale.from_fields(saved)
             except TypeError as err:
                 raise InputError(f"{self.path}: train_state.loss_scale is not a loss scale ({err})") from None
             if scale.problem() is not None:
