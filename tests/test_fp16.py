@@ -18,6 +18,8 @@ scale (a bf16 run's static scale of 1 would switch scaling off).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import ucp
@@ -152,3 +154,15 @@ def test_the_loss_scale_crosses_a_dcp_folder_and_back(universal, tmp_path, caplo
     after = resume(built, LoadSpec(str(tmp_path / "n")), dp=3, steps=0, name="after", work=tmp_path)
     assert after["loss_scaler"] == built.record["loss_scaler"]
     assert_every_state_equals_record(after, built.record)
+
+
+def test_inspect_shows_the_loss_scale(tmp_path, capsys):
+    built = build(**SOURCES["z2"])
+    assert cli(["inspect", str(built.path)]) == 0
+    line = (
+        "loss scale dynamic, now 32768 (window 1000, hysteresis 1 of 1 left, minimum 1, last overflow at iteration 4)"
+    )
+    assert line in capsys.readouterr().out
+    assert cli(["inspect", str(build(**STAGE0["z0-unfused"]).path), "--json"]) == 0
+    scale = json.loads(capsys.readouterr().out)["loss_scale"]
+    assert scale["dynamic"] and scale["cur_scale"] == 2**20 and scale["last_overflow_iter"] == -1

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ucp.deepspeed import states as ds_states
 from ucp.model import flavours
 from ucp.model.detect import low_precision_masters, round_robin_gradients
 from ucp.model.records import Facts, Reader
@@ -117,6 +118,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "low_precision_masters": _masters(info.ds_config),
         # ZeRO-1/2 flat groups in round-robin order: a restore keeps the setting unless told
         "round_robin_gradients": info.zero_stage in (1, 2) and round_robin_gradients(info.ds_config),
+        "loss_scale": _loss_scale(reader),
     }
     # a pipeline-parallel source's stages, a mixture-of-experts source's MoE or AutoEP layers (a universal directory
     # keeps its source's in ucp.json)
@@ -126,6 +128,28 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         report["format_version"] = manifest.get("format_version")
         report["created_by"] = manifest.get("created_by")
     return report
+
+
+def _loss_scale(reader: Reader) -> dict[str, Any] | None:
+    """An fp16 source's loss scaler, as its numbers (what a restore carries to an fp16 run)."""
+    if reader.facts.info.dtype != "fp16":
+        return None
+    scale = ds_states.loss_scale_of(reader.extras().get("loss_scaler"))
+    return None if scale is None else scale.scaler_fields()
+
+
+def _loss_scale_line(scale: dict[str, Any]) -> str:
+    """``loss scale dynamic, now 32768 (window 1000, hysteresis 1 of 2 left, minimum 1, last overflow at 4)``."""
+    now = scale["cur_scale"]
+    now = f"{int(now)}" if float(now).is_integer() else f"{now:g}"
+    if not scale["dynamic"]:
+        return f"  loss scale static, {now}"
+    last = scale["last_overflow_iter"]
+    return (
+        f"  loss scale dynamic, now {now} (window {scale['scale_window']}, hysteresis "
+        f"{scale['cur_hysteresis']} of {scale['delayed_shift']} left, minimum {scale['min_scale']:g}, "
+        + ("no overflow yet)" if last < 0 else f"last overflow at iteration {last})")
+    )
 
 
 def _masters(ds_config: dict[str, Any]) -> dict[str, str] | None:
@@ -229,6 +253,8 @@ def format_report(report: dict[str, Any]) -> str:
     low = report.get("low_precision_masters")
     if low:
         lines.insert(2, f"  masters {low['masters']} ({low['option']}), optimizer state {low['state']}")
+    if report.get("loss_scale"):
+        lines.insert(2, _loss_scale_line(report["loss_scale"]))
     if report.get("round_robin_gradients"):
         lines.insert(2, "  round_robin_gradients: each param group flattened in round-robin order over the ranks")
     if report.get("hf"):
