@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ucp
-from tests.support.checks import assert_every_state_equals_record, assert_same_training
+from tests.support.checks import assert_every_state_equals_record, assert_reader_holds_every_state, assert_same_training
 from tests.support.fixtures import Built, build, resume, universals_of
 from ucp.cli import main as cli
 from ucp.harness import LoadSpec
@@ -65,12 +65,7 @@ def test_low_precision_masters_and_every_moment_reach_the_universal_directory_bi
     if built.spec.dtype == "fp16":  # overflows skipped steps: the step counters disagree
         assert 0 < record["counters"]["skipped_steps"] < built.spec.steps, record["counters"]
     with open_universal(universal(name)) as reader:
-        for param, value in record["params"].items():
-            state = reader.read(param)
-            assert torch.equal(state.fp32, value), param
-            assert set(state.optim) == {k for k, per in record["state"].items() if param in per}, param
-            for key in state.optim:
-                assert torch.equal(state.optim[key], record["state"][key][param].float()), (param, key)
+        assert_reader_holds_every_state(reader, record)
 
 
 @pytest.mark.parametrize("name", list(SOURCES))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ucp
-from tests.support.checks import assert_same_training, assert_state_equals_record
+from tests.support.checks import assert_reader_holds_every_state, assert_same_training, assert_state_equals_record
 from tests.support.ds_convert import ds_to_universal
 from tests.support.fixtures import build, resume, universals_of
 from ucp.cli import main as cli
@@ -61,13 +61,7 @@ def test_the_record_is_the_module_and_deepspeeds_own_mapping_is_not():
 def test_every_state_reaches_the_universal_directory_bit_exact(universal, name):
     record = build(**SOURCES[name]).record
     with open_universal(universal(name)) as reader:
-        assert {m.name for m in reader.facts.params if not m.frozen} == set(record["params"])
-        for param, value in record["params"].items():
-            state = reader.read(param)
-            assert torch.equal(state.fp32, value), param
-            assert set(state.optim) == set(record["state"]), param
-            for key in state.optim:
-                assert torch.equal(state.optim[key], record["state"][key][param]), (param, key)
+        assert_reader_holds_every_state(reader, record)
         for group in reader.facts.groups:  # the original order (the model's), not the flat buffer's
             assert group.params == [n for n in record["names"] if n in set(group.params)]
 

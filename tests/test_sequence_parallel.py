@@ -9,10 +9,9 @@ as DP 4 and writes for the ZeRO group of the new run (``--dp`` = data-parallel x
 from __future__ import annotations
 
 import pytest
-import torch
 
 import ucp
-from tests.support.checks import assert_every_state_equals_record, assert_same_training
+from tests.support.checks import assert_every_state_equals_record, assert_reader_holds_every_state, assert_same_training
 from tests.support.fixtures import build, resume, universals_of
 from ucp.harness import LoadSpec
 from ucp.universal import open_universal
@@ -31,11 +30,7 @@ def test_a_sequence_parallel_run_reaches_the_universal_directory_bit_exact(unive
     assert record["sequence_parallel"] == 2, "the run is not sequence parallel: the test would prove nothing"
     with open_universal(universal(name)) as reader:
         assert reader.facts.info.dp_world_size == 4
-        for param, value in record["params"].items():
-            state = reader.read(param)
-            assert torch.equal(state.fp32, value), param
-            for key in record["state"]:
-                assert torch.equal(state.optim[key], record["state"][key][param].float()), (param, key)
+        assert_reader_holds_every_state(reader, record)
 
 
 @pytest.mark.parametrize("dp, sp", [(6, 3), (2, 1)], ids=["dp6-sp3", "dp2-no-sp"])

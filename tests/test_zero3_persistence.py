@@ -9,10 +9,9 @@ bit-identically to DeepSpeed's own resume.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import ucp
-from tests.support.checks import assert_every_state_equals_record, assert_same_training
+from tests.support.checks import assert_every_state_equals_record, assert_reader_holds_every_state, assert_same_training
 from tests.support.fixtures import build, resume
 from ucp.harness import LoadSpec
 from ucp.universal import open_universal
@@ -31,12 +30,7 @@ def test_a_run_with_persistent_parameters_is_read_bit_exact(universal):
     record = build(**SOURCE).record
     assert set(record["params"]) < set(record["persistent"]), "parameters were partitioned: the test proves nothing"
     with open_universal(universal) as reader:
-        for param, value in record["params"].items():
-            state = reader.read(param)
-            assert torch.equal(state.fp32, value), param
-            assert set(state.optim) == set(record["state"]), param
-            for key in state.optim:
-                assert torch.equal(state.optim[key], record["state"][key][param]), (param, key)
+        assert_reader_holds_every_state(reader, record)
 
 
 @pytest.mark.parametrize("kind", ["native", "ucp"])

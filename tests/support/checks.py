@@ -46,6 +46,18 @@ def assert_reader_matches_record(reader: Reader, record: dict[str, Any], *, step
         assert tuple(group.hyper.betas) == tuple(live["betas"]) and group.hyper.eps == live["eps"]
 
 
+def assert_reader_holds_every_state(reader: Reader, record: dict[str, Any]) -> None:
+    """The reader gives exactly the trained parameters the live engine held, each one's fp32 master and every
+    optimizer state key its group keeps bit for bit (any optimizer; a state kept in bf16 widened exactly)."""
+    assert {m.name for m in reader.facts.params if not m.frozen} == set(record["params"])
+    for param, value in record["params"].items():
+        state = reader.read(param)
+        assert torch.equal(state.fp32, value), param
+        assert set(state.optim) == {k for k, per in record["state"].items() if param in per}, param
+        for key in state.optim:
+            assert torch.equal(state.optim[key], record["state"][key][param].float()), (param, key)
+
+
 def assert_adam_universal_matches_record(universal: Path, record: dict[str, Any], *, built_steps: int = 0) -> None:
     """An Adam run's universal directory holds what its live engine held: every trained parameter and both
     moments bit for bit, the optimizer's step (the applied steps: an fp16 run's overflows count none; plus
