@@ -239,3 +239,32 @@ def test_a_trainer_run_without_zero_resumes_from_ucps_folder_at_3_processes(tmp_
     assert final["global_step"] == SAVED_AT + 3
     for step in range(SAVED_AT + 1, SAVED_AT + 4):
         assert abs(final["losses"][step] - ref_final["losses"][step]) <= LOSS_TOL, (step, final["losses"])
+
+
+#: ZeRO-Offload as the Hugging Face DeepSpeed docs set it up: the optimizer in the DeepSpeed config ("auto"
+#: values filled by Trainer), offloaded to CPU, where DeepSpeed runs its CPU Adam
+_OFFLOAD = {
+    "ds_config": {
+        "optimizer": {"type": "AdamW", "params": dict.fromkeys(("lr", "betas", "eps", "weight_decay"), "auto")}
+    },
+    "zero": {"offload_optimizer": {"device": "cpu"}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_zero_offload_run_resumes_at_3_processes(stage: int, tmp_path: Path) -> None:
+    saved = cached_run(f"trainer-offload-z{stage}-save", HfSpec(world=2, stage=stage, extra=_OFFLOAD))
+    ckpt = saved.out / f"checkpoint-{SAVED_AT}"
+    native = cached_run(
+        f"trainer-offload-z{stage}-native", HfSpec(world=2, stage=stage, resume=str(ckpt), extra=_OFFLOAD)
+    )
+    new = tmp_path / f"checkpoint-{SAVED_AT}"
+    assert write_hf(ckpt, new, dp=3).plan.flavour.name == "ds-cpu-adam"
+    run = _resume({"stage": stage}, new, 3, tmp_path / "run", extra=_OFFLOAD)
+    assert run.loaded()["global_step"] == SAVED_AT and set(run.loaded()["steps"]) == {float(SAVED_AT)}
+    assert_state_equal(run.loaded()["state"], native.loaded()["state"])
+    final = run.final()
+    assert final["global_step"] == SAVED_AT + 3 and set(final["steps"]) == {float(SAVED_AT + 3)}
+    for step in range(SAVED_AT + 1, SAVED_AT + 4):
+        assert abs(final["losses"][step] - native.final()["losses"][step]) <= LOSS_TOL, (step, final["losses"])

@@ -94,8 +94,9 @@ class _Tokens(torch.utils.data.Dataset):
 
 def ds_config(spec: HfSpec) -> dict[str, Any]:
     """No optimizer block: Trainer builds torch AdamW with a decay and a no-decay group; top-level
-    blocks in ``spec.extra["ds_config"]`` (an optimizer, ``checkpoint.load_universal``) are added."""
-    zero: dict[str, Any] = {"stage": spec.stage}
+    blocks in ``spec.extra["ds_config"]`` (an optimizer, ``checkpoint.load_universal``) are added, and
+    ``spec.extra["zero"]`` entries (``offload_optimizer``) join the zero_optimization block."""
+    zero: dict[str, Any] = {"stage": spec.stage, **spec.extra.get("zero", {})}
     if spec.stage == 3:
         zero["sub_group_size"] = spec.sub_group_size
     return dict(spec.extra.get("ds_config") or {}) | {
