@@ -128,6 +128,16 @@ def test_folder_missing_an_rng_file_is_refused(hf_source: dict[str, Any], tmp_pa
 
 
 @pytest.mark.slow
+def test_a_trainer_folder_without_deepspeed_state_is_named_so(hf_source: dict[str, Any], tmp_path: Path) -> None:
+    """What Trainer saves with save_only_model=True, or without DeepSpeed: one line that says so, nothing written."""
+    bare = tmp_path / "bare"
+    shutil.copytree(hf_source["ckpt"], bare, ignore=shutil.ignore_patterns("global_step*", "latest"))
+    with pytest.raises(InputError, match="is a Trainer folder without DeepSpeed state"):
+        write_hf(bare, tmp_path / "out", dp=3)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
 def test_inspect_says_what_a_trainer_folder_holds(hf_source: dict[str, Any]) -> None:
     from ucp.ops.inspect import format_report, inspect_path
 

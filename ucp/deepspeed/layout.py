@@ -151,8 +151,14 @@ def resolve_tag_dir(src: Path, tag: str | None) -> tuple[Path, str]:
             return src / name, name
         if any(src.glob("*_optim_states.pt")) or any(src.glob("*_model_states.pt")):
             return src, src.name
+        trainer = (src / "trainer_state.json").is_file()
     except OSError as err:
         raise InputError(f"cannot read {src}: {err.strerror}") from None
+    if trainer:  # a Hugging Face Trainer folder whose run saved no DeepSpeed state
+        raise InputError(
+            f"{src} is a Trainer folder without DeepSpeed state (a run without DeepSpeed, or save_only_model=True): "
+            "it holds no optimizer state to move; its weights load with from_pretrained"
+        )
     raise InputError(f"{src} holds no DeepSpeed checkpoint: no 'latest' file and no *_optim_states.pt files")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ucp.deepspeed.layout import LATEST
+from ucp.deepspeed.layout import LATEST, resolve_tag_dir
 from ucp.errors import InputError, UcpError
 from ucp.io.atomic import staged_output
 from ucp.model.options import RestoreOptions
@@ -131,6 +131,7 @@ def write_hf(
     src, out = Path(src), Path(out)
     folder = find_hf_folder(src)
     if folder is None:
+        resolve_tag_dir(src, None)  # a folder with no DeepSpeed state says what it is
         raise InputError(f"{src} is not a Hugging Face Trainer or Accelerate checkpoint folder")
     check_out_path(src, out)
     with open_reader(src, tag=folder.tag) as reader:
