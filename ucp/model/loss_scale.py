@@ -104,11 +104,6 @@ class LossScale:
             f"minimum {self.min_scale:g})"
         )
 
-    @property
-    def pending_hysteresis(self) -> bool:
-        """Overflows have used up part of the hysteresis: state a wrapper without ZeRO cannot hold."""
-        return self.dynamic and self.cur_hysteresis != self.delayed_shift
-
 
 def _fp16_block(ds_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The config's fp16 numbers over DeepSpeed's defaults (a value that is not a number, "auto", keeps the default)."""
