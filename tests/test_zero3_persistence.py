@@ -12,7 +12,7 @@ import pytest
 
 import ucp
 from tests.support.checks import assert_every_state_equals_record, assert_reader_holds_every_state, assert_same_training
-from tests.support.fixtures import build, resume
+from tests.support.fixtures import build, resume, universals_of
 from ucp.harness import LoadSpec
 from ucp.universal import open_universal
 
@@ -21,9 +21,7 @@ SOURCE = dict(dp=2, stage=3, dtype="bf16", persistence_threshold=100_000)
 
 @pytest.fixture(scope="module")
 def universal(tmp_path_factory):
-    out = tmp_path_factory.mktemp("persistent") / "u"
-    ucp.to_universal(build(**SOURCE).path, out)
-    return out
+    return universals_of({"persistent": SOURCE}, tmp_path_factory.mktemp("persistent"))("persistent")
 
 
 def test_a_run_with_persistent_parameters_is_read_bit_exact(universal):
