@@ -15,6 +15,7 @@ import torch
 from ucp.deepspeed.fields import as_int, check_name, need_list, need_mapping, need_tensor, tensor_shape
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
+from ucp.model.detect import mics_shard_size
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import dtype_name
 
@@ -252,3 +253,29 @@ def frozen_excluded(model_states: Mapping[str, Any], stage: int) -> bool:
     ``frozen_param_shapes = None`` (an empty dict when the model has no frozen parameter), and the frozen
     weights are nowhere in the checkpoint. At ZeRO-1 nothing in the files tells."""
     return stage in (2, 3) and "frozen_param_shapes" in model_states and model_states["frozen_param_shapes"] is None
+
+
+def mics_replicas(model_states: Mapping[str, Any], ds_config: Mapping[str, Any], partitions: int, file: str) -> int:
+    """How many copies of its sharded state a ZeRO-3 run kept: 1, or for MiCS (``mics_shard_size`` S) its
+    ranks over S. MiCS shards parameters and optimizer state over groups of S ranks and replicates them over
+    the rest; only the first group saves, so the folder holds S rank files while ``dp_world_size`` counts
+    every rank. Anything else is refused: ZeRO-3 files read as MiCS ones, or the reverse, would be cut wrong."""
+    shard = mics_shard_size(ds_config)
+    if not shard:
+        return 1
+    world = as_int(model_states.get("dp_world_size"), f"{file}: dp_world_size")
+    if shard != partitions or world < shard or world % shard:
+        raise InputError(
+            f"{file}: a MiCS checkpoint (mics_shard_size={shard}) of {world} ranks should hold {shard} rank files "
+            f"and a multiple of {shard} ranks, it holds {partitions}"
+        )
+    return world // shard
+
+
+def mics_note(shard: int, replicas: int) -> str:
+    """What ``ucp inspect`` and every output say of a MiCS source."""
+    return (
+        f"MiCS (mics_shard_size={shard}): the run's {shard * replicas} ranks kept {replicas} copies of state "
+        f"sharded over {shard}; read from the first shard group's {shard} files; ucp writes plain ZeRO "
+        "(DeepSpeed 0.19.8 has no MiCS and cannot load these files itself)"
+    )

@@ -310,11 +310,16 @@ def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any], ds_versio
         return 0.0
 
 
+#: MiCS's settings (DeepSpeed before 0.19.8, which refuses them), which a written config leaves out
+MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
+
+
 def config_for_stage(config: Mapping[str, Any], stage: int, *, round_robin: bool | None = None) -> dict[str, Any]:
     """The source's config with the stage it is now written for (and, given, the round_robin_gradients
-    its ZeRO-1/2 files are laid out for)."""
+    its ZeRO-1/2 files are laid out for). MiCS's keys go: the files are plain ZeRO, and DeepSpeed 0.19
+    refuses a config that names them."""
     out = dict(config)
-    zero = dict(out.get("zero_optimization") or {})
+    zero = {k: v for k, v in (out.get("zero_optimization") or {}).items() if k not in MICS_KEYS}
     zero["stage"] = stage
     if round_robin is not None and (round_robin or "round_robin_gradients" in zero):
         zero["round_robin_gradients"] = round_robin

@@ -93,6 +93,8 @@ def _ds_config(spec: RunSpec) -> dict:
         zero["sub_group_size"] = spec.sub_group_size
     if spec.hpz:
         zero["zero_hpz_partition_size"] = spec.hpz
+    if spec.mics:
+        zero["mics_shard_size"] = spec.mics
     if spec.round_robin:
         zero["round_robin_gradients"] = True
     if spec.offload:
@@ -371,6 +373,26 @@ def _allow_fp16_on_cpu() -> None:
     accelerator.is_fp16_supported = lambda: True  # type: ignore[method-assign]
 
 
+def _mics_on_gloo() -> None:
+    """MiCS (DeepSpeed < 0.19) gathers its shards with ``all_gather_coalesced``, run under torch's coalescing
+    manager, which gloo lacks. Here the same gathers run one after the other, each finished before the
+    call returns. Only the communication changes: partitions, optimizer and checkpoint files are MiCS's."""
+    import deepspeed.comm as dist
+    from deepspeed.comm.torch import TorchBackend
+
+    class _Done:
+        def wait(self, **_: Any) -> None:
+            pass
+
+    def gather_each(self, output_tensors, input_tensors, group=None, async_op=False):
+        for output, tensor in zip(output_tensors, input_tensors):
+            torch.distributed.all_gather_into_tensor(output, tensor, group=group)
+        return _Done()
+
+    TorchBackend.all_gather_coalesced = gather_each  # type: ignore[method-assign]
+    dist.has_coalescing_manager = lambda: True
+
+
 def main(argv: list[str]) -> None:
     spec = RunSpec.from_json(argv[0])
     os.environ.setdefault("DS_ACCELERATOR", spec.device)
@@ -379,6 +401,8 @@ def main(argv: list[str]) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
     if spec.dtype == "fp16" and spec.device == "cpu":
         _allow_fp16_on_cpu()
+    if spec.mics and spec.device == "cpu":
+        _mics_on_gloo()
     torch.manual_seed(spec.seed)
     model = TinyLM(spec.model)
     groups = build_param_groups(model, spec.param_groups, spec.lr)

@@ -19,6 +19,7 @@ __all__ = [
     "detect_live",
     "offloads_optimizer",
     "round_robin_gradients",
+    "mics_shard_size",
     "LowPrecisionMasters",
     "low_precision_masters",
 ]
@@ -48,6 +49,14 @@ def round_robin_gradients(ds_config: Mapping[str, Any] | None) -> bool:
     (``zero_optimization.round_robin_gradients``; ``ucp.model.partition.round_robin_order``)."""
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
     return isinstance(zero, Mapping) and zero.get("round_robin_gradients") is True
+
+
+def mics_shard_size(ds_config: Mapping[str, Any] | None) -> int:
+    """MiCS's shard size (``zero_optimization.mics_shard_size``, ZeRO-3, DeepSpeed before 0.19.8): the run
+    partitioned its parameters and optimizer state over groups of this many ranks; 0 when off."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    size = zero.get("mics_shard_size") if isinstance(zero, Mapping) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
 
 
 @dataclass(frozen=True)

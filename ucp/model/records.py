@@ -138,6 +138,14 @@ class SourceInfo:
     ds_config: dict[str, Any] = field(default_factory=dict)
     #: saved with exclude_frozen_parameters: the frozen weights are not in it (a restore keeps the new run's)
     frozen_excluded: bool = False
+    #: copies of the partitioned state the run kept: a MiCS run shards over dp_world_size ranks (its files)
+    #: and has replicas x dp_world_size ranks; 1 otherwise
+    replicas: int = 1
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks that each took a micro-batch: what the global batch is counted over."""
+        return self.dp_world_size * self.replicas
 
 
 @dataclass(frozen=True)

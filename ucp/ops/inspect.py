@@ -95,6 +95,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
         "ds_version": info.ds_version,
         "zero_stage": info.zero_stage,
         "dp_world_size": info.dp_world_size,
+        "replicas": info.replicas,
         "mp_world_size": info.mp_world_size,
         "dtype": info.dtype,
         "optimizer": facts.flavour or "unknown",
@@ -195,7 +196,9 @@ def _layout_line(report: dict[str, Any]) -> str:
     if report["format"] == "dcp" or report.get("source_format") == "dcp":
         return f"  torch.distributed.checkpoint, saved at {report['dp_world_size']} rank(s), dtype {report['dtype']}"
     return (
-        f"  ZeRO stage {report['zero_stage']}, dp={report['dp_world_size']}, mp={report['mp_world_size']}, "
+        f"  ZeRO stage {report['zero_stage']}, dp={report['dp_world_size']}"
+        + (f" (MiCS: {report['dp_world_size'] * report['replicas']} ranks)" if report.get("replicas", 1) > 1 else "")
+        + f", mp={report['mp_world_size']}, "
         f"dtype {report['dtype']}, DeepSpeed {report['ds_version'] or '?'}, tag {report['tag'] or '-'}"
     )
 

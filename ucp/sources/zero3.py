@@ -39,6 +39,8 @@ from ucp.deepspeed.model_states import (
     check_model_states,
     engine_counters,
     frozen_excluded,
+    mics_note,
+    mics_replicas,
     model_dtype,
     model_extras,
     module_buffers,
@@ -54,7 +56,7 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect
+from ucp.model.detect import Detection, detect, mics_shard_size
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -224,8 +226,12 @@ class Zero3Source(Reader):
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
             raise InputError(f"{self._model[0].path.name}: shared_params maps names that are not strings")
         steps = [s for s in self._steps.values() if s is not None]
+        replicas = mics_replicas(head, ds_config, len(self._optim), self._model[0].path.name)
+        notes = [EXCLUDED_FROZEN_NOTE] if frozen_excluded(head, 3) else []
+        if replicas > 1 or mics_shard_size(ds_config):
+            notes.append(mics_note(mics_shard_size(ds_config), replicas))
         return Facts(
-            info=self._info(head, ds_config, dtype),
+            info=self._info(head, ds_config, dtype, replicas),
             flavour=detection.flavour.name if detection.flavour else None,
             adam_w_mode=detection.adam_w_mode,
             step=max(steps, default=None),
@@ -233,7 +239,7 @@ class Zero3Source(Reader):
             params=params,
             tied=dict(tied),
             buffer_names=list(head.get("buffer_names") or []),
-            warnings=detection.warnings + ([EXCLUDED_FROZEN_NOTE] if frozen_excluded(head, 3) else []),
+            warnings=detection.warnings + notes,
         )
 
     def _check_scalers(self, blocks: list[Mapping[str, Any]]) -> None:
@@ -409,7 +415,7 @@ class Zero3Source(Reader):
             params.append(ParamMeta(name, shape, frozen_dtype, None, True))
         return params
 
-    def _info(self, head: Mapping[str, Any], ds_config: Mapping[str, Any], dtype: str) -> SourceInfo:
+    def _info(self, head: Mapping[str, Any], ds_config: Mapping[str, Any], dtype: str, replicas: int) -> SourceInfo:
         return SourceInfo(
             format="deepspeed",
             zero_stage=3,
@@ -421,6 +427,7 @@ class Zero3Source(Reader):
             sub_group_size=sub_group_size(ds_config),
             ds_config=jsonable(ds_config),
             frozen_excluded=frozen_excluded(head, 3),
+            replicas=replicas,
             **engine_counters(head),
         )
 

@@ -69,7 +69,7 @@ def _batch_note(facts: Facts, new_dp: int) -> str | None:
     micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
     if not isinstance(micro, int) or not isinstance(accum, int):
         return None
-    return batch_advice(micro, accum, facts.info.dp_world_size, new_dp)
+    return batch_advice(micro, accum, facts.info.batch_ranks, new_dp)
 
 
 def _procs(n: int) -> str:

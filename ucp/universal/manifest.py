@@ -263,6 +263,12 @@ def check_manifest(raw: Any) -> None:
     )
     for key in ("zero_stage", "dp_world_size", "mp_world_size", "global_steps", "skipped_steps"):
         _need(key not in source or _whole(source[key]), f"source.{key}", source.get(key), "a whole number")
+    _need(
+        _whole(source.get("replicas", 1)) and source.get("replicas", 1) >= 1,
+        "source.replicas",
+        source.get("replicas"),
+        "a whole number of at least 1",
+    )
     for key in ("sub_group_size", "global_samples", "iteration"):
         _need(
             source.get(key) is None or _whole(source[key]), f"source.{key}", source.get(key), "a whole number or null"

@@ -224,7 +224,7 @@ def _batch_notes(facts: Facts, new_dp: int) -> list[str]:
     advice = global_batch_advice(
         micro,
         accum,
-        facts.info.dp_world_size,
+        facts.info.batch_ranks,
         new_dp,
         spell=lambda b, a: f"train_micro_batch_size_per_gpu={b}, gradient_accumulation_steps={a}",
     )

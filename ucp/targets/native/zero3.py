@@ -164,7 +164,7 @@ class _Zero3Files:
         self.rank_fields = rank_fields
         self.frozen = [m for m in reader.facts.params if m.frozen]
         self.apart = {n for sets in plan.zero12_sets.values() for names in sets.names for n in names}
-        self.config = plan.model_fields.get("ds_config", reader.facts.info.ds_config)
+        self.config = plan.model_fields.get("ds_config") or ds_states.config_for_stage(reader.facts.info.ds_config, 3)
         self.wrapper = zero_wrapper(reader, plan)
         self.steps: list[int] = []
         self.groups: list[dict] = []
@@ -202,6 +202,7 @@ class _Zero3Files:
                 "frozen_param_shapes": frozen["frozen_param_shapes"],
                 "shared_params": dict(facts.tied),
                 "frozen_param_fragments": frozen["frozen_param_fragments"],
+                "ds_config": self.config,
             },
         )
         for name in self.apart:  # in no module: DeepSpeed restores them from the optim files alone
