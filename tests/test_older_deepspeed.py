@@ -98,7 +98,9 @@ def test_mics_restored_live_trains_as_the_written_files(tmp_path) -> None:
     assert_same_training(native, live)
 
 
-@pytest.mark.parametrize(("dp", "advice"), [(4, None), (2, "the global batch was 12 (3 per device x 1 accumulation x 4 processes)")])
+@pytest.mark.parametrize(
+    ("dp", "advice"), [(4, None), (2, "the global batch was 12 (3 per device x 1 accumulation x 4 processes)")]
+)
 def test_mics_batch_advice_counts_every_rank_of_the_run(dp, advice, tmp_path, capsys) -> None:
     """The run's 4 ranks each took a micro-batch of 3, though it saved 2 rank files."""
     out = tmp_path / "n"

@@ -31,6 +31,7 @@ from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree, staged_output
 from ucp.io.pool import default_workers, parallel_map
 from ucp.io.signals import raise_if_stopped
 from ucp.io.torchzip import write_torch_file
+from ucp.model.cast import narrowed
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import opened
 
@@ -124,7 +125,7 @@ def _items(reader: Reader, dtype: str | None) -> list[_Item]:
         items.append(_Item(meta.name, meta.shape, torch_dtype(name)))
     for name, tensor in reader.buffers().items():
         cast = dtype is not None and tensor.is_floating_point()
-        tensor = tensor.to(torch_dtype(dtype)) if cast and dtype else tensor
+        tensor = narrowed(name, tensor, torch_dtype(dtype)) if cast and dtype else tensor
         items.append(_Item(name, tuple(tensor.shape), tensor.dtype, tensor.contiguous()))
     return items
 
@@ -245,7 +246,7 @@ def _export(
         if item.buffer is not None:
             return name, item.buffer
         fp32 = reader.read(name, moments=False).fp32
-        return name, fp32.to(item.dtype).contiguous()
+        return name, narrowed(name, fp32, item.dtype).contiguous()
 
     weight_map: dict[str, str] = {}
     total = 0

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from ucp.io.pool import parallel_map
+from ucp.model.cast import check_fits
 from ucp.model.pieces import LazyTensor, Part, Pieces
 from ucp.model.records import PieceState, Reader, ReaderView
 from ucp.targets.blocks.common import check_state, merge_scalars
 
-__all__ = ["Located", "Held", "locate", "flat_pieces", "module_weight", "read_weight"]
+__all__ = ["Located", "Held", "locate", "flat_pieces", "module_weight", "read_weight", "refuse_fp16_overflow"]
 
 #: a module weight as a writer takes it: the fp32 spans themselves, or a cast made when the file reaches it
 Weight = torch.Tensor | Pieces | LazyTensor
@@ -113,3 +114,12 @@ def read_weight(reader: Reader, name: str, lp: torch.dtype) -> Weight:
     if not reader.streams:
         return reader.read(name, moments=False).fp32.to(lp)
     return LazyTensor(shape, lp, lambda: reader.read(name, moments=False).fp32.to(lp).reshape(shape))
+
+
+def refuse_fp16_overflow(reader: Reader, names: Iterable[str]) -> None:
+    """Before an fp16 run's files are written or a live fp16 model takes anything: refuse a weight fp16 would
+    turn to inf (``ucp.model.cast``). One read of those masters; none for an fp16 source, whose weights fit."""
+    if reader.facts.info.dtype == "fp16":
+        return
+    for name in names:
+        check_fits(name, reader.read(name, moments=False).fp32, torch.float16)

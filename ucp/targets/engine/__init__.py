@@ -19,6 +19,7 @@ from ucp.io.pool import default_workers
 from ucp.model.records import Reader
 from ucp.model.steps import step_chooser
 from ucp.sources import opened
+from ucp.targets.blocks.stream import refuse_fp16_overflow
 from ucp.targets.engine.common import match_groups, restore_common
 from ucp.targets.engine.pipeline import live_stage_view
 from ucp.targets.engine.zero0 import restore_zero0
@@ -53,6 +54,8 @@ def restore(
         # this rank's pipeline stage (a PipelineEngine), then its shards under tensor parallelism
         reader = live_tp_view(engine, live_stage_view(engine, source, strict=strict))
         stage = int(engine.zero_optimization_stage())
+        if engine.fp16_enabled():
+            refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])
         # a bf16 PipelineEngine without ZeRO runs BF16_Optimizer, partitioned like ZeRO-1: restored as ZeRO-1
         if stage == 0 and not hasattr(engine.optimizer, "bf16_groups"):
             restore_zero0(

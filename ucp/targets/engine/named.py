@@ -14,6 +14,7 @@ from ucp.errors import InputError
 from ucp.model import flavours
 from ucp.model.detect import detect_live
 from ucp.model.records import ParamState, Reader
+from ucp.targets.blocks.stream import refuse_fp16_overflow
 from ucp.targets.engine.common import match_groups
 
 __all__ = ["load_named", "OptimizerLike"]
@@ -50,6 +51,7 @@ def load_named(
             f"parameters differ: model has {extra[:3]} not in the checkpoint, checkpoint has "
             f"{lost[:3]} not in the model; pass strict=False to restore the common ones"
         )
+    refuse_fp16_overflow(reader, [n for n, p in params.items() if n in expected and p.dtype == torch.float16])
     names_of = {id(p): n for n, p in params.items()}
     live_members = [
         [names_of[id(p)] for p in g["params"] if id(p) in names_of]

@@ -33,7 +33,15 @@ from ucp.model.pieces import Pieces
 from ucp.model.records import PieceState, Reader, torch_dtype
 from ucp.model.steps import settle_steps
 from ucp.targets.blocks.common import merge_scalars
-from ucp.targets.blocks.stream import Held, Weight, flat_pieces, locate, module_weight, read_weight
+from ucp.targets.blocks.stream import (
+    Held,
+    Weight,
+    flat_pieces,
+    locate,
+    module_weight,
+    read_weight,
+    refuse_fp16_overflow,
+)
 from ucp.targets.native.common import model_states, module_of, optimizer_groups, save_rank_file
 from ucp.targets.native.plan import FUSED_WRAPPED, NativePlan, Share, param_step
 
@@ -50,6 +58,8 @@ def write_zero0(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
     that rank's view of the shards at TP > 1; under a ``share``, unit ``mp_rank``)."""
     if plan.dtype not in WRITTEN_DTYPES:
         raise ValueError(f"plan_native refuses a stage-0 plan in {plan.dtype}")
+    if plan.dtype == "fp16":
+        refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])
     mine = share.mine(plan.mp_rank)
     if not mine and not reader.streams:
         return  # a reader that does not stream checks what it reads; nothing is read here

@@ -32,7 +32,15 @@ from ucp.model.partition import Span, Zero12Group, round_robin_order, zero12_gro
 from ucp.model.pieces import Pieces
 from ucp.model.records import ParamState, PieceState, Reader, torch_dtype
 from ucp.targets.blocks.common import RankBuffers
-from ucp.targets.blocks.stream import Located, Weight, flat_pieces, locate, module_weight, read_weight
+from ucp.targets.blocks.stream import (
+    Located,
+    Weight,
+    flat_pieces,
+    locate,
+    module_weight,
+    read_weight,
+    refuse_fp16_overflow,
+)
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
 from ucp.targets.native.common import model_states, module_of, optimizer_groups, save_rank_file, zero_wrapper
 from ucp.targets.native.plan import NativePlan, Share, param_step
@@ -48,6 +56,8 @@ def write_zero12(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, 
     """Write TP rank ``plan.mp_rank``'s files of a stage-1/2 checkpoint for ``plan.dp`` ranks into
     ``tag_dir`` (under a ``share``, the files it names: per TP rank, unit 0 is the model file and
     unit 1 + r rank r's optim file, TP rank m's units following TP rank m - 1's)."""
+    if plan.dtype == "fp16":
+        refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])
     files = _Zero12Files(reader, plan, tag_dir)
     base = plan.mp_rank * (plan.dp + 1)
     model = share.mine(base)

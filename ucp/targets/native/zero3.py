@@ -28,7 +28,7 @@ from ucp.io.pool import parallel_map
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Reader, torch_dtype
-from ucp.targets.blocks.stream import Held, flat_pieces, locate
+from ucp.targets.blocks.stream import Held, flat_pieces, locate, refuse_fp16_overflow
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
 from ucp.targets.native.plan import NativePlan, Share, param_step
@@ -56,6 +56,8 @@ def write_zero3(
     layout = plan.layout
     if layout is None:
         raise InputError("a ZeRO-3 plan carries its layout")  # plan_native always sets it at stage 3
+    if plan.dtype == "fp16":
+        refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])
     if plan.zero12_sets and not reader.streams:
         reader = Held(reader)  # sets are written from whole states, held once
     keys = sub_group_keys(reader, layout, moments=not plan.reset_moments)
