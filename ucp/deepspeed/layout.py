@@ -11,6 +11,8 @@ from ucp.errors import CorruptFileError, InputError
 from ucp.io.small_files import read_small
 
 __all__ = [
+    "NVME_FOLDER",
+    "NVME_REFUSAL",
     "CheckpointFiles",
     "find_checkpoint",
     "resolve_tag_dir",
@@ -187,10 +189,21 @@ def _grid(
     return tuple(rows)
 
 
+#: where a ZeRO-3 run offloading its optimizer to NVMe (ZeRO-Infinity) copies its swap files when it saves
+NVME_FOLDER = "offloaded_tensors"
+NVME_REFUSAL = (
+    "{where} keeps its optimizer state in NVMe swap files (zero_optimization.offload_optimizer.device=nvme, "
+    f"copied to {NVME_FOLDER}/), not in its optim files: ucp does not read them yet, and converting the optim "
+    "files alone would lose the fp32 masters and moments"
+)
+
+
 def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     """Index the rank files of a DeepSpeed checkpoint (ZeRO-1/2/3, or stage 0: model-states files only) and
     refuse incomplete or mixed sets."""
     tag_dir, tag = resolve_tag_dir(Path(src), tag)
+    if (tag_dir / NVME_FOLDER).is_dir():
+        raise InputError(NVME_REFUSAL.format(where=tag_dir))
     optim: dict[tuple[int, int], Path] = {}
     z3_model: dict[tuple[int, int], Path] = {}
     model: dict[tuple[int, int], Path] = {}

@@ -20,6 +20,7 @@ __all__ = [
     "offloads_optimizer",
     "round_robin_gradients",
     "mics_shard_size",
+    "offloads_to_nvme",
     "LowPrecisionMasters",
     "low_precision_masters",
 ]
@@ -42,6 +43,14 @@ def offloads_optimizer(ds_config: Mapping[str, Any] | None) -> bool:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
     offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
     return isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme")
+
+
+def offloads_to_nvme(ds_config: Mapping[str, Any] | None) -> bool:
+    """Whether a DeepSpeed config swaps the optimizer state to NVMe (ZeRO-Infinity): then a checkpoint's optim
+    files hold no fp32 masters or moments, its ``offloaded_tensors`` swap files do."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    return isinstance(offload, Mapping) and offload.get("device") == "nvme"
 
 
 def round_robin_gradients(ds_config: Mapping[str, Any] | None) -> bool:

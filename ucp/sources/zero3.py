@@ -33,7 +33,7 @@ from ucp.deepspeed.fields import (
     sub_group_size,
     tensor_shape,
 )
-from ucp.deepspeed.layout import CheckpointFiles
+from ucp.deepspeed.layout import NVME_REFUSAL, CheckpointFiles
 from ucp.deepspeed.model_states import (
     EXCLUDED_FROZEN_NOTE,
     check_model_states,
@@ -56,7 +56,7 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, mics_shard_size
+from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -208,6 +208,8 @@ class Zero3Source(Reader):
         ds_config = head.get("ds_config") or {}
         if not isinstance(ds_config, Mapping):
             raise InputError(f"{self._model[0].path.name}: ds_config is a {type(ds_config).__name__}, not a dict")
+        if offloads_to_nvme(ds_config):
+            raise InputError(NVME_REFUSAL.format(where=self.files.tag_dir))
         self._check_scalers(blocks)
         inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw = inners[0][0]
