@@ -27,7 +27,10 @@ SOURCES: dict[str, dict[str, Any]] = {
     "z3-fp32-dp3-adamw": dict(dp=3, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=3, sub_group_size=100),
     "z3-fp32-dp4-adam": dict(dp=4, stage=3, dtype="fp32", optimizer="torch-adam", sub_group_size=40),
     "z3-bf16-dp4-fused": dict(dp=4, stage=3, dtype="bf16", optimizer="ds-fused-adam", sub_group_size=60),
-    "z3-bf16-dp2-cpuadam": dict(dp=2, stage=3, dtype="bf16", optimizer="ds-cpu-adam", offload=True, param_groups=3),
+    # ZeRO-Infinity on CPU: optimizer and parameters offloaded
+    "z3-bf16-dp2-cpuadam": dict(
+        dp=2, stage=3, dtype="bf16", optimizer="ds-cpu-adam", offload=True, offload_param=True, param_groups=3
+    ),
     # ZeRO-1/2: DeepSpeedZeroOptimizer at both stages, and BF16_Optimizer (bf16 + fp32 grad accumulation)
     "z1-fp32-dp2-adamw": dict(dp=2, stage=1, dtype="fp32", optimizer="torch-adamw"),
     "z2-bf16-dp3-adamw": dict(dp=3, stage=2, dtype="bf16", optimizer="torch-adamw", param_groups=3),

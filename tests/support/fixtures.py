@@ -80,6 +80,8 @@ def _key(spec: RunSpec) -> str:
         ("sp", 1),
         ("round_robin", False),
         ("persistence_threshold", 0),
+        ("mics", 0),
+        ("offload_param", False),
     )
     for key, default in later:
         if fields.get(key) == default:

@@ -97,6 +97,7 @@ class RunSpec(JsonSpec):
     device: str = "cpu"  # cpu (gloo ranks) | cuda (one GPU per rank, nccl)
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
+    offload_param: bool = False  # ZeRO-3 parameter offload to CPU (ZeRO-Infinity's offload_param)
     # DeepSpeed's low-precision masters. bf16, ZeRO-1/2/3: "bf16": bf16_master_weights_and_grads (DeepSpeed
     # requires offload and ds-cpu-adam, whose moments stay fp32); "bf16-states": also bf16_optimizer_states.
     # fp16, ZeRO-2 with offload and ds-cpu-adam: "fp16": fp16_master_weights_and_grads

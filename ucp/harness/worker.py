@@ -99,6 +99,8 @@ def _ds_config(spec: RunSpec) -> dict:
         zero["round_robin_gradients"] = True
     if spec.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if spec.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
     force = spec.offload and spec.optimizer != "ds-cpu-adam"  # DeepSpeed's other CPU optimizers are client ones
     config: dict = {
         "train_micro_batch_size_per_gpu": spec.global_batch // spec.dp,
