@@ -9,6 +9,7 @@ nodes with ``numactl``, for which a stand-in is put on PATH.
 
     python -m tests.support.older_deepspeed --write     # needs network access to PyPI; a few minutes
     python -m tests.support.older_deepspeed --write 0.17.6 --case z3-mics2-bf16-w4   # one release, one case
+    python -m tests.support.older_deepspeed --check-live     # ucp.restore into each release's live MiCS engine
 """
 
 from __future__ import annotations
@@ -56,7 +57,29 @@ run_ranks(spec, log_dir=out / "logs")
 """
 
 
-def _build(version: str, work: Path, cases: list[str]) -> None:
+#: checked in the release itself (``--check-live``): ucp.restore into its live MiCS engine resumes the stored
+#: checkpoint bit-identically to the run trained on without a break (its own load_checkpoint fails there)
+_LIVE = """
+import json, sys
+from dataclasses import replace
+from pathlib import Path
+import torch
+from tests.support.checks import assert_same_training
+from tests.support.fixtures import Built, resume
+from ucp.harness import LoadSpec, RunSpec
+from ucp.harness.launch import run_ranks
+fields, keep, work = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+spec = RunSpec(**fields)
+run_ranks(replace(spec, steps=2 * spec.steps, record=str(work / "whole.pt")), log_dir=work / "whole-logs")
+whole = torch.load(work / "whole.pt", weights_only=True)
+whole["losses"] = whole["losses"][spec.steps :]
+built = Built(keep / "ckpt", keep / "record.pt", spec)
+assert_same_training(whole, resume(built, LoadSpec(str(built.path), kind="ucp"), name="live", work=work))
+"""
+
+
+def _venv(version: str, work: Path) -> tuple[Path, dict[str, str]]:
+    """That release's python beside this one (its other packages shared), and the environment its ranks need."""
     venv = work / f"ds-{version}"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -74,6 +97,11 @@ def _build(version: str, work: Path, cases: list[str]) -> None:
         "PATH": f"{work / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONPATH": str(_ROOT),
     }
+    return python, env
+
+
+def _build(version: str, work: Path, cases: list[str]) -> None:
+    python, env = _venv(version, work)
     for name in cases:
         run = work / version / name
         subprocess.run([str(python), "-c", _TRAIN, json.dumps(CASES[name]), str(run)], check=True, env=env, cwd=_ROOT)
@@ -84,17 +112,32 @@ def _build(version: str, work: Path, cases: list[str]) -> None:
         print(f"deepspeed {version}: {name}", flush=True)
 
 
+def _check_live(version: str, work: Path) -> None:
+    python, env = _venv(version, work)
+    for name, fields in CASES.items():
+        if fields.get("mics"):
+            run = work / version / name
+            run.mkdir(parents=True)
+            keep = DATA / f"ds-{version}" / name
+            subprocess.run([str(python), "-c", _LIVE, json.dumps(fields), str(keep), str(run)], check=True, env=env)
+            print(f"deepspeed {version}: {name} restored live by ucp, bit-identical to the run without a break")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rebuild tests/data/older")
     parser.add_argument("versions", nargs="*", default=list(VERSIONS), help="releases to rebuild (default: all)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="cases to rebuild (default: all)")
+    parser.add_argument("--check-live", action="store_true", help="check ucp.restore into each release's MiCS engine")
     args = parser.parse_args()
-    if not args.write:
-        parser.error("pass --write to rebuild the data")
+    if not args.write and not args.check_live:
+        parser.error("pass --write to rebuild the data, or --check-live")
     with tempfile.TemporaryDirectory() as work:
         for version in args.versions:
-            _build(version, Path(work), args.case or list(CASES))
+            if args.write:
+                _build(version, Path(work), args.case or list(CASES))
+            if args.check_live:
+                _check_live(version, Path(work))
 
 
 if __name__ == "__main__":
