@@ -29,7 +29,7 @@ from ucp.deepspeed.fields import (
     need_tensor,
     tensor_shape,
 )
-from ucp.deepspeed.layout import CheckpointFiles
+from ucp.deepspeed.layout import CheckpointFiles, optim_file
 from ucp.deepspeed.model_states import (
     EXCLUDED_FROZEN_NOTE,
     check_model_states,
@@ -115,8 +115,7 @@ class Zero12Source(Reader):
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
-        prefix = "bf16_" if self.files.bf16_prefix else ""
-        return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+        return optim_file(dp_rank, self.mp_rank, bf16=self.files.bf16_prefix)
 
     def _stage(self, blocks: list[Mapping[str, Any]], head: Mapping[str, Any]) -> tuple[int, str]:
         """The ZeRO stage and which wrapper wrote the files: 'zero' (DeepSpeedZeroOptimizer) or 'bf16'."""

@@ -33,7 +33,7 @@ from ucp.deepspeed.fields import (
     sub_group_size,
     tensor_shape,
 )
-from ucp.deepspeed.layout import NVME_REFUSAL, CheckpointFiles
+from ucp.deepspeed.layout import NVME_REFUSAL, CheckpointFiles, optim_file
 from ucp.deepspeed.model_states import (
     EXCLUDED_FROZEN_NOTE,
     check_model_states,
@@ -119,8 +119,7 @@ class Zero3Source(Reader):
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
-        prefix = "bf16_" if self.files.bf16_prefix else ""
-        return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
+        return optim_file(dp_rank, self.mp_rank, bf16=self.files.bf16_prefix)
 
     def _check_rank_count(self, blocks: list[Mapping[str, Any]]) -> None:
         for tf, block in zip(self._optim, blocks):

@@ -133,7 +133,7 @@ def manifest_json(
         "format_version": FORMAT_VERSION,
         "created_by": f"ucp {VERSION}",
         "checksum": "crc32",
-        "source": asdict(facts.info),
+        "source": _source_json(facts.info),
         "optimizer": {"flavour": facts.flavour, "adam_w_mode": facts.adam_w_mode, "step": facts.step},
         "warnings": list(facts.warnings),
         "param_groups": [
@@ -166,6 +166,15 @@ def _bad(where: str, value: Any, wanted: str) -> CorruptFileError:
     shown = repr(value)
     shown = shown[:80] + "..." if len(shown) > 80 else shown
     return CorruptFileError(f"{MANIFEST} is malformed: {where} is {shown}, not {wanted}")
+
+
+def _source_json(info: SourceInfo) -> dict[str, Any]:
+    """The source's facts; ``replicas`` only where a run had them (MiCS), so that every other directory reads
+    as ucp wrote it before the field existed."""
+    out = asdict(info)
+    if out.get("replicas") == 1:
+        del out["replicas"]
+    return out
 
 
 def _whole(value: Any) -> bool:
