@@ -316,7 +316,7 @@ MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
 
 def config_for_stage(config: Mapping[str, Any], stage: int, *, round_robin: bool | None = None) -> dict[str, Any]:
     """The source's config with the stage it is now written for (and, given, the round_robin_gradients
-    its ZeRO-1/2 files are laid out for). MiCS's keys go: the files are plain ZeRO, and DeepSpeed 0.19
+    its ZeRO-1/2 files are laid out for). MiCS's keys go: the files are plain ZeRO, and DeepSpeed 0.19.8
     refuses a config that names them."""
     out = dict(config)
     zero = {k: v for k, v in (out.get("zero_optimization") or {}).items() if k not in MICS_KEYS}

@@ -103,7 +103,7 @@ class RunSpec(JsonSpec):
     # fp16, ZeRO-2 with offload and ds-cpu-adam: "fp16": fp16_master_weights_and_grads
     master: str = "fp32"
     hpz: int = 0  # ZeRO++ hierarchical partitioning (zero_hpz_partition_size) at ZeRO-3: 0 = off
-    mics: int = 0  # MiCS shard size (zero_optimization.mics_shard_size, ZeRO-3, DeepSpeed < 0.19): 0 = off
+    mics: int = 0  # MiCS shard size (zero_optimization.mics_shard_size, ZeRO-3, DeepSpeed before 0.19.8): 0 = off
     # Ulysses sequence parallelism: DeepSpeed's parallel_state_sp groups, as ALST and Accelerate's sp_backend
     # "deepspeed" hand them to deepspeed.initialize; ZeRO then partitions over all dp ranks (sp x dp/sp)
     sp: int = 1

@@ -376,7 +376,7 @@ def _allow_fp16_on_cpu() -> None:
 
 
 def _mics_on_gloo() -> None:
-    """MiCS (DeepSpeed < 0.19) gathers its shards with ``all_gather_coalesced``, run under torch's coalescing
+    """MiCS (DeepSpeed before 0.19.8) gathers its shards with ``all_gather_coalesced``, run under torch's coalescing
     manager, which gloo lacks. Here the same gathers run one after the other, each finished before the
     call returns. Only the communication changes: partitions, optimizer and checkpoint files are MiCS's."""
     import deepspeed.comm as dist
