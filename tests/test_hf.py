@@ -278,3 +278,31 @@ def test_a_zero_offload_run_resumes_at_3_processes(stage: int, tmp_path: Path) -
     assert final["global_step"] == SAVED_AT + 3 and set(final["steps"]) == {float(SAVED_AT + 3)}
     for step in range(SAVED_AT + 1, SAVED_AT + 4):
         assert abs(final["losses"][step] - native.final()["losses"][step]) <= LOSS_TOL, (step, final["losses"])
+
+
+def test_export_of_a_trainer_folder_loads_with_from_pretrained(hf_source: dict[str, Any], tmp_path: Path) -> None:
+    """What zero_to_fp32.py plus copying the config does, in one command: the folder loads as the model, every
+    weight the fp32 master DeepSpeed itself loads from the folder, in the run's dtype (bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    from ucp.cli import main as cli
+
+    ckpt: Path = hf_source["ckpt"]
+    before = tree_digest(ckpt)
+    out = tmp_path / "model"
+    assert cli(["export", str(ckpt), str(out)]) == 0
+    assert tree_digest(ckpt) == before
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert (out / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want = hf_source["native"].loaded()["state"]
+    params = dict(model.named_parameters())
+    assert set(params) == set(want)
+    for name, param in params.items():
+        assert torch.equal(param.detach(), want[name]["fp32"].bfloat16().float()), name
+    assert cli(["export", str(ckpt), str(tmp_path / "one.safetensors")]) == 0  # a file OUT: the weights alone

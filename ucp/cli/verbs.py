@@ -105,6 +105,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
+            folder=args.src,
         )
     return done(args, f"wrote {len(written)} file(s) to {args.out}", files=[str(p) for p in written])
 

@@ -29,6 +29,7 @@ from ucp.model.batch import global_batch_advice
 __all__ = [
     "HfFolder",
     "find_hf_folder",
+    "model_files",
     "rng_plan",
     "rng_names",
     "batch_advice",
@@ -155,6 +156,25 @@ def find_hf_folder(path: str | os.PathLike[str]) -> HfFolder | None:
     skipped = tuple(n for n in names if n != tag and _is_tag_dir(path / n))
     files = tuple(n for n in names if n not in (LATEST, tag) and n not in rng and n not in skipped)
     return HfFolder(path, kind, tag, rng, files, skipped, _read_state(path))
+
+
+#: what a Trainer folder holds besides the model's own files: the run's state (transformers 5.23), DeepSpeed's
+#: scripts, and the weights an export writes anew
+_TRAINING_STATE = re.compile(
+    r"^(trainer_state\.json|training_args\.bin|(scheduler|scaler|optimizer)\.pt|zero_to_(fp32|torch)\.py|"
+    r"latest(_universal)?|(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?)$"
+)
+
+
+def model_files(folder: HfFolder) -> list[str]:
+    """The files ``from_pretrained`` reads besides the weights (config, generation config, tokenizer, chat
+    template, ...), which an export of the folder carries so that its output loads as a model: a Trainer
+    folder's regular files that are not the run's state. None for a PEFT adapter folder (its weights are
+    named for the wrapped model) or a folder without ``config.json``."""
+    names = [n for n in folder.files if (folder.path / n).is_file() and not _TRAINING_STATE.match(n)]
+    if "config.json" not in names or "adapter_config.json" in names:
+        return []
+    return names
 
 
 def rng_names(kind: str, world: int) -> list[str]:

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from ucp.io.torchzip import write_torch_file
 from ucp.model.cast import narrowed
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import opened
+from ucp.sources.hf import find_hf_folder, model_files
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
@@ -188,11 +190,13 @@ def export(
     tag: str | None = None,
     overwrite: bool = False,
     workers: int | None = None,
+    folder: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Write consolidated weights of ``src`` to ``out``; returns the files written (index last).
 
     ``out`` ending in ``.safetensors`` / ``.bin`` names one file (refused if it needs shards);
-    any other ``out`` is a folder that gets the single file or the shards and their index.
+    any other ``out`` is a folder that gets the single file or the shards and their index, and, when
+    ``folder`` (by default ``src`` itself, when a path) is a Hugging Face Trainer folder, its model files.
     """
     if format not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -205,8 +209,20 @@ def export(
     target, file_name = _resolve_out(out, format)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
+    carried = _model_files(folder if folder is not None else src) if file_name is None else []
     with opened(src, tag=tag) as reader:
-        return _export(reader, target, file_name, format, dtype, max_bytes, overwrite, workers or default_workers())
+        return _export(
+            reader, target, file_name, format, dtype, max_bytes, overwrite, workers or default_workers(), carried
+        )
+
+
+def _model_files(src: str | os.PathLike | Reader) -> list[Path]:
+    """A Hugging Face Trainer folder's config, generation config and tokenizer files, which a folder OUT gets
+    beside the weights so that ``from_pretrained(OUT)`` loads it (``ucp.sources.hf.model_files``)."""
+    if isinstance(src, Reader):
+        return []
+    folder = find_hf_folder(src) if Path(src).is_dir() else None
+    return [folder.path / name for name in model_files(folder)] if folder is not None else []
 
 
 def _export(
@@ -218,6 +234,7 @@ def _export(
     max_bytes: int,
     overwrite: bool,
     workers: int,
+    carried: list[Path],
 ) -> list[Path]:
     facts = reader.facts
     for alias, owner in facts.tied.items():
@@ -275,6 +292,9 @@ def _export(
             index_name = f"{single}.index.json"
             (stage / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
             written.append(out / index_name)
+        for path in carried:
+            shutil.copyfile(path, stage / path.name)
+            written.append(out / path.name)
     return written
 
 
