@@ -139,6 +139,7 @@ def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: i
             "dtype": item.dtype,
             "overwrite": overwrite,
             "workers": workers,
+            "folder": config.source,  # a Trainer folder's config and tokenizer files go with the weights
         }
         if item.max_shard_size is not None:
             kwargs["max_shard_size"] = item.max_shard_size
