@@ -82,6 +82,7 @@ def _key(spec: RunSpec) -> str:
         ("persistence_threshold", 0),
         ("mics", 0),
         ("offload_param", False),
+        ("zenflow", 0),
     )
     for key, default in later:
         if fields.get(key) == default:

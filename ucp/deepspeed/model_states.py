@@ -31,6 +31,7 @@ __all__ = [
     "model_extras",
     "module_buffers",
     "module_ties",
+    "module_weight",
     "zero12_frozen_names",
     "zero12_frozen_values",
 ]
@@ -105,6 +106,21 @@ def engine_counters(model_states: Mapping[str, Any]) -> dict[str, Any]:
 
 def client_state(model_states: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_states.items() if k not in DS_MODEL_KEYS}
+
+
+def module_weight(
+    model_states: Mapping[str, Any], name: str, shape: tuple[int, ...], file_name: str
+) -> torch.Tensor | None:
+    """An optimized parameter's low-precision weight as the model-states file's ``module`` holds it (ZeRO-1/2
+    save whole weights there), checked against its shape; None when the module does not hold it."""
+    module = model_states.get("module")
+    value = module.get(name) if isinstance(module, Mapping) else None
+    if value is None:
+        return None
+    value = need_tensor(value, f"{file_name}: weight {name!r}")
+    if tuple(value.shape) != tuple(shape):
+        raise InputError(f"{file_name}: weight {name!r} has shape {tuple(value.shape)}, its master {tuple(shape)}")
+    return value
 
 
 def module_buffers(model_states: Mapping[str, Any], file_name: str) -> dict[str, torch.Tensor]:

@@ -103,6 +103,8 @@ class RunSpec(JsonSpec):
     # fp16, ZeRO-2 with offload and ds-cpu-adam: "fp16": fp16_master_weights_and_grads
     master: str = "fp32"
     hpz: int = 0  # ZeRO++ hierarchical partitioning (zero_hpz_partition_size) at ZeRO-3: 0 = off
+    # DeepSpeed ZenFlow (ZeRO-1/2, offload, ds-cpu-adam from the config): its select and update interval; 0 = off
+    zenflow: int = 0
     mics: int = 0  # MiCS shard size (zero_optimization.mics_shard_size, ZeRO-3, DeepSpeed before 0.19.8): 0 = off
     # Ulysses sequence parallelism: DeepSpeed's parallel_state_sp groups, as ALST and Accelerate's sp_backend
     # "deepspeed" hand them to deepspeed.initialize; ZeRO then partitions over all dp ranks (sp x dp/sp)

@@ -48,6 +48,8 @@ def _make_optimizer(spec: RunSpec, groups: list[dict]):
         from deepspeed.ops.adam import FusedAdam
 
         return FusedAdam(groups, lr=spec.lr, betas=betas, adam_w_mode=True)
+    if spec.optimizer == "ds-cpu-adam" and spec.zenflow:
+        return None  # ZenFlow takes its CPU Adam from the config only
     if spec.optimizer == "ds-cpu-adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -101,6 +103,17 @@ def _ds_config(spec: RunSpec) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
     if spec.offload_param:
         zero["offload_param"] = {"device": "cpu"}
+    if spec.zenflow:
+        # the top quarter of each matrix's columns updated every step, the rest every `zenflow` steps;
+        # overlap_step's optimizer process cannot start on CPU/gloo ranks (its second rendezvous fails)
+        zero["zenflow"] = {
+            "topk_ratio": 0.25,
+            "select_strategy": "step",
+            "select_interval": spec.zenflow,
+            "update_interval": spec.zenflow,
+            "full_warm_up_rounds": 0,
+            "overlap_step": False,
+        }
     force = spec.offload and spec.optimizer != "ds-cpu-adam"  # DeepSpeed's other CPU optimizers are client ones
     config: dict = {
         "train_micro_batch_size_per_gpu": spec.global_batch // spec.dp,
@@ -117,6 +130,8 @@ def _ds_config(spec: RunSpec) -> dict:
         params = {"lr": spec.lr, "momentum": 0.95, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
         config["optimizer"] = {"type": "Muon", "params": params}
         zero["reduce_scatter"] = False  # DeepSpeed 0.19.8 refuses Muon with reduce scatter
+    if spec.zenflow:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": spec.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}}
     if spec.master == "fp16":
         config["fp16"]["fp16_master_weights_and_grads"] = True
     elif spec.master != "fp32":

@@ -39,6 +39,7 @@ from ucp.deepspeed.model_states import (
     model_extras,
     module_buffers,
     module_ties,
+    module_weight,
     zero12_frozen_values,
 )
 from ucp.deepspeed.optim_states import (
@@ -55,6 +56,7 @@ from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_
 from ucp.model.partition import Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
+from ucp.model.zenflow import ZENFLOW_NOTE, ZENFLOW_OVERLAP_NOTE, newest_master, zenflow_config
 from ucp.sources.common import file_pieces, group_meta
 
 __all__ = ["Zero12Source"]
@@ -435,6 +437,10 @@ class Zero12Source(Reader):
             params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), None, True))
         excluded = frozen_excluded(head, stage)
         warnings = list(detection.warnings) + ([EXCLUDED_FROZEN_NOTE] if excluded else [])
+        zenflow = zenflow_config(ds_config)
+        self._zenflow = zenflow is not None
+        if zenflow is not None:
+            warnings += [ZENFLOW_NOTE] + ([ZENFLOW_OVERLAP_NOTE] if zenflow.get("overlap_step") is True else [])
         if getattr(self, "_stage0", False):
             warnings.append(
                 "written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
@@ -504,6 +510,8 @@ class Zero12Source(Reader):
             raise InputError(f"parameter {name!r} is not in this checkpoint")
         step = self.facts.groups[self._where[name][0]].step
         fp32 = self._pieces(name, lambda block, g: block[_FP32][g])
+        if self._zenflow:
+            fp32 = self._newest(name, fp32)
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=step)
         g = self._where[name][0]
@@ -517,6 +525,13 @@ class Zero12Source(Reader):
         }
         scalars = {k: v.clone() for k, v in self._scalars[g].items()}
         return PieceState(fp32=fp32, optim=optim, step=step, scalars=scalars)
+
+    def _newest(self, name: str, master: Pieces) -> Pieces:
+        """A ZenFlow run's master, with the module's weight where that is newer (``ucp.model.zenflow``)."""
+        weight = module_weight(self._head(), name, self._shape[name], self._model_name())
+        if weight is None:
+            return master
+        return Pieces.of(newest_master(master.join(), weight))
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
