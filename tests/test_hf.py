@@ -8,6 +8,7 @@ torch AdamW with weight decay (two param groups). Save runs and the native resum
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -306,3 +307,10 @@ def test_export_of_a_trainer_folder_loads_with_from_pretrained(hf_source: dict[s
     for name, param in params.items():
         assert torch.equal(param.detach(), want[name]["fp32"].bfloat16().float()), name
     assert cli(["export", str(ckpt), str(tmp_path / "one.safetensors")]) == 0  # a file OUT: the weights alone
+    # --dtype: the weights in fp16, and config.json says so (from_pretrained's dtype="auto" keeps them fp16)
+    assert cli(["export", str(ckpt), str(tmp_path / "fp16"), "--dtype", "fp16"]) == 0
+    source, written = (json.loads((d / "config.json").read_text()) for d in (ckpt, tmp_path / "fp16"))
+    assert source["dtype"] == "bfloat16" and written == {**source, "dtype": "float16"}
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "fp16", dtype="auto")
+    for name, param in half.named_parameters():
+        assert param.dtype == torch.float16 and torch.equal(param.detach(), want[name]["fp32"].half()), name

@@ -30,6 +30,7 @@ __all__ = [
     "HfFolder",
     "find_hf_folder",
     "model_files",
+    "config_in_dtype",
     "rng_plan",
     "rng_names",
     "batch_advice",
@@ -175,6 +176,37 @@ def model_files(folder: HfFolder) -> list[str]:
     if "config.json" not in names or "adapter_config.json" in names:
         return []
     return names
+
+
+#: ucp's dtype names -> the names transformers writes in config.json
+_CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers >= 4.56 writes dtype; earlier ones torch_dtype
+
+
+def config_in_dtype(text: bytes, dtype: str) -> bytes | None:
+    """``config.json``'s text with the dtype it names (``dtype``/``torch_dtype``, at its top and in its sub-model
+    configs) set to the one the weights are exported in, so that ``from_pretrained(dtype="auto")`` does not cast
+    them back; None when the text names no other dtype (or is not a JSON object: then it is copied as it is)."""
+    try:
+        config = json.loads(text)
+    except ValueError:  # UnicodeDecodeError too
+        return None
+    if not isinstance(config, dict):
+        return None
+    name = _CONFIG_DTYPES[dtype]
+    changed = False
+
+    def visit(node: dict[str, Any]) -> None:
+        nonlocal changed
+        for key, value in node.items():
+            if key in _DTYPE_KEYS and isinstance(value, str) and value in _CONFIG_DTYPES.values() and value != name:
+                node[key] = name
+                changed = True
+            elif isinstance(value, dict):
+                visit(value)
+
+    visit(config)
+    return (json.dumps(config, indent=2) + "\n").encode() if changed else None
 
 
 def rng_names(kind: str, world: int) -> list[str]:

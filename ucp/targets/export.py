@@ -31,11 +31,12 @@ from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
 from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree, staged_output
 from ucp.io.pool import default_workers, parallel_map
 from ucp.io.signals import raise_if_stopped
+from ucp.io.small_files import read_small
 from ucp.io.torchzip import write_torch_file
 from ucp.model.cast import narrowed
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import opened
-from ucp.sources.hf import find_hf_folder, model_files
+from ucp.sources.hf import config_in_dtype, find_hf_folder, model_files
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
@@ -225,6 +226,20 @@ def _model_files(src: str | os.PathLike | Reader) -> list[Path]:
     return [folder.path / name for name in model_files(folder)] if folder is not None else []
 
 
+#: a config.json larger than this is copied as it is, not rewritten for --dtype
+_CONFIG_LIMIT = 16 << 20
+
+
+def _carry(path: Path, dest: Path, dtype: str | None) -> None:
+    """Copy a model file beside the weights; ``config.json`` names ``dtype`` when the export casts to it."""
+    if dtype is not None and path.name == "config.json" and path.stat().st_size <= _CONFIG_LIMIT:
+        text = config_in_dtype(read_small(path, _CONFIG_LIMIT, "config.json"), dtype)
+        if text is not None:
+            dest.write_bytes(text)
+            return
+    shutil.copyfile(path, dest)
+
+
 def _export(
     reader: Reader,
     out: Path,
@@ -293,7 +308,7 @@ def _export(
             (stage / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
             written.append(out / index_name)
         for path in carried:
-            shutil.copyfile(path, stage / path.name)
+            _carry(path, stage / path.name, dtype)
             written.append(out / path.name)
     return written
 
