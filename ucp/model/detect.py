@@ -21,6 +21,7 @@ __all__ = [
     "round_robin_gradients",
     "mics_shard_size",
     "offloads_to_nvme",
+    "partial_offload_ratio",
     "LowPrecisionMasters",
     "low_precision_masters",
 ]
@@ -51,6 +52,16 @@ def offloads_to_nvme(ds_config: Mapping[str, Any] | None) -> bool:
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
     offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
     return isinstance(offload, Mapping) and offload.get("device") == "nvme"
+
+
+def partial_offload_ratio(ds_config: Mapping[str, Any] | None) -> float | None:
+    """ZeRO-Offload++'s ``offload_optimizer.ratio`` when below 1 (ZeRO-3): the share of each rank's sub-groups its
+    CPU optimizer steps; DeepSpeed 0.19.8 steps the others on the GPU with a second torch AdamW whose state its
+    checkpoints do not hold. None when the whole optimizer is offloaded, or not at all."""
+    if not offloads_optimizer(ds_config):
+        return None
+    ratio = ds_config["zero_optimization"]["offload_optimizer"].get("ratio")  # type: ignore[index]
+    return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1 else None
 
 
 def round_robin_gradients(ds_config: Mapping[str, Any] | None) -> bool:

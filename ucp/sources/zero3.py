@@ -56,7 +56,7 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme
+from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme, partial_offload_ratio
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -217,7 +217,9 @@ class Zero3Source(Reader):
         detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
         flat = self._flat(blocks, len(shapes))
         sub_of_group = self._place(layout, shapes, flat)
-        self._collect_keys(inners, flat, [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])])
+        self._collect_keys(
+            inners, flat, [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])], ds_config
+        )
         sub_steps = self._sub_steps(groups_raw, sub_of_group, inners, detection)
         self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
@@ -317,11 +319,24 @@ class Zero3Source(Reader):
                 raise InputError(f"sub-group {sub} belongs to no param group in the optimizer state")
         return sub_of_group
 
+    @staticmethod
+    def _why_missing(ds_config: Mapping[str, Any]) -> str:
+        """Why a sub-group's optimizer state can be missing from a whole save: ZeRO-Offload++."""
+        ratio = partial_offload_ratio(ds_config)
+        if ratio is None:
+            return ""
+        return (
+            f": saved with offload_optimizer.ratio={ratio:g} (ZeRO-Offload++), DeepSpeed 0.19.8 steps the first "
+            "sub-groups of each rank on the GPU with a second optimizer and saves only its CPU optimizer's "
+            "moments, so these files do not hold them; save with ratio 1 to move the run"
+        )
+
     def _collect_keys(
         self,
         inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
         flat: list[list[torch.Tensor]],
         subs: list[int],
+        ds_config: Mapping[str, Any],
     ) -> None:
         """Optimizer state: every sub-group read on every rank, the same keys everywhere, or none at all."""
         head_state = inners[0][1]
@@ -340,7 +355,9 @@ class Zero3Source(Reader):
             for sub in subs:
                 entry = rank_state.get(sub)
                 if entry is None:
-                    raise InputError(f"{tf.path.name} has no optimizer state for sub-group {sub}")
+                    raise InputError(
+                        f"{tf.path.name} has no optimizer state for sub-group {sub}{self._why_missing(ds_config)}"
+                    )
                 entry = need_mapping(entry, f"{tf.path.name}: optimizer state of sub-group {sub}")
                 self._keys[sub] = flat_state_keys(
                     entry,
