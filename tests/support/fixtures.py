@@ -83,6 +83,7 @@ def _key(spec: RunSpec) -> str:
         ("mics", 0),
         ("offload_param", False),
         ("zenflow", 0),
+        ("nvme", False),
     )
     for key, default in later:
         if fields.get(key) == default:

@@ -12,7 +12,7 @@ from ucp.io.small_files import read_small
 
 __all__ = [
     "NVME_FOLDER",
-    "NVME_REFUSAL",
+    "nvme_swap_file",
     "CheckpointFiles",
     "find_checkpoint",
     "resolve_tag_dir",
@@ -191,19 +191,19 @@ def _grid(
 
 #: where a ZeRO-3 run offloading its optimizer to NVMe (ZeRO-Infinity) copies its swap files when it saves
 NVME_FOLDER = "offloaded_tensors"
-NVME_REFUSAL = (
-    "{where} keeps its optimizer state in NVMe swap files (zero_optimization.offload_optimizer.device=nvme, "
-    f"copied to {NVME_FOLDER}/), not in its optim files: ucp does not read them yet, and converting the optim "
-    "files alone would lose the fp32 masters and moments"
-)
+
+
+def nvme_swap_file(tag_dir: Path, rank: int, ds_id: str, key: str | None = None) -> Path:
+    """The swap file of a ZeRO-Infinity save holding one sub-group's fp32 masters (``key`` None) or one of its
+    optimizer states, on one rank: ``offloaded_tensors/rank<NN>/[<key>-]<ds_id>.tensor.swp``, where ``ds_id``
+    names the sub-group by its first and last parameters' ids (``3_5``), as its flat tensor's ``ds_id`` says."""
+    return tag_dir / NVME_FOLDER / f"rank{rank:0>2d}" / f"{'' if key is None else key + '-'}{ds_id}.tensor.swp"
 
 
 def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     """Index the rank files of a DeepSpeed checkpoint (ZeRO-1/2/3, or stage 0: model-states files only) and
     refuse incomplete or mixed sets."""
     tag_dir, tag = resolve_tag_dir(Path(src), tag)
-    if (tag_dir / NVME_FOLDER).is_dir():
-        raise InputError(NVME_REFUSAL.format(where=tag_dir))
     optim: dict[tuple[int, int], Path] = {}
     z3_model: dict[tuple[int, int], Path] = {}
     model: dict[tuple[int, int], Path] = {}

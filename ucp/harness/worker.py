@@ -100,7 +100,7 @@ def _ds_config(spec: RunSpec) -> dict:
     if spec.round_robin:
         zero["round_robin_gradients"] = True
     if spec.offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": _swap_folder()} if spec.nvme else {"device": "cpu"}
     if spec.offload_param:
         zero["offload_param"] = {"device": "cpu"}
     if spec.zenflow:
@@ -147,6 +147,17 @@ def _ds_config(spec: RunSpec) -> dict:
     if spec.load is not None and spec.load.kind == "ds-universal":
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def _swap_folder() -> str:
+    """A folder of this rank for ZeRO-Infinity's NVMe swap files, removed when the rank exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="ucp-nvme-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def _fp16_config(spec: RunSpec) -> dict:

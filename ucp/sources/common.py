@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ucp.io.torchfile import TorchFile
 from ucp.model.hyper import hyper_from_group, raw_group
 from ucp.model.partition import zero3_rank_span
-from ucp.model.pieces import Pieces
+from ucp.model.pieces import FileSpan, Pieces
 from ucp.model.records import GroupMeta
 
-__all__ = ["zero3_slices", "zero3_pieces", "file_pieces", "zero3_gather", "group_meta"]
+__all__ = ["zero3_slices", "zero3_pieces", "file_pieces", "zero3_gather", "group_meta", "SpanSource"]
 
 
 def zero3_slices(fragment_of: Callable[[int], torch.Tensor], numel: int, dp: int) -> list[torch.Tensor]:
@@ -37,7 +36,13 @@ def zero3_pieces(fragment_of: Callable[[int], torch.Tensor], numel: int, shape: 
     return Pieces(tuple(parts), shape, parts[0].dtype if parts else torch.float32)
 
 
-def file_pieces(parts: Iterable[tuple[TorchFile, torch.Tensor]], shape: tuple[int, ...]) -> Pieces:
+class SpanSource(Protocol):
+    """A file whose tensors are views on it: :class:`TorchFile`, or a raw swap file (``ucp.io.rawfile``)."""
+
+    def span(self, tensor: torch.Tensor) -> FileSpan | None: ...
+
+
+def file_pieces(parts: Iterable[tuple[SpanSource, torch.Tensor]], shape: tuple[int, ...]) -> Pieces:
     """A parameter's flat state from slices of its shards, in order, as fp32 :class:`Pieces`.
 
     When every slice lies in its file, the pieces are byte spans of the files (the universal writer

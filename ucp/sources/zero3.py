@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from ucp.deepspeed.fields import (
     sub_group_size,
     tensor_shape,
 )
-from ucp.deepspeed.layout import NVME_REFUSAL, CheckpointFiles, optim_file
+from ucp.deepspeed.layout import NVME_FOLDER, CheckpointFiles, nvme_swap_file, optim_file
 from ucp.deepspeed.model_states import (
     EXCLUDED_FROZEN_NOTE,
     check_model_states,
@@ -55,12 +56,13 @@ from ucp.deepspeed.optim_states import (
     stage_of,
 )
 from ucp.errors import InputError
+from ucp.io.rawfile import RawTensorFile
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme, partial_offload_ratio
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
-from ucp.sources.common import file_pieces, group_meta, zero3_gather, zero3_slices
+from ucp.sources.common import SpanSource, file_pieces, group_meta, zero3_gather, zero3_slices
 
 __all__ = ["Zero3Source"]
 
@@ -76,9 +78,13 @@ class _Where:
     shape: tuple[int, ...]
 
 
-def _state_of(sub: int, key: str) -> Callable[[Mapping[str, Any]], torch.Tensor]:
-    """Picks state ``key`` of sub-group ``sub`` out of a rank's ZeRO block."""
-    return lambda block: block["optimizer_state_dict"]["state"][sub][key]
+def _sub_numel(members: Mapping[str, Any], dp: int) -> int:
+    """A sub-group's elements on each rank: its members' ZeRO-3 partitions."""
+    return sum(zero3_partition_size(math.prod(tensor_shape(shape)), dp) for shape in members.values())
+
+
+_DS_ID = re.compile(r"\d+_\d+")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Zero3Source(Reader):
@@ -106,6 +112,8 @@ class Zero3Source(Reader):
         self._with_frozen = frozen
         self._optim: list[TorchFile] = []
         self._model: list[TorchFile] = []
+        # ZeRO-Infinity: (rank, sub-group, state key or None for the masters) -> its NVMe swap file
+        self._swap: dict[tuple[int, int, str | None], RawTensorFile] = {}
 
         def build() -> Facts:
             # rank by rank: each model-states file repeats the module dict, read once and re-bound after
@@ -207,8 +215,6 @@ class Zero3Source(Reader):
         ds_config = head.get("ds_config") or {}
         if not isinstance(ds_config, Mapping):
             raise InputError(f"{self._model[0].path.name}: ds_config is a {type(ds_config).__name__}, not a dict")
-        if offloads_to_nvme(ds_config):
-            raise InputError(NVME_REFUSAL.format(where=self.files.tag_dir))
         self._check_scalers(blocks)
         inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw = inners[0][0]
@@ -216,6 +222,8 @@ class Zero3Source(Reader):
         self._check_partitions(blocks, [sub for g, subs in enumerate(layout) if self._reads(g) for sub in subs])
         detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
         flat = self._flat(blocks, len(shapes))
+        if offloads_to_nvme(ds_config):
+            inners = self._swap_in(flat, inners, shapes)
         sub_of_group = self._place(layout, shapes, flat)
         self._collect_keys(
             inners, flat, [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])], ds_config
@@ -259,6 +267,51 @@ class Zero3Source(Reader):
                     "ranks from different runs are mixed"
                 )
         return layout
+
+    def _swap_in(
+        self,
+        flat: list[list[torch.Tensor]],
+        inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
+        shapes: list[Mapping[str, Any]],
+    ) -> list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]:
+        """ZeRO-Infinity (``offload_optimizer.device: nvme``) saves a sub-group large enough to swap (1 MiB at
+        least, per rank) as an empty flat tensor and empty state tensors: its masters and moments are the
+        swap files DeepSpeed copies into the tag folder. Put those files' tensors in their place (``flat``
+        in place; returns ``inners`` with their state), each a view on its file."""
+        out: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]] = []
+        for rank, (groups, rank_state) in enumerate(inners):
+            state = dict(rank_state)
+            for sub, members in enumerate(shapes):
+                numel = _sub_numel(members, len(flat))
+                if flat[rank][sub].numel() or not numel:
+                    continue
+                ds_id = getattr(flat[rank][sub], "ds_id", None)
+                name = self._optim[rank].path.name
+                if not isinstance(ds_id, str) or not _DS_ID.fullmatch(ds_id):
+                    raise InputError(
+                        f"{name}: sub-group {sub} is swapped to NVMe, but its flat tensor names no swap file "
+                        f"(ds_id {ds_id!r})"
+                    )
+                what = f"rank {rank}'s sub-group {sub} is in NVMe swap files (DeepSpeed copies them to {NVME_FOLDER}/)"
+                flat[rank][sub] = self._open_swap(rank, sub, ds_id, None, flat[rank][sub].dtype, numel, what)
+                entry = state.get(sub)
+                if isinstance(entry, Mapping):
+                    swapped = dict(entry)
+                    for key, value in entry.items():
+                        if torch.is_tensor(value) and value.dim() == 1 and not value.numel():
+                            if not isinstance(key, str) or not _KEY.fullmatch(key):
+                                raise InputError(f"{name}: sub-group {sub} has a state named {key!r}")
+                            swapped[key] = self._open_swap(rank, sub, ds_id, key, value.dtype, numel, what)
+                    state[sub] = swapped
+            out.append((groups, state))
+        return out
+
+    def _open_swap(
+        self, rank: int, sub: int, ds_id: str, key: str | None, dtype: torch.dtype, numel: int, what: str
+    ) -> torch.Tensor:
+        raw = RawTensorFile(nvme_swap_file(self.files.tag_dir, rank, ds_id, key), dtype, numel, what=what)
+        self._swap[(rank, sub, key)] = raw
+        return raw.tensor
 
     def _flat(self, blocks: list[Mapping[str, Any]], subs: int) -> list[list[torch.Tensor]]:
         """Each rank's flat fp32 buffer per sub-group, checked to be flat tensors."""
@@ -458,15 +511,26 @@ class Zero3Source(Reader):
                 zero3_frozen_fragment(tf, name, numel, dp, rank)
 
     # -- tensors -----------------------------------------------------------------------------
-    def _pieces(self, where: _Where, pick: Callable[[Mapping[str, Any]], torch.Tensor]) -> Pieces:
+    def _fragment(self, rank: int, sub: int, key: str | None) -> tuple[TorchFile | RawTensorFile, torch.Tensor]:
+        """A rank's flat masters (``key`` None) or state ``key`` of a sub-group, and the file holding it."""
+        swap = self._swap.get((rank, sub, key))
+        if swap is not None:
+            return swap, swap.tensor
+        tf = self._optim[rank]
+        block = tf.obj["optimizer_state_dict"]
+        return tf, block["fp32_flat_groups"][sub] if key is None else block["optimizer_state_dict"]["state"][sub][key]
+
+    def _pieces(self, where: _Where, key: str | None) -> Pieces:
         """One flat state of a parameter as its rank slices, each where it lies in its shard on disk."""
+        files: list[SpanSource] = []
 
         def fragment_of(rank: int) -> torch.Tensor:
-            tf = self._optim[rank]
-            return pick(tf.obj["optimizer_state_dict"]).detach().narrow(0, where.offset, where.size)
+            holder, tensor = self._fragment(rank, where.sub_group, key)
+            files.append(holder)
+            return tensor.detach().narrow(0, where.offset, where.size)
 
         slices = zero3_slices(fragment_of, where.numel, len(self._optim))
-        return file_pieces(zip(self._optim, slices), where.shape)
+        return file_pieces(zip(files, slices), where.shape)
 
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
@@ -481,10 +545,10 @@ class Zero3Source(Reader):
         if where is None:
             raise InputError(f"parameter {name!r} is not in this checkpoint")
         sub = where.sub_group
-        fp32 = self._pieces(where, lambda block: block["fp32_flat_groups"][sub])
+        fp32 = self._pieces(where, None)
         if not moments or not self._has_moments:
             return PieceState(fp32=fp32, step=self._steps.get(name))
-        optim = {key: self._pieces(where, _state_of(sub, key)) for key in self._keys[sub]}
+        optim = {key: self._pieces(where, key) for key in self._keys[sub]}
         scalars = {k: v.clone() for k, v in self._scalars[sub].items()}
         return PieceState(fp32=fp32, optim=optim, step=self._steps.get(name), scalars=scalars)
 
@@ -507,6 +571,8 @@ class Zero3Source(Reader):
     def close(self) -> None:
         for tf in getattr(self, "_optim", []) + getattr(self, "_model", []):
             tf.close()
+        for raw in getattr(self, "_swap", {}).values():
+            raw.close()
 
 
 #: What a damaged or hand-made file can make the code past the explicit checks raise.

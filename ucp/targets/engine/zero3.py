@@ -67,6 +67,11 @@ def restore_zero3(
     workers: int,
     step_of: Callable[[ParamState | PieceState], int],
 ) -> None:
+    if getattr(engine.optimizer, "swap_optimizer", False):
+        raise InputError(
+            "this engine swaps its optimizer state to NVMe (offload_optimizer.device=nvme): ucp restores into "
+            "engines that keep it in CPU memory (device=cpu) or on the accelerator, not into swap files"
+        )
     check_names(engine, reader, strict=strict)
     opt = engine.optimizer
     base = opt.optimizer
