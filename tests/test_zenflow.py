@@ -38,9 +38,7 @@ def _newer_weights(record) -> int:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_the_master_is_the_weight_where_zenflow_updated_the_weight_and_every_moment_is_kept(
-    universal, stage, tmp_path
-):
+def test_the_master_is_the_weight_where_zenflow_updated_the_weight_and_every_moment_is_kept(universal, stage, tmp_path):
     built = build(**{**RUN, "stage": stage})
     record = built.record
     assert record["module"]["blocks.0.0.weight"].dtype == torch.bfloat16

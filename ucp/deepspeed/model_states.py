@@ -253,7 +253,20 @@ def zero3_frozen_fragment(tf: TorchFile, name: str, numel: int, dp: int, rank: i
         raise InputError(f"{tf.path.name} has no fragment of frozen parameter {name!r}")
     fragment = need_tensor(fragment, f"{tf.path.name}: fragment of frozen parameter {name!r}")
     if fragment.numel() < end - start:
-        raise InputError(f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}")
+        config = tf.obj.get("ds_config")
+        zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+        params = zero.get("offload_param") if isinstance(zero, Mapping) else None
+        swapped = isinstance(params, Mapping) and params.get("device") == "nvme"
+        why = (
+            ": the run swapped its parameters to NVMe (offload_param.device=nvme), and DeepSpeed 0.19.8 saves a "
+            "swapped frozen parameter as a placeholder, not its values; save with exclude_frozen_parameters=True "
+            "(the restored run keeps its own frozen weights), or with offload_param on cpu"
+            if swapped
+            else ""
+        )
+        raise InputError(
+            f"{tf.path.name}: fragment of {name!r} holds {fragment.numel()} elements, needs {end - start}{why}"
+        )
     return fragment
 
 

@@ -98,8 +98,8 @@ class RunSpec(JsonSpec):
     optimizer: str = "torch-adamw"
     offload: bool = False  # optimizer offload to CPU (needed by ds-cpu-adam)
     offload_param: bool = False  # ZeRO-3 parameter offload to CPU (ZeRO-Infinity's offload_param)
-    # with offload at ZeRO-3: the optimizer state in NVMe swap files (ZeRO-Infinity; DeepSpeed's async_io op, which
-    # needs libaio) under a temporary folder of the rank; sub-groups of 1 MiB or more per rank are swapped
+    # with offload (offload_param) at ZeRO-3: the optimizer state (the parameters) in NVMe swap files (ZeRO-Infinity;
+    # DeepSpeed's async_io op, which needs libaio) under a temporary folder of the rank; 1 MiB or more per rank swaps
     nvme: bool = False
     # DeepSpeed's low-precision masters. bf16, ZeRO-1/2/3: "bf16": bf16_master_weights_and_grads (DeepSpeed
     # requires offload and ds-cpu-adam, whose moments stay fp32); "bf16-states": also bf16_optimizer_states.

@@ -102,7 +102,7 @@ def _ds_config(spec: RunSpec) -> dict:
     if spec.offload:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": _swap_folder()} if spec.nvme else {"device": "cpu"}
     if spec.offload_param:
-        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": _swap_folder()} if spec.nvme else {"device": "cpu"}
     if spec.zenflow:
         # the top quarter of each matrix's columns updated every step, the rest every `zenflow` steps;
         # overlap_step's optimizer process cannot start on CPU/gloo ranks (its second rendezvous fails)
