@@ -25,11 +25,16 @@ from ucp.universal import open_universal
 
 
 def _async_io() -> bool:
+    """Whether DeepSpeed's async_io op builds and loads here (built once, then cached with DeepSpeed's other ops)."""
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
-        return bool(AsyncIOBuilder().is_compatible(verbose=False))
-    except Exception:  # noqa: BLE001  # no DeepSpeed, or a builder that cannot tell: no NVMe runs
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return False
+        builder.load(verbose=False)
+        return True
+    except Exception:  # noqa: BLE001  # no DeepSpeed, no libaio, a failed build: no NVMe runs
         return False
 
 
