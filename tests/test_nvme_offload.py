@@ -21,6 +21,7 @@ from ucp.harness import LoadSpec
 from ucp.harness.launch import RankFailure
 from ucp.harness.spec import ModelSpec
 from ucp.io.torchfile import load
+from ucp.sources import opened
 from ucp.universal import open_universal
 
 
@@ -72,6 +73,8 @@ def _swapped(tag_dir: Path) -> tuple[int, int]:
 def test_the_swap_files_and_the_optim_files_give_every_master_and_moment_bit_exact(universal):
     built = build(**RUN)
     assert _swapped(built.tag_dir) == (3, 9)  # 3 sub-groups: masters, exp_avg, exp_avg_sq each
+    with opened(built.path) as source:
+        assert any("3 of 4 sub-groups are read from the NVMe swap files" in w for w in source.facts.warnings)
     with open_universal(universal) as reader:
         assert_reader_holds_every_state(reader, built.record)
 

@@ -239,6 +239,12 @@ class Zero3Source(Reader):
         steps = [s for s in self._steps.values() if s is not None]
         replicas = mics_replicas(head, ds_config, len(self._optim), self._model[0].path.name)
         notes = [EXCLUDED_FROZEN_NOTE] if frozen_excluded(head, 3) else []
+        swapped = {sub for _, sub, key in self._swap if key is None}
+        if swapped:
+            notes.append(
+                f"ZeRO-Infinity: the masters and optimizer state of {len(swapped)} of {len(shapes)} sub-groups are "
+                f"read from the NVMe swap files in {NVME_FOLDER}/"
+            )
         if replicas > 1 or mics_shard_size(ds_config):
             notes.append(mics_note(mics_shard_size(ds_config), replicas))
         return Facts(
