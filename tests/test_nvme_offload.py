@@ -102,6 +102,20 @@ def test_a_save_without_its_swap_files_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "u").exists()
 
 
+def test_a_short_swap_file_is_refused_in_one_line(tmp_path, capsys):
+    built = build(**RUN)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(built.path, folder)
+    swap = folder / built.tag_dir.name / "offloaded_tensors" / "rank01" / "exp_avg-3_5.tensor.swp"
+    with open(swap, "r+b") as handle:
+        handle.truncate(4096)
+    capsys.readouterr()
+    assert cli(["to-universal", str(folder), str(tmp_path / "u")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "exp_avg-3_5.tensor.swp has 4,096 bytes" in err, err
+    assert not (tmp_path / "u").exists()
+
+
 def test_a_live_restore_into_an_nvme_engine_is_refused_in_one_line(universal, tmp_path):
     built = build(**RUN)
     with pytest.raises(RankFailure, match="swaps its optimizer state to NVMe"):

@@ -8,6 +8,10 @@ sub-group in order; the optimizer's param groups list which sub-groups each grou
 An AutoEP run partitions its expert sub-groups over fewer ranks than its dense ones (``ds_zero_partition_groups``
 says over which), so one reader can be limited to some param groups (``groups``) of some ranks' files (a
 ``files`` view), as :class:`~ucp.sources.zero12.Zero12Source` can.
+
+A ZeRO-Infinity run (``offload_optimizer.device: nvme``) leaves the flat buffer and moments of each swapped
+sub-group empty in its optim files; they are raw swap files under ``offloaded_tensors/`` (``ucp.io.rawfile``),
+read in their place.
 """
 
 from __future__ import annotations
