@@ -125,8 +125,9 @@ def test_a_live_restore_into_an_nvme_engine_is_refused_in_one_line(universal, tm
 def test_ucps_restore_takes_the_uninterrupted_runs_first_step_where_deepspeeds_own_nvme_resume_does_not(
     universal, tmp_path
 ):
-    """Pinned: DeepSpeed 0.19.8 resuming its own NVMe save at the same DP loses the masters of the sub-group it
-    kept in memory (measured: first loss 93.04 where the run without a break had 83.67). ucp's restore into a run
+    """Pinned: DeepSpeed 0.19.8 resuming its own NVMe save at the same DP puts back the new run's initial masters of
+    the sub-group it keeps in memory (measured: norm.weight 1.0; first loss 93.04 where the run without a break had
+    83.67). ucp's restore into a run
     offloading to CPU memory takes exactly the uninterrupted run's first step (later ones part: a CPU-offload run
     and an NVMe run of DeepSpeed 0.19.8 train apart even from scratch)."""
     built = build(**RUN)
