@@ -80,9 +80,11 @@ def test_the_swap_files_and_the_optim_files_give_every_master_and_moment_bit_exa
 
 
 @pytest.mark.parametrize("dp", [1, 3])
-def test_a_new_dp_loads_the_nvme_runs_state_natively_and_live(universal, dp, tmp_path):
+def test_a_new_dp_loads_the_nvme_runs_state_natively_and_live(universal, dp, tmp_path, capsys):
     built = build(**RUN)
+    capsys.readouterr()
     assert cli(["restore", str(universal), str(tmp_path / "n"), "--dp", str(dp)]) == 0
+    assert "load them in a run that offloads the optimizer to CPU memory" in capsys.readouterr().err
     # a run offloading to CPU memory loads the plain ZeRO-3 files ucp writes
     native = resume(built, LoadSpec(str(tmp_path / "n")), dp=dp, steps=0, nvme=False, name="native", work=tmp_path)
     assert_every_state_equals_record(native, built.record)

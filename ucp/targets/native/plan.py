@@ -12,7 +12,7 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.model import flavours
 from ucp.model.batch import global_batch_advice
-from ucp.model.detect import low_precision_masters, offloads_optimizer, round_robin_gradients
+from ucp.model.detect import low_precision_masters, offloads_optimizer, offloads_to_nvme, round_robin_gradients
 from ucp.model.loss_scale import fresh_fp16_scale
 from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.partition import Zero3Layout, zero3_layout
@@ -193,6 +193,12 @@ def plan_native(
             f"the run becomes fp16: its loss scaler starts {fresh_fp16_scale(facts.info.ds_config).describe()}, "
             "from the source config's fp16 block or DeepSpeed's defaults (DeepSpeed's load puts the checkpoint's "
             "scaler in place of the one the new run's config makes; ucp.restore(engine, ...) keeps the engine's)"
+        )
+    if offloads_to_nvme(facts.info.ds_config) and options.stage > 0:
+        plan.notes.append(
+            "the source swapped its optimizer to NVMe; these files hold every state themselves: load them in a "
+            "run that offloads the optimizer to CPU memory or keeps it on the accelerator (an NVMe-offload run loads "
+            "only its own saves' offloaded_tensors/, and DeepSpeed 0.19.8 resumes those wrong: docs/format.md)"
         )
     if batch_note:
         plan.notes += _batch_notes(facts, options.dp)
