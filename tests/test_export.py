@@ -254,3 +254,14 @@ def test_exported_files_follow_the_umask_and_a_foreign_suffix_is_refused(bf16_un
     err = capsys.readouterr().err
     assert "ends in .txt" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "weights.txt").exists()
+
+
+def test_config_dtype_is_rewritten_only_where_it_names_another_dtype_and_hostile_text_is_left_alone():
+    from ucp.sources.hf import config_in_dtype
+
+    written = config_in_dtype(b'{"dtype": "bfloat16", "text_config": {"torch_dtype": "float32"}, "x": 1}', "fp16")
+    assert json.loads(written) == {"dtype": "float16", "text_config": {"torch_dtype": "float16"}, "x": 1}
+    assert config_in_dtype(b'{"dtype": "float16"}', "fp16") is None  # already says so: copied byte for byte
+    assert config_in_dtype(b"\xff\xfe not json", "fp16") is None
+    deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+    assert config_in_dtype(deep, "fp16") is None

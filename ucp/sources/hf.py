@@ -189,7 +189,7 @@ def config_in_dtype(text: bytes, dtype: str) -> bytes | None:
     them back; None when the text names no other dtype (or is not a JSON object: then it is copied as it is)."""
     try:
         config = json.loads(text)
-    except ValueError:  # UnicodeDecodeError too
+    except (ValueError, RecursionError):  # UnicodeDecodeError too; nesting past the interpreter's limit
         return None
     if not isinstance(config, dict):
         return None
@@ -205,7 +205,10 @@ def config_in_dtype(text: bytes, dtype: str) -> bytes | None:
             elif isinstance(value, dict):
                 visit(value)
 
-    visit(config)
+    try:
+        visit(config)
+    except RecursionError:
+        return None
     return (json.dumps(config, indent=2) + "\n").encode() if changed else None
 
 
