@@ -332,11 +332,17 @@ class TransformedReader(Reader):
         )
 
     def _scalar_reset(self, name: str, key: str) -> float:
-        """A scalar's value in a fresh optimizer (NAdam's mu_product starts at 1), from the flavour."""
-        flavour = flavours.FLAVOURS.get(self.inner.facts.flavour or "")
-        if flavour is None or key not in flavour.scalars:
+        """A scalar's value in a fresh optimizer (NAdam's mu_product starts at 1, ASGD's eta at the group's lr),
+        from the flavour."""
+        facts = self.inner.facts
+        flavour = flavours.FLAVOURS.get(facts.flavour or "")
+        start = flavour.scalars.get(key) if flavour is not None else None
+        if isinstance(start, str):
+            group = facts.param(self.plan.origin.get(name, name)).group
+            start = facts.groups[group].raw.get(start) if group is not None else None
+        if not isinstance(start, (int, float)) or isinstance(start, bool):
             raise InputError(f"{name}: cannot reset optimizer scalar {key!r}: ucp does not know its starting value")
-        return flavour.scalars[key]
+        return float(start)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         source = self.inner.buffers()

@@ -16,12 +16,13 @@ __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser"]
 #: every optimizer flavour (ucp.model.flavours.FLAVOURS; spelled here so that --help needs no torch, kept equal by a test)
 FLAVOUR_NAMES = (
     "torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam", "torch-sgd", "torch-rmsprop", "torch-nadam",
-    "torch-radam", "torch-adamax", "torch-adagrad", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
+    "torch-radam", "torch-adamax", "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor",
+    "hf-adafactor", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
 )  # fmt: skip
 #: optimizers a DCP output can be written for (ucp.targets.dcp.DCP_OPTIMIZERS)
 DCP_OPTIMIZER_NAMES = (
     "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
-    "torch-adagrad",
+    "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor",
 )  # fmt: skip
 
 
@@ -108,7 +109,7 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer",
         choices=sorted(set(FLAVOUR_NAMES) | set(DCP_OPTIMIZER_NAMES)),
-        help="optimizer of the new run (default: the source's; torch-adamw for --format dcp)",
+        help="optimizer of the new run (default: the source's; for --format dcp its torch optimizer, AdamW for Adam's)",
     )
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
     p.add_argument("--tag", help="tag folder name (default: global_step<N>)")

@@ -23,16 +23,16 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
     from ucp.targets.dcp import write_dcp
 
     with output(args, args.universal, lambda: open_reader(args.universal, tag=args.tag), weights(args)) as reader:
-        write_dcp(
+        plan = write_dcp(
             reader,
             args.out,
-            optimizer=args.optimizer or "torch-adamw",
+            optimizer=args.optimizer,
             layout=args.dcp_layout or "torch",
             overwrite=args.overwrite,
             fsync=args.fsync,
         )
     layout = f", {args.dcp_layout} layout" if args.dcp_layout else ""
-    optimizer = args.optimizer or "torch-adamw"
+    optimizer = plan.flavour
     summary = f"wrote a torch.distributed.checkpoint folder ({optimizer}{layout}) to {args.out}"
     return done(args, summary, format="dcp", optimizer=optimizer, layout=args.dcp_layout or "torch")
 

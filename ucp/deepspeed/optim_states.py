@@ -136,10 +136,11 @@ def _is_scalar(value: Any) -> bool:
     return torch.is_tensor(value) and value.dim() == 0 and value.is_floating_point()
 
 
-def flat_state_scalars(entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def flat_state_scalars(entry: Mapping[str, Any], derived: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The 0-dim floating entries of a flat tensor's optimizer state besides the step (NAdam's
-    ``mu_product``): one value for every parameter the flat tensor holds."""
-    return {k: v for k, v in entry.items() if k != STEP_KEY and _is_scalar(v)}
+    ``mu_product``): one value for every parameter the flat tensor holds. ``derived``: scalars the optimizer
+    recomputes before reading them (a statistic of the tensor it steps), left out."""
+    return {k: v for k, v in entry.items() if k != STEP_KEY and k not in derived and _is_scalar(v)}
 
 
 def same_scalars(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
@@ -334,11 +335,11 @@ def _slices(names: list[str], layout: Zero12Group, rank: int) -> dict[str, tuple
 
 
 def rank_scalars(
-    entry: Mapping[str, Any], rank0: Mapping[str, torch.Tensor] | None, where: str
+    entry: Mapping[str, Any], rank0: Mapping[str, torch.Tensor] | None, where: str, derived: Collection[str] = ()
 ) -> dict[str, torch.Tensor]:
     """A flat tensor's 0-dim optimizer scalars (:func:`flat_state_scalars`), which every rank stepped
     together and so must hold bit-equal to rank 0's (``rank0``; None on rank 0 itself)."""
-    scalars = flat_state_scalars(entry)
+    scalars = flat_state_scalars(entry, derived)
     if rank0 is not None and not same_scalars(scalars, rank0):
         raise InputError(
             f"{where} holds optimizer scalars {show_scalars(scalars)}, rank 0 holds {show_scalars(rank0)}: "

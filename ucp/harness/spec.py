@@ -27,6 +27,11 @@ OPTIMIZERS = (
     "ds-cpu-adagrad",  # needs offload
     "ds-cpu-lion",  # needs offload
     "ds-muon",  # MuonWithAuxAdam from the DeepSpeed config
+    "torch-adadelta",
+    "torch-rprop",
+    "torch-asgd",  # 0-dim eta and mu per parameter
+    "torch-adafactor",  # torch.optim.Adafactor: a flat partition is a vector, so its variance is unfactored
+    "hf-adafactor",  # transformers.optimization.Adafactor (Trainer's optim="adafactor"), with beta1
 )
 
 

@@ -84,6 +84,18 @@ def _other_optimizer(spec: RunSpec, groups: list[dict], betas: tuple[float, floa
         from deepspeed.ops.lion import DeepSpeedCPULion
 
         return DeepSpeedCPULion(groups, lr=lr * 0.1, betas=betas)
+    if spec.optimizer == "torch-adadelta":
+        return torch.optim.Adadelta(groups, lr=lr * 100)
+    if spec.optimizer == "torch-rprop":
+        return torch.optim.Rprop(groups, lr=lr)
+    if spec.optimizer == "torch-asgd":
+        return torch.optim.ASGD(groups, lr=lr, t0=2)
+    if spec.optimizer == "torch-adafactor":
+        return torch.optim.Adafactor(groups, lr=lr)
+    if spec.optimizer == "hf-adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=lr, beta1=0.9, relative_step=False, scale_parameter=False)
     raise SystemExit(f"unknown optimizer {spec.optimizer}")
 
 

@@ -25,9 +25,8 @@ def plan_dcp_target(
     None with the reason added to ``issues``."""
     from ucp.targets.dcp import plan_dcp
 
-    optimizer = target.optimizer or "torch-adamw"
     try:
-        return plan_dcp(tplan.facts, {}, reader.extras(), optimizer, steps=steps, layout=target.layout)
+        return plan_dcp(tplan.facts, {}, reader.extras(), target.optimizer, steps=steps, layout=target.layout)
     except UcpError as err:
         at = ("target", "optimizer") if "family" in str(err) or "optimizer" in str(err) else ("target",)
         issues.append(Issue(at, str(err)))

@@ -52,11 +52,15 @@ def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool) -> str:
     target = plan.config.target
     if target is None or plan.dcp is None:
         raise ValueError("the plan has no dcp target")
-    optimizer = target.optimizer or "torch-adamw"
-    write_dcp(
-        reader, target.output, optimizer=optimizer, layout=target.layout, steps=plan.dcp_steps, overwrite=overwrite
+    written = write_dcp(
+        reader,
+        target.output,
+        optimizer=target.optimizer,
+        layout=target.layout,
+        steps=plan.dcp_steps,
+        overwrite=overwrite,
     )
-    return f"wrote a torch.distributed.checkpoint folder ({optimizer}, {target.layout} layout) to {target.output}"
+    return f"wrote a torch.distributed.checkpoint folder ({written.flavour}, {target.layout} layout) to {target.output}"
 
 
 def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:

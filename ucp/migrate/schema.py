@@ -235,7 +235,9 @@ class TargetConfig(Node):
     format: str = checked(_one_of(TARGET_FORMATS), default="deepspeed")
     layout: str = checked(_one_of(DCP_LAYOUTS), default="torch")  # dcp: get_state_dict's, or torchtitan's
     stage: int | None = checked(_one_of(STAGES), default=None)  # None: 3 (a Hugging Face folder: its own)
-    optimizer: str | None = checked(_one_of(_ALL_OPTIMIZERS), default=None)  # None: the source's (dcp: torch-adamw)
+    optimizer: str | None = checked(
+        _one_of(_ALL_OPTIMIZERS), default=None
+    )  # None: the source's (dcp: its torch optimizer, AdamW for Adam's)
     dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the source's
     step: str | int = checked(_step_value, default="keep")
     tag: str | None = checked(_tag, default=None)  # None: global_step<N>

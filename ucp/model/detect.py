@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ucp.errors import InputError
-from ucp.model.flavours import FLAVOURS, Flavour, get
+from ucp.model.flavours import FLAVOURS, Flavour, check_keys, get
 
 __all__ = [
     "Detection",
@@ -122,6 +122,16 @@ def _ds_config_optimizer(ds_config: Mapping[str, Any] | None) -> tuple[str | Non
     return kind, adam_w, offload
 
 
+#: group settings only one optimizer has (checked before the looser tests below)
+_SIGNATURES = (
+    ({"rho"}, "torch-adadelta"),
+    ({"etas", "step_sizes"}, "torch-rprop"),
+    ({"lambd", "t0"}, "torch-asgd"),
+    ({"beta2_decay"}, "torch-adafactor"),
+    ({"clip_threshold", "decay_rate"}, "hf-adafactor"),
+)
+
+
 def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any]) -> tuple[str, str] | None:
     """(flavour, reason) for the optimizers that are not Adam, told by the keys only they write."""
     state_keys = {k for s in states if isinstance(s, Mapping) for k in s}
@@ -129,6 +139,9 @@ def _detect_beyond_adam(group_keys: set[str], states: list[Any], steps: list[Any
         isinstance(s, int) or (torch.is_tensor(s) and not s.is_floating_point()) for s in steps
     )
     torch_groups = {"foreach", "maximize", "differentiable"} & group_keys
+    for signature, name in _SIGNATURES:
+        if signature <= group_keys:
+            return name, f"param groups carry {' and '.join(sorted(signature))}"
     if "use_muon" in group_keys:
         if steps and not int_steps:
             return "ds-muon-torch-adam", "param groups carry use_muon; the Adam groups keep float step tensors"
@@ -162,7 +175,25 @@ def _a_number(value: Any) -> bool:
 def detect(
     optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, override: str | None = None
 ) -> Detection:
-    """Tell the flavour from a (base) optimizer state dict: where the step lives and its type."""
+    """Tell the flavour from a (base) optimizer state dict: where the step lives and its type; state that
+    flavour does not keep is refused in one line (:func:`ucp.model.flavours.check_keys`)."""
+    found = _detect(optimizer_state, ds_config, override)
+    if found.flavour is None:
+        return found
+    entries = [s for s in (optimizer_state.get("state") or {}).values() if isinstance(s, Mapping)]
+    zero_dim = {k for s in entries for k, v in s.items() if k != "step" and torch.is_tensor(v) and v.dim() == 0}
+    keys = {k for s in entries for k in s if k != "step"} - zero_dim
+    check_keys(found.flavour.name, keys, zero_dim)
+    derived = sorted(zero_dim & set(found.flavour.derived))
+    if derived:
+        found.warnings.append(
+            f"{', '.join(derived)} is not carried: {found.flavour.name} recomputes it from the weights at every step "
+            "before it reads it (a value of each rank's partition, not of a parameter)"
+        )
+    return found
+
+
+def _detect(optimizer_state: Mapping[str, Any], ds_config: Mapping[str, Any] | None, override: str | None) -> Detection:
     _, cfg_adam_w, offload = _ds_config_optimizer(ds_config)
     groups = list(optimizer_state.get("param_groups") or [])
     decoupled = {bool(g["decoupled_weight_decay"]) for g in groups if "decoupled_weight_decay" in g}

@@ -1,23 +1,28 @@
 """Optimizer flavours: the one place that knows where each optimizer keeps its step, its scalars and its settings.
 
-=================  ==========  ===========================  ==========================================
-flavour            family      step lives in                 state besides the step
-=================  ==========  ===========================  ==========================================
-torch-adam         adam        ``state[p]["step"]`` float    exp_avg, exp_avg_sq (+ max_exp_avg_sq)
-ds-fused-adam      adam        ``state[p]["step"]`` int      same; ``group["step"]`` is a stale copy
-ds-cpu-adam        adam        ``state[p]["step"]`` int      same
-apex-fused-adam    adam        ``group["step"]`` int         same
-torch-sgd          sgd         none                          momentum_buffer
-torch-rmsprop      rmsprop     ``state[p]["step"]`` float    square_avg (+ momentum_buffer, grad_avg)
-torch-nadam        nadam       ``state[p]["step"]`` float    mu_product (0-dim), exp_avg, exp_avg_sq
-torch-radam        radam       ``state[p]["step"]`` float    exp_avg, exp_avg_sq
-torch-adamax       adamax      ``state[p]["step"]`` float    exp_avg, exp_inf
-torch-adagrad      adagrad     ``state[p]["step"]`` float    sum
-ds-cpu-adagrad     ds-adagrad  ``state[p]["step"]`` int      exp_avg_sq (a running sum of squares)
-ds-lion            lion        ``state[p]["step"]`` int      exp_avg
-ds-muon            muon        Adam groups' ``state[p]``     momentum_buffer (Muon groups, no step);
-                               int, stale group copy        exp_avg, exp_avg_sq (Adam groups)
-=================  ==========  ===========================  ==========================================
+=================  ============  ===========================  ==========================================
+flavour            family        step lives in                 state besides the step
+=================  ============  ===========================  ==========================================
+torch-adam         adam          ``state[p]["step"]`` float    exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+ds-fused-adam      adam          ``state[p]["step"]`` int      same; ``group["step"]`` is a stale copy
+ds-cpu-adam        adam          ``state[p]["step"]`` int      same
+apex-fused-adam    adam          ``group["step"]`` int         same
+torch-sgd          sgd           none                          momentum_buffer
+torch-rmsprop      rmsprop       ``state[p]["step"]`` float    square_avg (+ momentum_buffer, grad_avg)
+torch-nadam        nadam         ``state[p]["step"]`` float    mu_product (0-dim), exp_avg, exp_avg_sq
+torch-radam        radam         ``state[p]["step"]`` float    exp_avg, exp_avg_sq
+torch-adamax       adamax        ``state[p]["step"]`` float    exp_avg, exp_inf
+torch-adagrad      adagrad       ``state[p]["step"]`` float    sum
+torch-adadelta     adadelta      ``state[p]["step"]`` float    square_avg, acc_delta
+torch-rprop        rprop         ``state[p]["step"]`` float    prev, step_size
+torch-asgd         asgd          ``state[p]["step"]`` float    eta, mu (0-dim), ax
+torch-adafactor    adafactor     ``state[p]["step"]`` float    variance (a flat partition is a vector)
+hf-adafactor       hf-adafactor  ``state[p]["step"]`` int      exp_avg_sq (+ exp_avg); RMS is recomputed
+ds-cpu-adagrad     ds-adagrad    ``state[p]["step"]`` int      exp_avg_sq (a running sum of squares)
+ds-lion            lion          ``state[p]["step"]`` int      exp_avg
+ds-muon            muon          Adam groups' ``state[p]``     momentum_buffer (Muon groups, no step);
+                                 int, stale group copy        exp_avg, exp_avg_sq (Adam groups)
+=================  ============  ===========================  ==========================================
 
 State means the same thing within a family, so a restore may move between its flavours (a torch
 AdamW run resumed under DeepSpeed FusedAdam); across families it is refused (the state would be
@@ -27,12 +32,15 @@ Call order for a target: ``flavour.make_group(hyper, step)`` for each param grou
 ``flavour.update_group(live, hyper, step)`` for a live one), then ``flavour.make_state(tensors,
 step)`` for each flat tensor the optimizer owns. Sources call :func:`ucp.model.detect.detect` once on the optimizer's
 state dict and then :meth:`Flavour.read_step` per state entry.
+
+Each flavour names the state it may keep (``keys``, ``scalars``): a checkpoint holding anything else is
+refused in one line (:func:`check_keys`), so state ucp does not know is never dropped or read as Adam's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +54,14 @@ __all__ = [
     "Flavour",
     "FLAVOURS",
     "check_family",
+    "check_keys",
     "get",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+_ADAM_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 
 
 @dataclass(frozen=True)
@@ -62,8 +74,16 @@ class Flavour:
     float_step: bool  # the step is a float32 tensor (torch) rather than an int
     description: str
     family: str = "adam"  # flavours of one family keep state that means the same thing
-    scalars: Mapping[str, float] = field(default_factory=dict)  # 0-dim per-tensor state -> its value at reset
+    #: 0-dim per-tensor state -> its value at reset: a number, or the name of the group setting it starts at
+    scalars: Mapping[str, float | str] = field(default_factory=dict)
     live: tuple[str, ...] = ()  # "module:Class" of the live optimizer objects of this flavour
+    keys: frozenset[str] = _ADAM_KEYS  # the elementwise state tensors it may keep
+    #: 0-dim state the optimizer recomputes before it reads it (HF Adafactor's RMS of the tensor it steps): a
+    #: value of one rank's partition, meaningless for another; not carried, and a loaded state without it is whole
+    derived: tuple[str, ...] = ()
+    #: a matrix's second moment is kept factored (rows, columns) when the optimizer sees it whole: the state
+    #: is elementwise only on ZeRO's flat partitions, and its update scales by statistics of the tensor it steps
+    factored: bool = False
 
     @property
     def has_step(self) -> bool:
@@ -167,6 +187,22 @@ class Flavour:
         return group
 
 
+def _torch(name: str, cls: str, keys: set[str], more: str = "", **kw: Any) -> Flavour:
+    """A torch.optim optimizer beyond Adam: a float32 step tensor per parameter, its own family."""
+    what = f"torch.optim.{cls}: float32 step {more}".rstrip()
+    return Flavour(
+        name,
+        True,
+        False,
+        True,
+        what,
+        name.removeprefix("torch-"),
+        live=(f"torch.optim:{cls}",),
+        keys=frozenset(keys),
+        **kw,
+    )
+
+
 #: torch's switches a native file carries from a torch source (decoupled_weight_decay is Hyper's adam_w_mode)
 _RUN_SWITCHES = sorted(TORCH_KEYS - {"decoupled_weight_decay"})
 
@@ -183,46 +219,49 @@ FLAVOURS: dict[str, Flavour] = {
         ),
         Flavour("ds-cpu-adam", True, False, False, "DeepSpeedCPUAdam: per-parameter int step"),
         Flavour("apex-fused-adam", False, True, False, "Apex FusedAdam: one int step per param group"),
-        Flavour("torch-sgd", False, False, False, "torch.optim.SGD: no step", "sgd", live=("torch.optim:SGD",)),
         Flavour(
-            "torch-rmsprop",
-            True,
+            "torch-sgd",
             False,
-            True,
-            "torch.optim.RMSprop: float32 step",
-            "rmsprop",
-            live=("torch.optim:RMSprop",),
+            False,
+            False,
+            "torch.optim.SGD: no step",
+            "sgd",
+            live=("torch.optim:SGD",),
+            keys=frozenset({"momentum_buffer"}),
         ),
-        Flavour(
+        _torch("torch-rmsprop", "RMSprop", {"square_avg", "momentum_buffer", "grad_avg"}),
+        _torch(
             "torch-nadam",
-            True,
-            False,
-            True,
-            "torch.optim.NAdam: float32 step and a 0-dim mu_product per parameter",
-            "nadam",
+            "NAdam",
+            {"exp_avg", "exp_avg_sq"},
+            "and a 0-dim mu_product per parameter",
             scalars={"mu_product": 1.0},
-            live=("torch.optim:NAdam",),
+        ),
+        _torch("torch-radam", "RAdam", {"exp_avg", "exp_avg_sq"}),
+        _torch("torch-adamax", "Adamax", {"exp_avg", "exp_inf"}),
+        _torch("torch-adagrad", "Adagrad", {"sum"}),
+        _torch("torch-adadelta", "Adadelta", {"square_avg", "acc_delta"}),
+        _torch("torch-rprop", "Rprop", {"prev", "step_size"}),
+        # eta and mu follow from the step and the group's settings alone, so every tensor of a group agrees
+        _torch("torch-asgd", "ASGD", {"ax"}, "and 0-dim eta and mu per parameter", scalars={"eta": "lr", "mu": 1.0}),
+        _torch(
+            "torch-adafactor",
+            "Adafactor",
+            {"variance", "row_var", "col_var"},
+            "(its variance is factored on the matrices it sees whole)",
+            factored=True,
         ),
         Flavour(
-            "torch-radam", True, False, True, "torch.optim.RAdam: float32 step", "radam", live=("torch.optim:RAdam",)
-        ),
-        Flavour(
-            "torch-adamax",
+            "hf-adafactor",
             True,
             False,
-            True,
-            "torch.optim.Adamax: float32 step",
-            "adamax",
-            live=("torch.optim:Adamax",),
-        ),
-        Flavour(
-            "torch-adagrad",
-            True,
             False,
-            True,
-            "torch.optim.Adagrad: float32 step",
-            "adagrad",
-            live=("torch.optim:Adagrad",),
+            "transformers' Adafactor (Trainer's optim='adafactor'): int step; RMS recomputed at every step",
+            "hf-adafactor",
+            live=("transformers.optimization:Adafactor",),
+            keys=frozenset({"exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col"}),
+            derived=("RMS",),
+            factored=True,
         ),
         Flavour(
             "ds-cpu-adagrad",
@@ -232,6 +271,7 @@ FLAVOURS: dict[str, Flavour] = {
             "DeepSpeedCPUAdagrad: int step; exp_avg_sq is its running sum of squared gradients",
             "ds-adagrad",
             live=("deepspeed.ops.adagrad:DeepSpeedCPUAdagrad",),
+            keys=frozenset({"exp_avg_sq"}),
         ),
         Flavour(
             "ds-lion",
@@ -241,6 +281,8 @@ FLAVOURS: dict[str, Flavour] = {
             "DeepSpeed FusedLion / DeepSpeedCPULion: int step",
             "lion",
             live=("deepspeed.ops.lion:FusedLion", "deepspeed.ops.lion:DeepSpeedCPULion"),
+            # ZeRO-3's offload path (0.19.8) gives it an exp_avg_sq as well, which Lion never reads
+            keys=frozenset({"exp_avg", "exp_avg_sq"}),
         ),
         Flavour(
             "ds-muon",
@@ -251,6 +293,7 @@ FLAVOURS: dict[str, Flavour] = {
             "per parameter and a stale group copy on the others",
             "muon",
             live=("deepspeed.runtime.zero.muon.muon_optimizer:MuonWithAuxAdam",),
+            keys=_ADAM_KEYS | {"momentum_buffer"},
         ),
         Flavour(
             "ds-muon-torch-adam",
@@ -259,14 +302,17 @@ FLAVOURS: dict[str, Flavour] = {
             True,
             "DeepSpeed MuonWithAuxAdam with torch_adam: Muon groups as ds-muon; torch AdamW's float step tensors",
             "muon",
+            keys=_ADAM_KEYS | {"momentum_buffer"},
         ),
     )
 }
 
 
-def check_family(source: str | None, target: Flavour, groups_state: bool) -> None:
+def check_family(source: str | None, target: Flavour, groups_state: bool, *, whole: bool = False) -> None:
     """A restore may move between flavours of one family; across families the state would be read
-    as something it is not, so it is refused (one line) unless no optimizer state is restored."""
+    as something it is not, so it is refused (one line) unless no optimizer state is restored.
+    ``whole``: the target's optimizer steps whole parameters (no ZeRO partition), where a factored
+    optimizer keeps other state than the flat partitions' (refused too)."""
     if source is None or not groups_state or source not in FLAVOURS:
         return
     if FLAVOURS[source].family != target.family:
@@ -274,6 +320,27 @@ def check_family(source: str | None, target: Flavour, groups_state: bool) -> Non
             f"the checkpoint holds {source} state ({FLAVOURS[source].family} family); {target.name} "
             f"({target.family} family) would read it as something it is not: restore into a "
             f"{FLAVOURS[source].family} optimizer, or reset the optimizer state"
+        )
+    if whole and FLAVOURS[source].factored:
+        raise InputError(
+            f"the checkpoint holds {source} state of ZeRO's flat partitions (a second moment per element); on whole "
+            f"matrices {source} keeps it factored by rows and columns, which ucp does not derive: restore into a "
+            "ZeRO-1/2/3 run, or reset the optimizer state"
+        )
+
+
+def check_keys(flavour: str | None, keys: Iterable[str], scalars: Iterable[str] = ()) -> None:
+    """Refuse (one line) state a flavour does not keep: the optimizer is then one ucp does not know (or
+    mistook for a known one), and a restore would drop that state or hand it to an optimizer that
+    reads it as something else."""
+    kind = FLAVOURS.get(flavour or "")
+    if kind is None:
+        return
+    odd = sorted(set(keys) - kind.keys) + sorted(set(scalars) - set(kind.scalars) - set(kind.derived))
+    if odd:
+        raise InputError(
+            f"the optimizer keeps {', '.join(odd)}, which {flavour} does not ({', '.join(sorted(kind.keys))}): "
+            "it is an optimizer ucp does not know, and its state would be lost or misread"
         )
 
 

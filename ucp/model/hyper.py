@@ -86,15 +86,26 @@ def raw_group(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _json_value(v) for k, v in group.items() if k != "params"}
 
 
+def _real(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        or (torch.is_tensor(value) and value.numel() == 1)
+    )
+
+
 def hyper_from_group(group: Mapping[str, Any], adam_w_mode: bool | None) -> Hyper:
     """Read a param group of any flavour into neutral hyperparameters."""
     if "decoupled_weight_decay" in group:
         adam_w_mode = bool(group["decoupled_weight_decay"])
     extra = {k: _json_value(v) for k, v in group.items() if k not in _CORE_KEYS | TORCH_KEYS}
+    betas = group.get("betas", (0.9, 0.999))
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_real(b) for b in betas)):
+        betas = (0.9, 0.999)  # not Adam's pair (a family with other settings: its own group is kept whole)
     return Hyper(
         lr=float(_json_value(group["lr"])),
-        betas=tuple(float(b) for b in group.get("betas", (0.9, 0.999))),  # type: ignore[arg-type]
-        eps=float(group.get("eps", 1e-8)),
+        betas=(float(betas[0]), float(betas[1])),
+        eps=float(group["eps"]) if _real(group.get("eps")) else 1e-8,  # Adafactor's is a pair
         weight_decay=float(group.get("weight_decay", 0.0)),
         amsgrad=bool(group.get("amsgrad", False)),
         bias_correction=bool(group.get("bias_correction", True)),

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ucp.model.flavours import check_keys
 from ucp.model.hyper import Hyper
 from ucp.model.pieces import Pieces
 
@@ -164,6 +165,10 @@ class Facts:
     #: per parameter, how tensor parallelism lays it out (ucp.model.tp.TpRule as JSON); empty when the
     #: source had no tensor parallelism and no rules were given
     tp_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # every source's facts pass here: state its flavour does not keep is refused, never carried as Adam's
+        check_keys(self.flavour, {k for g in self.groups for k in g.state_keys})
 
     def param(self, name: str) -> ParamMeta:
         for meta in self.params:

@@ -311,7 +311,8 @@ class Zero0Source(Reader):
         for pname, value in zero12_frozen_values(head, self._masters, tied, buffer_names, name).items():
             self._frozen[pname] = value
             params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), None, True))
-        self._scalars = {p: flat_state_scalars(e) for p, e in self._state.items()}
+        derived = flavour.derived if flavour else ()
+        self._scalars = {p: flat_state_scalars(e, derived) for p, e in self._state.items()}
         warnings = list(detection.warnings)
         if masters is not None and any(s is not None for s in group_steps):
             warnings.append(

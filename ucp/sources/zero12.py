@@ -301,7 +301,7 @@ class Zero12Source(Reader):
                         entry, size, f"{name}: param group {g}", self._keys[g] if rank else None, whole
                     )
                     where = f"{name}: param group {g}"
-                    self._scalars[g] = rank_scalars(entry, self._scalars[g] if rank else None, where)
+                    self._scalars[g] = rank_scalars(entry, self._scalars[g] if rank else None, where, self._derived)
                 if mappings is not None:
                     mapping = need_list(mappings, f"{name}: param_slice_mappings")[g]
                     where = f"{name}: param group {g}"
@@ -423,6 +423,7 @@ class Zero12Source(Reader):
         offload = offloads_optimizer(ds_config)
         flavour = detection.flavour
         self._whole = [flavour.zero12_whole_keys(g, offload=offload) if flavour else () for g in groups_raw]
+        self._derived = flavour.derived if flavour else ()
         self._check_group_sizes(shapes, blocks, self._layouts_, [s for _, s in bases])
         group_steps = self._group_steps(groups_raw, bases, detection)
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)

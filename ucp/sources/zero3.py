@@ -229,6 +229,7 @@ class Zero3Source(Reader):
         if offloads_to_nvme(ds_config):
             inners = self._swap_in(flat, inners, shapes)
         sub_of_group = self._place(layout, shapes, flat)
+        self._derived = detection.flavour.derived if detection.flavour else ()
         self._collect_keys(
             inners, flat, [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])], ds_config
         )
@@ -429,7 +430,7 @@ class Zero3Source(Reader):
                     self._keys[sub] if rank else None,
                 )
                 where = f"{tf.path.name}: sub-group {sub}"
-                self._scalars[sub] = rank_scalars(entry, self._scalars[sub] if rank else None, where)
+                self._scalars[sub] = rank_scalars(entry, self._scalars[sub] if rank else None, where, self._derived)
 
     def _sub_steps(
         self,

@@ -46,7 +46,7 @@ from ucp.model.records import Facts, ParamState, Reader
 from ucp.sources import opened
 from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
 
-__all__ = ["write_dcp", "plan_dcp", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
+__all__ = ["write_dcp", "plan_dcp", "source_optimizer", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,14 @@ def _flavour(optimizer: str) -> tuple[flavours.Flavour, bool | None]:
     if optimizer == "torch-adamw":
         return flavours.FLAVOURS["torch-adam"], True
     return flavours.get(optimizer), (False if optimizer == "torch-adam" else None)
+
+
+def source_optimizer(facts: Facts) -> str:
+    """The torch optimizer a DCP output is written for when none is named: the source's own where torch has
+    it (SGD stays SGD), else AdamW (Adam where the source's Adam did not decouple its weight decay)."""
+    if facts.flavour in DCP_OPTIMIZERS and flavours.FLAVOURS[facts.flavour].family != "adam":
+        return facts.flavour
+    return "torch-adam" if {g.hyper.adam_w_mode for g in facts.groups} == {False} else "torch-adamw"
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -171,7 +179,7 @@ def plan_dcp(
     facts: Facts,
     buffers: Mapping[str, torch.Tensor],
     extras: Mapping[str, Any],
-    optimizer: str,
+    optimizer: str | None = None,
     *,
     steps: Mapping[str, int | None] | None = None,
     layout: str = "torch",
@@ -180,9 +188,10 @@ def plan_dcp(
     single parameters' steps (torch keeps one per parameter); ``layout`` is one of DCP_LAYOUTS."""
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
+    optimizer = optimizer or source_optimizer(facts)
     kind, adam_w = _flavour(optimizer)
     has_state = any(g.state_keys for g in facts.groups)
-    flavours.check_family(facts.flavour, kind, has_state)
+    flavours.check_family(facts.flavour, kind, has_state, whole=True)
     plan = DcpPlan(state={}, flavour=optimizer, layout=layout)
     titan = layout == "torchtitan"
     model = _model(facts, buffers, plan, "" if titan else f"{MODEL}.")
@@ -275,7 +284,7 @@ def write_dcp(
     source: str | os.PathLike | Reader,
     out: str | os.PathLike,
     *,
-    optimizer: str = "torch-adamw",
+    optimizer: str | None = None,
     tag: str | None = None,
     layout: str = "torch",
     steps: Mapping[str, int | None] | None = None,
@@ -283,9 +292,11 @@ def write_dcp(
     fsync: bool = False,
 ) -> DcpPlan:
     """Write ``source`` (universal directory, DeepSpeed or DCP checkpoint, or a reader) as a DCP folder
-    at ``out`` for ``optimizer`` in ``layout`` (DCP_LAYOUTS); OUT appears whole or not at all.
+    at ``out`` for ``optimizer`` (None: :func:`source_optimizer`) in ``layout`` (DCP_LAYOUTS); OUT appears
+    whole or not at all.
     ``steps`` overrides single parameters' steps (a migration's resets). Returns the plan (with its notes)."""
-    _flavour(optimizer)  # refuse a bad name before anything is opened
+    if optimizer is not None:
+        _flavour(optimizer)  # refuse a bad name before anything is opened
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
     with opened(source, tag=tag) as reader:
@@ -294,5 +305,5 @@ def write_dcp(
             _save(plan, root, _Fetch(reader), fsync)
     for note in plan.notes:
         logger.warning("%s", note)
-    logger.debug("wrote a DCP checkpoint (%s) to %s", optimizer, out)
+    logger.debug("wrote a DCP checkpoint (%s) to %s", plan.flavour, out)
     return plan

@@ -59,6 +59,8 @@ def load_named(
     ]
     matched = match_groups(reader, live_members, strict=strict) if optimizer else []
     kind = flavours.get(flavour) if flavour else detect_live(optimizer) if optimizer else None
+    if kind is not None:  # before any tensor is touched
+        flavours.check_family(facts.flavour, kind, any(g.state_keys for g in facts.groups), whole=True)
     given: dict[int | None, int] = {}  # each checkpoint group's step as its members were given it
     for name, param in params.items():
         if name not in expected:

@@ -146,7 +146,8 @@ def plan_native(
             )
     elif options.round_robin_gradients:
         raise ConfigError(f"round_robin_gradients applies to ZeRO-1/2, not {zero_label(options.stage)}")
-    flavours.check_family(facts.flavour, plan.flavour, not options.reset and any(g.state_keys for g in facts.groups))
+    has_state = not options.reset and any(g.state_keys for g in facts.groups)
+    flavours.check_family(facts.flavour, plan.flavour, has_state, whole=options.stage == 0)
     if options.stage == 0:
         _check_zero0(sets)
         if plan.dtype == "fp16" and facts.info.dtype == "fp16" and facts.info.zero_stage:
@@ -175,6 +176,14 @@ def plan_native(
             + ("as each rank's flat partition" if plan.offload else "whole per parameter")
             + f", as a run {'with' if plan.offload else 'without'} optimizer offload reads it "
             "(DeepSpeed would start the other from zero: set offload to match the new run)"
+        )
+    source = flavours.FLAVOURS.get(facts.flavour or "")
+    moved = (options.dp, options.stage) != (facts.info.dp_world_size, facts.info.zero_stage)
+    if source is not None and source.factored and has_state and moved:
+        plan.notes.append(
+            f"{source.name} scales each update by the RMS of the tensor it steps, under ZeRO a rank's flat "
+            f"partition: the state is carried exactly, but at dp={options.dp} {zero_label(options.stage)} the "
+            "partitions differ, so the steps differ from the source run's as they would for any run of that size"
         )
     low = low_precision_masters(facts.info.ds_config)
     if low is not None and low.wide_state and options.stage > 0 and not options.reset:
