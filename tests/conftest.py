@@ -64,6 +64,14 @@ OPTIMIZER_SOURCES: dict[str, dict[str, Any]] = {
     "z1-bf16-muon-offload": dict(
         dp=2, stage=1, dtype="bf16", optimizer="ds-muon", offload=True, model=ModelSpec(glu=True, layers=3)
     ),
+    "z1-fp32-adadelta": dict(dp=2, stage=1, dtype="fp32", optimizer="torch-adadelta"),
+    "z3-fp32-rprop": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-rprop", sub_group_size=60),
+    # 0-dim eta and mu per flat tensor, from the step and the group's lr
+    "z2-bf16-asgd": dict(dp=2, stage=2, dtype="bf16", optimizer="torch-asgd"),
+    # Adafactor sees ZeRO's flat partitions as vectors: an unfactored variance, scaled by each partition's RMS
+    "z3-fp32-adafactor": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-adafactor"),
+    # transformers' Adafactor (Trainer's optim="adafactor"): its RMS is each rank's, recomputed every step
+    "z2-fp32-hf-adafactor": dict(dp=2, stage=2, dtype="fp32", optimizer="hf-adafactor"),
 }
 
 

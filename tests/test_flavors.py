@@ -15,7 +15,7 @@ import ucp
 from tests.support.files import resave
 from ucp.errors import InputError
 from ucp.io.torchfile import load
-from ucp.model.detect import detect
+from ucp.model.detect import detect, detect_live
 from ucp.sources import open_reader
 
 
@@ -141,3 +141,54 @@ def test_real_apex_fused_adam_reads_the_restored_group_step(universals):
     model(torch.randint(0, 37, (4, 9), device="cuda")).backward()
     optimizer.step()
     assert all(int(group["step"]) == 4 for group in optimizer.param_groups)
+
+
+def _hf_adafactor(params):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=1e-3, beta1=0.9, relative_step=False, scale_parameter=False)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda p: torch.optim.AdamW(p), "torch-adam"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "torch-sgd"),
+        (lambda p: torch.optim.RMSprop(p, momentum=0.5, centered=True), "torch-rmsprop"),
+        (lambda p: torch.optim.NAdam(p), "torch-nadam"),
+        (lambda p: torch.optim.RAdam(p), "torch-radam"),
+        (lambda p: torch.optim.Adamax(p), "torch-adamax"),
+        (lambda p: torch.optim.Adagrad(p), "torch-adagrad"),
+        (lambda p: torch.optim.Adadelta(p), "torch-adadelta"),
+        (lambda p: torch.optim.Rprop(p), "torch-rprop"),
+        (lambda p: torch.optim.ASGD(p), "torch-asgd"),
+        (lambda p: torch.optim.Adafactor(p), "torch-adafactor"),
+        (_hf_adafactor, "hf-adafactor"),
+    ],
+)
+def test_detection_names_each_optimizer_from_its_own_state_dict(make, name):
+    """Flat vectors, as ZeRO hands them to the optimizer; Adadelta, Rprop, ASGD and both Adafactors were read as
+    Adam (their state carried under Adam's settings) before each had its flavour."""
+    flat = [torch.nn.Parameter(torch.randn(12)), torch.nn.Parameter(torch.randn(5))]
+    optimizer = make(flat)
+    for p in flat:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    found = detect(optimizer.state_dict())
+    assert found.flavour.name == name, found.reason
+    assert detect_live(optimizer).name == name
+
+
+def test_state_no_known_optimizer_keeps_is_refused_not_carried_as_adams():
+    """bitsandbytes' 8-bit Adam layout (quantized moments, absmax per block, a code map): int steps and betas
+    made it pass for DeepSpeed FusedAdam with its moments dropped."""
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}]
+    state = {"step": 3, "state1": torch.zeros(256, dtype=torch.uint8), "state2": torch.zeros(256, dtype=torch.uint8)}
+    state |= {"absmax1": torch.ones(1), "absmax2": torch.ones(1), "qmap1": torch.zeros(256)}
+    with pytest.raises(InputError, match="absmax1, absmax2, qmap1, state1, state2, which ds-fused-adam does not"):
+        detect({"param_groups": groups, "state": {0: state}})
+    nadam = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+    nadam |= {"mu_product": torch.tensor(0.9), "extra_scalar": torch.tensor(1.0)}
+    nadam_groups = [{**groups[0], "momentum_decay": 4e-3, "foreach": None}]
+    with pytest.raises(InputError, match="extra_scalar, which torch-nadam does not"):
+        detect({"param_groups": nadam_groups, "state": {0: nadam}})

@@ -8,9 +8,15 @@ DeepSpeed's CPU Lion and Adagrad (with offload, which they need), DeepSpeed's Mu
 Adagrad is absent: DeepSpeed 0.19.8 fails inside its own step with it at every ZeRO stage (IndexError
 in get_flat_partition). Muon at ZeRO-1/2 keeps each rank's momentum as the whole momentum of every matrix
 reaching its partition (a flat partition only with the optimizer offloaded): read, written and tested both ways.
+Adadelta, Rprop, ASGD (0-dim eta and mu), torch's Adafactor and transformers' Adafactor were read as Adam before
+(their state carried under Adam's settings, or refused with a traceback): each is its own flavour now, and state
+no known flavour keeps is refused in one line. Adafactor sees ZeRO's flat partitions as vectors (an unfactored
+second moment) and scales each update by the partition's RMS, so only a run with the same partitions steps alike.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -20,8 +26,11 @@ from tests.conftest import OPTIMIZER_SOURCES
 from tests.support.checks import assert_every_state_equals_record, assert_same_training
 from tests.support.fixtures import resume
 from ucp.cli import main as cli
+from ucp.errors import InputError
 from ucp.harness import LoadSpec
+from ucp.harness.model import TinyLM, build_param_groups
 from ucp.io import torchfile
+from ucp.model import flavours
 from ucp.model.options import RestoreOptions
 from ucp.targets.native.plan import plan_native
 from ucp.universal import open_universal
@@ -31,7 +40,8 @@ from ucp.universal import open_universal
 def test_every_state_key_and_scalar_reaches_the_universal_directory_bit_exact(source, universals, name):
     record = source(name).record
     assert record["state"], "the run kept no optimizer state: the test would prove nothing"
-    scalars = {k for s in record["state_scalars"] for k in s} - {"step"}
+    # HF Adafactor's RMS: a statistic of each rank's partition that it recomputes before reading (not carried)
+    scalars = {k for s in record["state_scalars"] for k in s} - {"step"} - set(_derived(name))
     with open_universal(universals(name)) as reader:
         for key, per_param in record["state"].items():
             for param, value in per_param.items():
@@ -47,6 +57,13 @@ def test_every_state_key_and_scalar_reaches_the_universal_directory_bit_exact(so
         assert all(torch.equal(reader.read(p).fp32, v) for p, v in record["params"].items())
 
 
+def _derived(name: str) -> tuple[str, ...]:
+    """The 0-dim state the source's optimizer recomputes before reading it (its flavour's ``derived``; the
+    harness names its optimizers as the flavours do where they are one)."""
+    flavour = flavours.FLAVOURS.get(OPTIMIZER_SOURCES[name]["optimizer"])
+    return flavour.derived if flavour else ()
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZER_SOURCES))
 def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, universals, name, tmp_path):
     built = source(name)
@@ -54,7 +71,7 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, univers
     ucp.write_native(universals(name), out, dp=3, stage=built.spec.stage)
     after = resume(built, LoadSpec(str(out)), dp=3, steps=0, name="loaded", work=tmp_path)
     record = built.record
-    assert_every_state_equals_record(after, record)
+    assert_every_state_equals_record(after, record, derived=_derived(name))
 
     # the source's settings, each as it was (DeepSpeed's own ZeRO-3 offload load adds amsgrad=False to Lion's;
     # a JSON list of betas comes back as the tuple optimizers build; FusedAdam's stale group step is written
@@ -68,7 +85,17 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, univers
 
 
 @pytest.mark.parametrize(
-    "name", ["z3-fp32-amsgrad", "z2-fp32-rmsprop", "z3-fp32-nadam", "z3-fp32-lion", "z3-fp32-muon", "z2-fp32-muon"]
+    "name",
+    [
+        "z3-fp32-amsgrad",
+        "z2-fp32-rmsprop",
+        "z3-fp32-nadam",
+        "z3-fp32-lion",
+        "z3-fp32-muon",
+        "z2-fp32-muon",
+        "z1-fp32-adadelta",
+        "z3-fp32-rprop",
+    ],
 )
 def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, universals, name, tmp_path):
     built = source(name)
@@ -79,7 +106,9 @@ def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, univ
     assert_same_training(reference, ours, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["z2-fp32-adagrad", "z1-bf16-nadam"])
+@pytest.mark.parametrize(
+    "name", ["z2-fp32-adagrad", "z1-bf16-nadam", "z2-bf16-asgd", "z3-fp32-adafactor", "z2-fp32-hf-adafactor"]
+)
 def test_same_dp_resume_is_bit_identical_to_native_resume(source, universals, name, tmp_path):
     built = source(name)
     out = tmp_path / "n"
@@ -180,3 +209,83 @@ def test_a_live_engine_at_a_new_dp_takes_muon_and_adam_state_from_ucp_restore(so
         return any("step" not in s for s in entries), {s["step"] for s in entries if "step" in s}
 
     assert steps(after["state_scalars"]) == steps(record["state_scalars"]) == (True, {3})
+
+
+@pytest.mark.parametrize("name", ["z2-bf16-asgd", "z2-fp32-hf-adafactor", "z3-fp32-adafactor"])
+def test_a_live_engine_at_a_new_dp_takes_the_state_from_ucp_restore(source, universals, name, tmp_path):
+    built = source(name)
+    after = resume(built, LoadSpec(str(universals(name)), kind="ucp"), dp=3, steps=0, name="live", work=tmp_path)
+    assert_every_state_equals_record(after, built.record, derived=_derived(name))
+
+
+def test_asgd_scalars_are_carried_and_a_reset_starts_eta_at_the_groups_lr(universals):
+    from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
+
+    with open_universal(universals("z2-bf16-asgd")) as reader:
+        group = reader.facts.groups[1]
+        state = reader.read(group.params[0])
+        assert state.scalars["mu"].item() == 0.5 and state.scalars["eta"].item() != group.raw["lr"]
+        plan = plan_transforms(reader.facts, [ResetOptimizer((re.escape(group.params[0]),))])
+        fresh = TransformedReader(reader, plan).read(group.params[0])
+    assert fresh.scalars["eta"].item() == pytest.approx(group.raw["lr"]) and fresh.scalars["mu"].item() == 1.0
+    assert not any(v.any() for v in fresh.optim.values())
+
+
+@pytest.mark.parametrize("name", ["z3-fp32-adafactor", "z2-fp32-hf-adafactor"])
+def test_adafactor_restored_at_another_size_says_its_steps_follow_the_partitions(universals, name):
+    with open_universal(universals(name)) as reader:
+        same = plan_native(reader.facts, RestoreOptions(dp=2, stage=reader.facts.info.zero_stage))
+        other = plan_native(reader.facts, RestoreOptions(dp=3, stage=reader.facts.info.zero_stage))
+    assert not any("RMS of the tensor it steps" in n for n in same.notes)
+    assert any("RMS of the tensor it steps" in n and "dp=3" in n for n in other.notes), other.notes
+
+
+@pytest.mark.parametrize(
+    "extra", [["--format", "dcp", "--optimizer", "torch-adafactor"], ["--dp", "2", "--stage", "0"]]
+)
+def test_adafactor_state_of_flat_partitions_is_refused_where_the_optimizer_sees_whole_matrices(
+    universals, tmp_path, capsys, extra
+):
+    """On a whole matrix Adafactor keeps its second moment factored; ZeRO's flat partitions hold it per element."""
+    code = cli(["restore", str(universals("z3-fp32-adafactor")), str(tmp_path / "n"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and "factored" in err, err
+    assert not (tmp_path / "n").exists()
+
+
+def test_restore_torch_refuses_adafactor_partitions_and_another_familys_state(source, universals):
+    built = source("z3-fp32-adafactor")
+    model = TinyLM(built.spec.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for optimizer, said in (
+        (torch.optim.Adafactor(build_param_groups(model, built.spec.param_groups, 0.1)), "factored"),
+        (torch.optim.SGD(build_param_groups(model, built.spec.param_groups, 0.1), lr=0.1), "family"),
+    ):
+        with pytest.raises(InputError, match=said):
+            ucp.restore_torch(model, optimizer, universals("z3-fp32-adafactor"))
+        assert not optimizer.state
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "refused, yet weights were copied"
+
+
+def test_a_dcp_output_is_written_for_the_sources_own_torch_optimizer(universals, tmp_path, capsys):
+    assert cli(["restore", str(universals("z3-bf16-sgd")), str(tmp_path / "d"), "--format", "dcp"]) == 0
+    assert "(torch-sgd)" in capsys.readouterr().out
+    keys = set(torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "d")).read_metadata().state_dict_metadata)
+    assert any(k.endswith(".momentum_buffer") for k in keys) and not any("exp_avg" in k for k in keys)
+
+
+def test_a_universal_directory_holding_state_its_flavour_does_not_keep_is_refused(universals, tmp_path, capsys):
+    """What an older ucp wrote for an Adadelta run (read as torch Adam) no longer passes for Adam state."""
+    import json
+    import shutil
+
+    doctored = tmp_path / "u"
+    shutil.copytree(universals("z1-fp32-adadelta"), doctored)
+    manifest = json.loads((doctored / "ucp.json").read_text())
+    assert manifest["optimizer"]["flavour"] == "torch-adadelta"
+    manifest["optimizer"]["flavour"] = "torch-adam"
+    (doctored / "ucp.json").write_text(json.dumps(manifest))
+    assert cli(["restore", str(doctored), str(tmp_path / "n"), "--dp", "2", "--no-space-check"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "acc_delta, square_avg, which torch-adam does not" in err, err
+    assert not (tmp_path / "n").exists()

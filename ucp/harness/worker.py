@@ -89,7 +89,7 @@ def _other_optimizer(spec: RunSpec, groups: list[dict], betas: tuple[float, floa
     if spec.optimizer == "torch-rprop":
         return torch.optim.Rprop(groups, lr=lr)
     if spec.optimizer == "torch-asgd":
-        return torch.optim.ASGD(groups, lr=lr, t0=2)
+        return torch.optim.ASGD(groups, lr=lr, t0=1)  # mu leaves 1 after the first step
     if spec.optimizer == "torch-adafactor":
         return torch.optim.Adafactor(groups, lr=lr)
     if spec.optimizer == "hf-adafactor":
