@@ -110,7 +110,7 @@ def ds_config(spec: HfSpec) -> dict[str, Any]:
 
 
 def _engine_state(engine: Any) -> dict[str, Any]:
-    """fp32 master and Adam moments of every trained parameter, gathered (collective: every rank calls)."""
+    """fp32 master and optimizer state of every trained parameter, gathered (collective: every rank calls)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from ucp.harness.worker import _relink_optimizer_state, _stage0_state
@@ -118,7 +118,9 @@ def _engine_state(engine: Any) -> dict[str, Any]:
     _relink_optimizer_state(engine.optimizer)  # DeepSpeed 0.19.8 ZeRO-1/2 links group 1's fragments too early
     state: dict[str, Any] = {}
     stepped = any(_optimizer_steps(engine))  # before the first step there are no moments (ZeRO-2 keeps step 0)
-    keys = ["exp_avg", "exp_avg_sq"] if stepped else []
+    inner = engine.optimizer.optimizer.state.values()
+    # every elementwise state key the optimizer keeps (AdamW's moments; Adafactor's exp_avg_sq)
+    keys = sorted({k for s in inner for k, v in s.items() if torch.is_tensor(v) and v.dim()}) if stepped else []
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
             continue
@@ -176,6 +178,7 @@ def _run_trainer(spec: HfSpec, rank: int) -> None:
         deepspeed=ds_config(spec),
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **({"optim": spec.extra["optim"]} if "optim" in spec.extra else {}),  # Trainer's optimizer by name
     )
     trainer = RecordingTrainer(
         model=_model(spec), args=args, train_dataset=_Tokens(spec.samples, 7), callbacks=[Recorder()]
