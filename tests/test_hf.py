@@ -342,3 +342,5 @@ def test_a_trainer_adafactor_run_resumes_from_ucps_folder(world: int, tmp_path: 
     if world == 2:
         assert final["losses"] == ref_final["losses"]
         assert_state_equal(final["state"], ref_final["state"])
+    for step in range(SAVED_AT + 1, SAVED_AT + 4):  # measured 1.5e-4 at 3 processes
+        assert abs(final["losses"][step] - ref_final["losses"][step]) <= LOSS_TOL, (step, final["losses"])
