@@ -17,6 +17,7 @@ second moment) and scales each update by the partition's RMS, so only a run with
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from tests.support.fixtures import resume
 from ucp.cli import main as cli
 from ucp.errors import InputError
 from ucp.harness import LoadSpec
+from ucp.harness.fsdp import loaded_record_path, run_fsdp
 from ucp.harness.model import TinyLM, build_param_groups
 from ucp.io import torchfile
 from ucp.model import flavours
@@ -289,3 +291,25 @@ def test_a_universal_directory_holding_state_its_flavour_does_not_keep_is_refuse
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "acc_delta, square_avg, which torch-adam does not" in err, err
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["z3-fp32-nadam", "z2-fp32-rmsprop", "z1-fp32-adadelta", "z3-bf16-sgd", "z2-bf16-asgd"]
+)
+def test_fsdp2_takes_the_state_of_ucps_dcp_folder_and_trains_on_like_deepspeed(source, universals, name, tmp_path):
+    """Out of DeepSpeed beyond Adam: ``--format dcp`` writes for the source's own torch optimizer (NAdam's and
+    ASGD's 0-dim scalars, SGD without a step), and a real FSDP2 run of it loads every tensor bit for bit with
+    get_state_dict / dcp.load / set_state_dict, then steps within 1e-5 of DeepSpeed's own resume (fp32). Rprop is
+    absent: torch 2.13's Rprop fails inside its own step on FSDP2's sharded parameters, from scratch too."""
+    built = source(name)
+    out = tmp_path / "d"
+    assert cli(["restore", str(universals(name)), str(out), "--format", "dcp"]) == 0
+    record = tmp_path / "fsdp.pt"
+    load = LoadSpec(str(out), kind="dcp")
+    spec = replace(built.spec, steps=3, first_step=built.spec.steps, load=load, record=str(record), save_dir=None)
+    run_fsdp(replace(spec, port=0), log_dir=tmp_path / "logs")
+    loaded = torch.load(loaded_record_path(str(record)), weights_only=True)
+    assert_every_state_equals_record(loaded, built.record)
+    if built.spec.dtype == "fp32":  # bf16: FSDP2 and DeepSpeed follow different bf16 recipes after the load
+        native = resume(built, LoadSpec(str(built.path)), name="native", work=tmp_path)
+        assert_same_training(native, torch.load(record, weights_only=True), atol=1e-5)

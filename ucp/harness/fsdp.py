@@ -20,7 +20,7 @@ import torch
 from ucp.harness.launch import end_rank, run_ranks
 from ucp.harness.model import TinyLM, build_param_groups, spec_batch
 from ucp.harness.spec import RunSpec
-from ucp.harness.worker import lr_decay
+from ucp.harness.worker import lr_decay, make_optimizer
 
 __all__ = ["run_fsdp", "loaded_record_path", "main", "MODULE"]
 
@@ -54,13 +54,9 @@ def _build(spec: RunSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
-    if spec.optimizer not in ("torch-adamw", "torch-adam"):
-        raise SystemExit(f"the FSDP2 harness runs torch-adamw and torch-adam, not {spec.optimizer}")
-    betas = (0.9, 0.95)  # as ucp.harness.worker builds them
-    if spec.optimizer == "torch-adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=betas)
-    else:
-        optimizer = torch.optim.Adam(groups, lr=spec.lr, betas=betas, weight_decay=0.0)
+    if not spec.optimizer.startswith("torch-"):
+        raise SystemExit(f"the FSDP2 harness runs torch's optimizers, not {spec.optimizer}")
+    optimizer = make_optimizer(spec, groups)  # with the settings a DeepSpeed run of the spec has
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_decay) if spec.scheduler else None
     return model, optimizer, scheduler
 
@@ -124,6 +120,7 @@ def _record(
     states = list(optimizer.state.values())
     out["state_scalars"] = [{k: float(v) for k, v in s.items() if torch.is_tensor(v) and not v.dim()} for s in states]
     out["state_steps"] = [float(s["step"]) for s in states if "step" in s]
+    out["state_step_types"] = [type(s.get("step")).__name__ for s in states]
     out["names"] = names
     out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
     out["buffers"] = {n: b.detach().cpu().clone() for n, b in model.named_buffers()}

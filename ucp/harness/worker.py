@@ -31,7 +31,8 @@ def lr_decay(step: int) -> float:
     return 1.0 / (1.0 + 0.05 * step)
 
 
-def _make_optimizer(spec: RunSpec, groups: list[dict]):
+def make_optimizer(spec: RunSpec, groups: list[dict]):
+    """The optimizer ``spec`` names, over ``groups`` (None where DeepSpeed builds it from its config)."""
     betas = (0.9, 0.95)
     if spec.optimizer == "torch-adamw":
         return torch.optim.AdamW(groups, lr=spec.lr, betas=betas)
@@ -446,7 +447,7 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(spec.seed)
     model = TinyLM(spec.model)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
-    optimizer = _make_optimizer(spec, groups)
+    optimizer = make_optimizer(spec, groups)
     scheduler = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay)) if spec.scheduler else None
     mpu: Any = None
     if spec.sp > 1:
