@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ucp
-from tests.support.checks import assert_same_training, assert_state_equals_record
+from tests.support.checks import assert_every_state_equals_record, assert_same_training, assert_state_equals_record
 from tests.support.fixtures import Built, cache_root
 from ucp.cli import main as cli
 from ucp.errors import InputError, UcpError
@@ -33,7 +33,7 @@ from ucp.sources.dcp import DcpSource, read_metadata
 from ucp.targets.dcp import write_dcp
 
 #: the FSDP2 run that starts the reverse trip: the model, groups and data of z3-fp32-dp3-adamw at 2 ranks
-_VERSION = 2  # bump when the FSDP2 harness changes what it computes
+_VERSION = 3  # bump when the FSDP2 harness changes what it computes or records
 FSDP_SOURCE = RunSpec(dp=2, stage=3, dtype="fp32", optimizer="torch-adamw", param_groups=3)
 
 
@@ -521,3 +521,28 @@ def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
         reader.read = counted  # type: ignore[method-assign]
         ucp.write_dcp(reader, tmp_path / "d")
         assert sorted(reads) == sorted(m.name for m in reader.facts.params)
+
+
+@pytest.mark.parametrize("optimizer", ["torch-nadam", "torch-sgd", "torch-asgd"])
+def test_an_fsdp2_run_beyond_adam_moves_to_deepspeed_with_its_state(optimizer, tmp_path):
+    """The way back beyond Adam: an FSDP2 run of NAdam (0-dim mu_product), SGD (no step) or ASGD (0-dim eta and
+    mu) saved with dcp.save becomes a ZeRO-3 checkpoint at DP 3; DeepSpeed loads every tensor bit for bit and
+    steps within 1e-5 of FSDP2's own resume."""
+    spec = replace(FSDP_SOURCE, optimizer=optimizer, param_groups=2)
+    saved = _cached(f"fsdp-{optimizer}", replace(spec, save_dir="yes"), run_fsdp)
+    own = _record(
+        _cached(
+            f"fsdp-{optimizer}-resume",
+            replace(spec, steps=3, first_step=3, load=LoadSpec(str(saved / "dcp"), kind="dcp")),
+            run_fsdp,
+        )
+        / "record.pt"
+    )
+    out = tmp_path / "ds"
+    assert cli(["restore", str(saved / "dcp"), str(out), "--dp", "3"]) == 0
+    record = tmp_path / "r.pt"
+    ds = replace(spec, dp=3, steps=0, first_step=3, load=LoadSpec(str(out)), record=str(record))
+    run_ranks(ds, log_dir=tmp_path / "logs")
+    assert_every_state_equals_record(_record(record), _record(saved / "record.pt"))
+    run_ranks(replace(ds, steps=3, record=str(tmp_path / "r3.pt")), log_dir=tmp_path / "logs3")
+    assert_same_training(own, _record(tmp_path / "r3.pt"), atol=1e-5)

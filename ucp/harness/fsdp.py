@@ -119,7 +119,7 @@ def _record(
             out[key][name] = out["state"].get(key, {}).get(name)
     states = list(optimizer.state.values())
     out["state_scalars"] = [{k: float(v) for k, v in s.items() if torch.is_tensor(v) and not v.dim()} for s in states]
-    out["state_steps"] = [float(s["step"]) for s in states if "step" in s]
+    out["state_steps"] = [float(s["step"]) if "step" in s else None for s in states]  # as DeepSpeed's records
     out["state_step_types"] = [type(s.get("step")).__name__ for s in states]
     out["names"] = names
     out["tied"] = {n: seen[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if seen[id(p)] != n}
