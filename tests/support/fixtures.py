@@ -84,6 +84,7 @@ def _key(spec: RunSpec) -> str:
         ("offload_param", False),
         ("zenflow", 0),
         ("nvme", False),
+        ("ds_config", None),
     )
     for key, default in later:
         if fields.get(key) == default:

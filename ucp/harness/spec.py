@@ -124,6 +124,8 @@ class RunSpec(JsonSpec):
     round_robin: bool = False
     grad_accum_dtype: str | None = None  # "fp32" with bf16 at stage 1: DeepSpeed picks BF16_Optimizer
     exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True), as PEFT/LoRA runs save
+    # more DeepSpeed config: top-level blocks added as given (torch_autocast, ...)
+    ds_config: dict | None = None
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)
     param_groups: int = 2  # 1: one group; 2: decay / no-decay with their own lr; 3: + a group for the head
     lr: float = 1e-2

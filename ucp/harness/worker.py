@@ -157,6 +157,7 @@ def _ds_config(spec: RunSpec) -> dict:
             "autotp_size": spec.tp,
             "partition_config": {"use_default_specs": False, "layer_specs": tp_layer_specs(spec.model)},
         }
+    config.update(spec.ds_config or {})
     if spec.load is not None and spec.load.kind == "ds-universal":
         config["checkpoint"] = {"load_universal": True}
     return config
