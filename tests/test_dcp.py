@@ -546,3 +546,35 @@ def test_an_fsdp2_run_beyond_adam_moves_to_deepspeed_with_its_state(optimizer, t
     assert_every_state_equals_record(_record(record), _record(saved / "record.pt"))
     run_ranks(replace(ds, steps=3, record=str(tmp_path / "r3.pt")), log_dir=tmp_path / "logs3")
     assert_same_training(own, _record(tmp_path / "r3.pt"), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--dtype", "bf16"], "--dtype describes"), (["--stage", "2", "--tp", "2"], "--stage, --tp describe")],
+)
+def test_flags_of_a_deepspeed_output_are_refused_for_a_dcp_folder(universals, tmp_path, capsys, flags, named):
+    """They were ignored: --dtype bf16 wrote fp32 masters without a word."""
+    out = tmp_path / "d"
+    assert cli(["restore", str(universals("z3-fp32-dp3-adamw")), str(out), "--format", "dcp", *flags]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("step", ["reset", "7"])
+def test_a_dcp_folder_takes_the_step_policy_and_fsdp2_loads_it(z3_fp32, universals, step, tmp_path, capsys):
+    """--step was ignored for a DCP output; now reset zeroes the state (step 0) and an integer sets every step,
+    and a real FSDP2 run loads either with the standard lines."""
+    out = tmp_path / "d"
+    assert cli(["restore", str(universals("z3-fp32-dp3-adamw")), str(out), "--format", "dcp", "--step", step]) == 0
+    assert ("optimizer state is reset" in capsys.readouterr().err) == (step == "reset")
+    record = tmp_path / "r.pt"
+    spec = replace(z3_fp32.spec, dp=2, steps=0, load=LoadSpec(str(out), kind="dcp"), record=str(record), port=0)
+    run_fsdp(spec, log_dir=tmp_path / "logs")
+    loaded = _record(loaded_record_path(str(record)))
+    assert all(torch.equal(loaded["params"][n], v) for n, v in z3_fp32.record["params"].items())
+    assert set(loaded["state_steps"]) == {0.0 if step == "reset" else 7.0}
+    for key in ("exp_avg", "exp_avg_sq"):
+        for name, value in z3_fp32.record[key].items():
+            want = torch.zeros_like(value) if step == "reset" else value
+            assert torch.equal(loaded[key][name], want), (key, name)

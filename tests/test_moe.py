@@ -227,7 +227,7 @@ def test_cli_reshard_of_deepspeeds_moe_checkpoint_writes_what_write_moe_writes(m
         (("--dp", "4", "--ep", "3"), "ep_size=3 must divide the number of ranks (4)"),
         (("--dp", "4", "--stage", "3"), "a MoE target is ZeRO-1 or ZeRO-2"),
         (("--dp", "4", "--pp", "2", "--pp-parts", "0,2,4"), "mixture-of-experts run, which --pp cannot write"),
-        (("--dp", "4", "--ep", "2", "--format", "dcp"), "--ep describes a DeepSpeed MoE output"),
+        (("--dp", "4", "--ep", "2", "--format", "dcp"), "--ep describes a DeepSpeed output"),
         (("--dp", "4", "--ep", "2", "--distributed"), "--ep writes a legacy MoE checkpoint at PP=1 in one process"),
     ],
     ids=["ep-does-not-divide-dp", "bad-ep", "zero3", "pp", "dcp", "distributed"],

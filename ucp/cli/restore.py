@@ -18,15 +18,42 @@ if TYPE_CHECKING:
 __all__ = ["cmd_reshard", "cmd_restore"]
 
 
+#: restore flags that describe a DeepSpeed output (their defaults): a DCP folder holds fp32 masters for any world
+_DEEPSPEED_ONLY = {
+    "stage": None,
+    "tp": 1,
+    "pp": None,
+    "pp_parts": None,
+    "pp_partition": None,
+    "pp_layers": None,
+    "pp_tied": None,
+    "ep": None,
+    "dtype": None,
+    "tag": None,
+    "sub_group_size": None,
+    "offload": None,
+    "round_robin_gradients": None,
+    "distributed": False,
+}
+
+
 def _cmd_restore_dcp(args: argparse.Namespace) -> int:
     from ucp.sources import open_reader
     from ucp.targets.dcp import write_dcp
 
-    with output(args, args.universal, lambda: open_reader(args.universal, tag=args.tag), weights(args)) as reader:
+    given = [f"--{k.replace('_', '-')}" for k, default in _DEEPSPEED_ONLY.items() if getattr(args, k) != default]
+    if given:
+        raise UcpError(
+            f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} a DeepSpeed output; a DCP folder holds "
+            "fp32 masters that FSDP2 loads at any world size: drop --format dcp, or "
+            + ("it" if len(given) == 1 else "them")
+        )
+    with output(args, args.universal, lambda: open_reader(args.universal), weights(args)) as reader:
         plan = write_dcp(
             reader,
             args.out,
             optimizer=args.optimizer,
+            step=args.step,
             layout=args.dcp_layout or "torch",
             overwrite=args.overwrite,
             fsync=args.fsync,
@@ -34,7 +61,7 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
     layout = f", {args.dcp_layout} layout" if args.dcp_layout else ""
     optimizer = plan.flavour
     summary = f"wrote a torch.distributed.checkpoint folder ({optimizer}{layout}) to {args.out}"
-    return done(args, summary, format="dcp", optimizer=optimizer, layout=args.dcp_layout or "torch")
+    return done(args, summary, plan.notes, format="dcp", optimizer=optimizer, layout=args.dcp_layout or "torch")
 
 
 def _native_options(args: argparse.Namespace, step: int | str, stage: int | None) -> dict[str, Any]:
@@ -87,8 +114,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from ucp.targets.native import write_native
 
     if args.format == "dcp":
-        if args.ep is not None:
-            raise UcpError("--ep describes a DeepSpeed MoE output; drop --format dcp")
         return _cmd_restore_dcp(args)
     if args.dcp_layout:
         raise UcpError("--dcp-layout describes a DCP output; add --format dcp")

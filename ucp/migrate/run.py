@@ -60,6 +60,8 @@ def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool) -> str:
         steps=plan.dcp_steps,
         overwrite=overwrite,
     )
+    for note in written.notes:
+        logger.warning("%s", note)
     return f"wrote a torch.distributed.checkpoint folder ({written.flavour}, {target.layout} layout) to {target.output}"
 
 

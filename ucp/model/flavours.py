@@ -325,7 +325,7 @@ def check_family(source: str | None, target: Flavour, groups_state: bool, *, who
         raise InputError(
             f"the checkpoint holds {source} state of ZeRO's flat partitions (a second moment per element); on whole "
             f"matrices {source} keeps it factored by rows and columns, which ucp does not derive: restore into a "
-            "ZeRO-1/2/3 run, or reset the optimizer state"
+            "ZeRO-1/2/3 run, or export the weights"
         )
 
 

@@ -42,9 +42,11 @@ from ucp.deepspeed import states as ds_states
 from ucp.errors import ConfigError, InputError
 from ucp.io.atomic import staged_output
 from ucp.model import flavours
+from ucp.model.options import StepPolicy, parse_step
 from ucp.model.records import Facts, ParamState, Reader
 from ucp.sources import opened
 from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
+from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
 
 __all__ = ["write_dcp", "plan_dcp", "source_optimizer", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
 
@@ -77,6 +79,11 @@ def _flavour(optimizer: str) -> tuple[flavours.Flavour, bool | None]:
     if optimizer == "torch-adamw":
         return flavours.FLAVOURS["torch-adam"], True
     return flavours.get(optimizer), (False if optimizer == "torch-adam" else None)
+
+
+def _reset(reader: Reader) -> Reader:
+    """``reader`` with every parameter's optimizer state reset (ucp.transforms' reset of a migration)."""
+    return TransformedReader(reader, plan_transforms(reader.facts, [ResetOptimizer((".*",))]))
 
 
 def source_optimizer(facts: Facts) -> str:
@@ -183,16 +190,31 @@ def plan_dcp(
     *,
     steps: Mapping[str, int | None] | None = None,
     layout: str = "torch",
+    step: int | None = None,
+    reset: bool = False,
 ) -> DcpPlan:
     """Lay out the DCP state dict from the facts alone (no parameter is read). ``steps`` overrides
-    single parameters' steps (torch keeps one per parameter); ``layout`` is one of DCP_LAYOUTS."""
+    single parameters' steps (torch keeps one per parameter); ``layout`` is one of DCP_LAYOUTS; ``step``
+    gives every parameter that step; ``reset``: the facts are of a reset reader (zero state, step 0)."""
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
     optimizer = optimizer or source_optimizer(facts)
     kind, adam_w = _flavour(optimizer)
     has_state = any(g.state_keys for g in facts.groups)
+    source = flavours.FLAVOURS.get(facts.flavour or "")
+    if reset and has_state and source is not None and source.family != kind.family:
+        raise ConfigError(
+            f"--step reset writes {source.name}'s own state, zeroed, where a DCP folder keeps it; a {optimizer} run "
+            "starts afresh from the weights alone: dcp.load({'model': ...}) from a folder written without --optimizer"
+        )
     flavours.check_family(facts.flavour, kind, has_state, whole=True)
     plan = DcpPlan(state={}, flavour=optimizer, layout=layout)
+    if reset and has_state:
+        plan.notes.append(
+            "the optimizer state is reset: zero tensors and step 0"
+        )
+    if step is not None:
+        steps = {name: step for g in facts.groups for name in g.params}
     titan = layout == "torchtitan"
     model = _model(facts, buffers, plan, "" if titan else f"{MODEL}.")
     prefix = f"{TT_OPTIMIZER}.state." if titan else f"{OPTIM}.state."
@@ -288,22 +310,35 @@ def write_dcp(
     tag: str | None = None,
     layout: str = "torch",
     steps: Mapping[str, int | None] | None = None,
+    step: StepPolicy = "keep",
     overwrite: bool = False,
     fsync: bool = False,
 ) -> DcpPlan:
     """Write ``source`` (universal directory, DeepSpeed or DCP checkpoint, or a reader) as a DCP folder
     at ``out`` for ``optimizer`` (None: :func:`source_optimizer`) in ``layout`` (DCP_LAYOUTS); OUT appears
     whole or not at all.
-    ``steps`` overrides single parameters' steps (a migration's resets). Returns the plan (with its notes)."""
+    ``steps`` overrides single parameters' steps (a migration's resets); ``step``: ``keep`` each parameter's,
+    ``reset`` the optimizer (zero state and step 0: what a fresh torch optimizer holds after its first
+    state init), or one step for all. Returns the plan (with its notes)."""
     if optimizer is not None:
         _flavour(optimizer)  # refuse a bad name before anything is opened
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
-    with opened(source, tag=tag) as reader:
-        plan = plan_dcp(reader.facts, reader.buffers(), reader.extras(), optimizer, steps=steps, layout=layout)
+    policy = parse_step(step)
+    with opened(source, tag=tag) as opened_reader:
+        reader = _reset(opened_reader) if policy == "reset" else opened_reader
+        fixed = policy if isinstance(policy, int) else None
+        plan = plan_dcp(
+            reader.facts,
+            reader.buffers(),
+            reader.extras(),
+            optimizer,
+            steps=steps,
+            layout=layout,
+            step=fixed,
+            reset=policy == "reset",
+        )
         with staged_output(out, overwrite=overwrite, durable=fsync, check=read_metadata) as root:
             _save(plan, root, _Fetch(reader), fsync)
-    for note in plan.notes:
-        logger.warning("%s", note)
     logger.debug("wrote a DCP checkpoint (%s) to %s", plan.flavour, out)
     return plan
