@@ -569,7 +569,8 @@ def test_a_dcp_folder_takes_the_step_policy_and_fsdp2_loads_it(z3_fp32, universa
     assert cli(["restore", str(universals("z3-fp32-dp3-adamw")), str(out), "--format", "dcp", "--step", step]) == 0
     assert ("optimizer state is reset" in capsys.readouterr().err) == (step == "reset")
     record = tmp_path / "r.pt"
-    spec = replace(z3_fp32.spec, dp=2, steps=0, load=LoadSpec(str(out), kind="dcp"), record=str(record), port=0)
+    load = LoadSpec(str(out), kind="dcp")
+    spec = replace(z3_fp32.spec, dp=2, steps=0, load=load, record=str(record), save_dir=None, port=0)
     run_fsdp(spec, log_dir=tmp_path / "logs")
     loaded = _record(loaded_record_path(str(record)))
     assert all(torch.equal(loaded["params"][n], v) for n, v in z3_fp32.record["params"].items())
@@ -578,3 +579,15 @@ def test_a_dcp_folder_takes_the_step_policy_and_fsdp2_loads_it(z3_fp32, universa
         for name, value in z3_fp32.record[key].items():
             want = torch.zeros_like(value) if step == "reset" else value
             assert torch.equal(loaded[key][name], want), (key, name)
+
+
+def test_a_folder_holding_both_a_deepspeed_and_a_dcp_checkpoint_is_refused(z3_fp32, dcp_of, tmp_path, capsys):
+    """A DCP save into a DeepSpeed checkpoint's folder (an FSDP2 run pointed at it) was read as the DCP folder."""
+    both = tmp_path / "both"
+    shutil.copytree(z3_fp32.path, both)
+    for item in dcp_of("z3-fp32-dp3-adamw").iterdir():
+        shutil.copy(item, both / item.name)
+    assert cli(["inspect", str(both)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "both a torch.distributed.checkpoint" in err, err
+    assert cli(["inspect", str(both / "global_step3")]) == 0

@@ -53,6 +53,11 @@ def open_reader(
     from ucp.sources.dcp import DcpSource, is_dcp
 
     if is_dcp(path):
+        if (path / "latest").is_file() or (path / "latest_universal").is_file():
+            raise InputError(
+                f"{path} holds both a torch.distributed.checkpoint (.metadata) and a DeepSpeed checkpoint (latest): "
+                "name the DeepSpeed tag folder, or move one of them to a folder of its own"
+            )
         return DcpSource(path, optimizer=optimizer, names={"frozen": list(frozen)} if frozen else None)
     from ucp.deepspeed.layout import find_ds_universal
 
