@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader
 
 __all__ = [
     "Rename",
+    "RenameTable",
     "Drop",
     "ResetOptimizer",
     "Step",
@@ -76,7 +79,15 @@ class ResetOptimizer:
     keep_step: bool = False
 
 
-Step = Rename | Drop | ResetOptimizer
+@dataclass(frozen=True)
+class RenameTable:
+    """Each name the table holds becomes its value (names matched across torch.compile's wrapper); not a
+    migration YAML step: ucp builds it from the names a live model has."""
+
+    table: Mapping[str, str]
+
+
+Step = Rename | RenameTable | Drop | ResetOptimizer
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,13 @@ def plan_transforms(facts: Facts, steps: list[Step]) -> TransformPlan:
     for index, step in enumerate(steps):
         alive = [n for n in names if n.kind != "dropped"]
         if isinstance(step, Rename):
-            _rename(index, step, alive, plan)
+            regex = _compile(step.pattern)
+            if isinstance(regex, str):
+                plan.problems.append(Problem(index, ("pattern",), regex))
+                break
+            _rename(index, partial(regex.sub, step.replace), repr(step.pattern), alive, plan)
+        elif isinstance(step, RenameTable):
+            _rename(index, partial(_looked_up, step.table), "the table", alive, plan)
         elif isinstance(step, Drop):
             _drop(index, step, alive, plan)
         elif isinstance(step, ResetOptimizer):
@@ -163,21 +180,22 @@ def plan_transforms(facts: Facts, steps: list[Step]) -> TransformPlan:
     return plan
 
 
-def _rename(index: int, step: Rename, alive: list[_Name], plan: TransformPlan) -> None:
-    regex = _compile(step.pattern)
-    if isinstance(regex, str):
-        plan.problems.append(Problem(index, ("pattern",), regex))
-        return
+def _looked_up(table: Mapping[str, str], name: str) -> str:
+    return table.get(name, name)
+
+
+def _rename(index: int, how: Callable[[str], str], what: str, alive: list[_Name], plan: TransformPlan) -> None:
+    """Rename every alive name by ``how`` (``what`` names the rule in a warning)."""
     new: dict[int, str] = {}
     for i, entry in enumerate(alive):
         try:
-            new[i] = regex.sub(step.replace, entry.now)
+            new[i] = how(entry.now)
         except (re.error, IndexError) as err:
             plan.problems.append(Problem(index, ("replace",), f"cannot be applied to {entry.now!r}: {err}"))
             return
     changed = [(entry, new[i]) for i, entry in enumerate(alive) if new[i] != entry.now]
     if not changed:
-        plan.warnings.append((index, ("pattern",), f"{step.pattern!r} renames nothing"))
+        plan.warnings.append((index, ("pattern",), f"{what} renames nothing"))
         return
     for entry, name in changed:
         if not name:

@@ -85,6 +85,7 @@ def _key(spec: RunSpec) -> str:
         ("zenflow", 0),
         ("nvme", False),
         ("ds_config", None),
+        ("compiled", False),
     )
     for key, default in later:
         if fields.get(key) == default:

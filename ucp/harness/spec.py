@@ -126,6 +126,9 @@ class RunSpec(JsonSpec):
     exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True), as PEFT/LoRA runs save
     # more DeepSpeed config: top-level blocks added as given (torch_autocast, ...)
     ds_config: dict | None = None
+    # torch.compile(model) before deepspeed.initialize (backend "eager": the wrapper without a compiler): every
+    # name DeepSpeed saves then starts with the wrapper's "_orig_mod."
+    compiled: bool = False
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)
     param_groups: int = 2  # 1: one group; 2: decay / no-decay with their own lr; 3: + a group for the head
     lr: float = 1e-2

@@ -449,6 +449,8 @@ def main(argv: list[str]) -> None:
     model = TinyLM(spec.model)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
     optimizer = make_optimizer(spec, groups)
+    if spec.compiled:
+        model = torch.compile(model, backend="eager")  # type: ignore[assignment]  # an OptimizedModule
     scheduler = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_decay)) if spec.scheduler else None
     mpu: Any = None
     if spec.sp > 1:

@@ -210,9 +210,7 @@ def plan_dcp(
     flavours.check_family(facts.flavour, kind, has_state, whole=True)
     plan = DcpPlan(state={}, flavour=optimizer, layout=layout)
     if reset and has_state:
-        plan.notes.append(
-            "the optimizer state is reset: zero tensors and step 0"
-        )
+        plan.notes.append("the optimizer state is reset: zero tensors and step 0")
     if step is not None:
         steps = {name: step for g in facts.groups for name in g.params}
     titan = layout == "torchtitan"

@@ -34,9 +34,11 @@ from ucp.io.signals import raise_if_stopped
 from ucp.io.small_files import read_small
 from ucp.io.torchzip import write_torch_file
 from ucp.model.cast import narrowed
+from ucp.model.names import WRAPPER_PATTERN, has_wrapper
 from ucp.model.records import DTYPES, Reader, torch_dtype
 from ucp.sources import opened
 from ucp.sources.hf import config_in_dtype, find_hf_folder, model_files
+from ucp.transforms import Rename, TransformedReader, plan_transforms
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
@@ -198,6 +200,7 @@ def export(
     ``out`` ending in ``.safetensors`` / ``.bin`` names one file (refused if it needs shards);
     any other ``out`` is a folder that gets the single file or the shards and their index, and, when
     ``folder`` (by default ``src`` itself, when a path) is a Hugging Face Trainer folder, its model files.
+    Names lose torch.compile's ``_orig_mod.`` wrapper (a model compiled before deepspeed.initialize).
     """
     if format not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -211,10 +214,23 @@ def export(
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
     carried = _model_files(folder if folder is not None else src) if file_name is None else []
-    with opened(src, tag=tag) as reader:
+    with opened(src, tag=tag) as source:
+        reader = _unwrapped(source)
         return _export(
             reader, target, file_name, format, dtype, max_bytes, overwrite, workers or default_workers(), carried
         )
+
+
+def _unwrapped(reader: Reader) -> Reader:
+    """Names as a model's ``state_dict`` has them: without torch.compile's ``_orig_mod.`` wrapper, which a model
+    compiled before deepspeed.initialize saves under (``from_pretrained`` and a plain model know no such names)."""
+    facts = reader.facts
+    if not has_wrapper([m.name for m in facts.params] + list(facts.tied) + list(facts.buffer_names)):
+        return reader
+    logger.warning(
+        "names written without torch.compile's _orig_mod. wrapper, as an uncompiled model's state_dict has them"
+    )
+    return TransformedReader(reader, plan_transforms(facts, [Rename(WRAPPER_PATTERN, r"\1")]))
 
 
 def _model_files(src: str | os.PathLike | Reader) -> list[Path]:

@@ -15,6 +15,7 @@ import torch
 
 from ucp.model.records import Reader
 from ucp.sources import opened
+from ucp.targets.engine.common import as_live_names
 from ucp.targets.engine.named import load_named
 
 __all__ = ["restore_torch"]
@@ -52,7 +53,8 @@ def restore_torch(
         model = build_model(); opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ucp.restore_torch(model, opt, "universal/")
     """
-    with opened(universal_dir) as reader:
+    with opened(universal_dir) as source:
+        reader = as_live_names(source, model)  # across torch.compile's wrapper
         load_named(dict(model.named_parameters()), optimizer, reader, flavour=flavour, strict=strict)
         buffers = reader.buffers()
         for name, buf in model.named_buffers():

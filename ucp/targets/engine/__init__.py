@@ -20,7 +20,7 @@ from ucp.model.records import Reader
 from ucp.model.steps import step_chooser
 from ucp.sources import opened
 from ucp.targets.blocks.stream import refuse_fp16_overflow
-from ucp.targets.engine.common import match_groups, restore_common
+from ucp.targets.engine.common import as_live_names, match_groups, restore_common
 from ucp.targets.engine.pipeline import live_stage_view
 from ucp.targets.engine.zero0 import restore_zero0
 from ucp.targets.engine.zero3 import restore_zero3
@@ -52,7 +52,8 @@ def restore(
     step_of = step_chooser(step)
     with opened(universal_dir) as source:
         # this rank's pipeline stage (a PipelineEngine), then its shards under tensor parallelism
-        reader = live_tp_view(engine, live_stage_view(engine, source, strict=strict))
+        named = as_live_names(source, engine.module)  # across torch.compile's wrapper
+        reader = live_tp_view(engine, live_stage_view(engine, named, strict=strict))
         stage = int(engine.zero_optimization_stage())
         if engine.fp16_enabled():
             refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -11,9 +12,12 @@ import torch
 from ucp.errors import InputError
 from ucp.model.flavours import Flavour
 from ucp.model.hyper import hyper_from_group
+from ucp.model.names import has_wrapper, wrapper_renames
 from ucp.model.records import Reader
+from ucp.transforms import RenameTable, TransformedReader, plan_transforms
 
 __all__ = [
+    "as_live_names",
     "match_groups",
     "check_names",
     "place_steps_on_device",
@@ -23,6 +27,26 @@ __all__ = [
     "loss_scaler_wrapper",
     "keep_wide_state",
 ]
+
+logger = logging.getLogger(__name__)
+
+
+def as_live_names(reader: Reader, module: torch.nn.Module) -> Reader:
+    """``reader`` under the names ``module`` has, where they differ only by torch.compile's ``_orig_mod.``
+    wrapper (a run compiled before deepspeed.initialize restored into one that is not, or the other way);
+    otherwise ``reader`` itself, for the usual name checks."""
+    facts = reader.facts
+    saved = [m.name for m in facts.params] + list(facts.tied) + list(facts.buffer_names)
+    live = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers()]
+    table = wrapper_renames(saved, live)
+    if not table:
+        return reader
+    logger.warning(
+        "the checkpoint's names %s torch.compile's _orig_mod. wrapper and the model's %s: matched without it",
+        "carry" if has_wrapper(table) else "lack",
+        "do not" if has_wrapper(table) else "do",
+    )
+    return TransformedReader(reader, plan_transforms(facts, [RenameTable(table)]))
 
 
 def match_groups(reader: Reader, live_members: list[list[str]], *, strict: bool) -> list[int | None]:

@@ -14,6 +14,7 @@ from ucp.model import flavours
 from ucp.model.batch import global_batch_advice
 from ucp.model.detect import low_precision_masters, offloads_optimizer, offloads_to_nvme, round_robin_gradients
 from ucp.model.loss_scale import fresh_fp16_scale
+from ucp.model.names import has_wrapper
 from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
@@ -176,6 +177,13 @@ def plan_native(
             + ("as each rank's flat partition" if plan.offload else "whole per parameter")
             + f", as a run {'with' if plan.offload else 'without'} optimizer offload reads it "
             "(DeepSpeed would start the other from zero: set offload to match the new run)"
+        )
+    if has_wrapper(m.name for m in facts.params):
+        plan.notes.append(
+            "the names carry torch.compile's _orig_mod. wrapper (the source compiled its model before "
+            "deepspeed.initialize): a run that does so too loads these files; for one that does not, rename them "
+            "in a migration (rename: {pattern: '(^|\\.)_orig_mod\\.', replace: '\\1'}), or restore live with "
+            "ucp.restore(engine, ...), which matches them itself"
         )
     source = flavours.FLAVOURS.get(facts.flavour or "")
     moved = (options.dp, options.stage) != (facts.info.dp_world_size, facts.info.zero_stage)
