@@ -72,6 +72,11 @@ OPTIMIZER_SOURCES: dict[str, dict[str, Any]] = {
     "z3-fp32-adafactor": dict(dp=2, stage=3, dtype="fp32", optimizer="torch-adafactor"),
     # transformers' Adafactor (Trainer's optim="adafactor"): its RMS is each rank's, recomputed every step
     "z2-fp32-hf-adafactor": dict(dp=2, stage=2, dtype="fp32", optimizer="hf-adafactor"),
+    # schedule-free (axolotl's, and Trainer's optim="schedule_free_adamw"): its step k, weight_sum and lr_max in the
+    # group, z per parameter; at ZeRO-3 DeepSpeed calls it once per sub-group, and it counts every call
+    "z1-fp32-sf-adamw": dict(dp=2, stage=1, dtype="fp32", optimizer="sf-adamw"),
+    "z2-bf16-sf-adamw": dict(dp=2, stage=2, dtype="bf16", optimizer="sf-adamw"),
+    "z3-fp32-sf-sgd": dict(dp=2, stage=3, dtype="fp32", optimizer="sf-sgd"),
 }
 
 

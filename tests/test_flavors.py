@@ -143,6 +143,14 @@ def test_real_apex_fused_adam_reads_the_restored_group_step(universals):
     assert all(int(group["step"]) == 4 for group in optimizer.param_groups)
 
 
+def _schedule_free(name, params):
+    import schedulefree
+
+    optimizer = getattr(schedulefree, name)(params, lr=1e-2)
+    optimizer.train()
+    return optimizer
+
+
 def _hf_adafactor(params):
     from transformers.optimization import Adafactor
 
@@ -164,11 +172,14 @@ def _hf_adafactor(params):
         (lambda p: torch.optim.ASGD(p), "torch-asgd"),
         (lambda p: torch.optim.Adafactor(p), "torch-adafactor"),
         (_hf_adafactor, "hf-adafactor"),
+        (lambda p: _schedule_free("AdamWScheduleFree", p), "sf-adamw"),
+        (lambda p: _schedule_free("RAdamScheduleFree", p), "sf-radam"),
+        (lambda p: _schedule_free("SGDScheduleFree", p), "sf-sgd"),
     ],
 )
 def test_detection_names_each_optimizer_from_its_own_state_dict(make, name):
     """Flat vectors, as ZeRO hands them to the optimizer; Adadelta, Rprop, ASGD and both Adafactors were read as
-    Adam (their state carried under Adam's settings) before each had its flavour."""
+    Adam (their state carried under Adam's settings) before each had its flavour, schedule-free ones as RAdam."""
     flat = [torch.nn.Parameter(torch.randn(12)), torch.nn.Parameter(torch.randn(5))]
     optimizer = make(flat)
     for p in flat:

@@ -97,6 +97,8 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, univers
         "z2-fp32-muon",
         "z1-fp32-adadelta",
         "z3-fp32-rprop",
+        "z1-fp32-sf-adamw",
+        "z3-fp32-sf-sgd",
     ],
 )
 def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, universals, name, tmp_path):
@@ -109,7 +111,15 @@ def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, univ
 
 
 @pytest.mark.parametrize(
-    "name", ["z2-fp32-adagrad", "z1-bf16-nadam", "z2-bf16-asgd", "z3-fp32-adafactor", "z2-fp32-hf-adafactor"]
+    "name",
+    [
+        "z2-fp32-adagrad",
+        "z1-bf16-nadam",
+        "z2-bf16-asgd",
+        "z3-fp32-adafactor",
+        "z2-fp32-hf-adafactor",
+        "z2-bf16-sf-adamw",
+    ],
 )
 def test_same_dp_resume_is_bit_identical_to_native_resume(source, universals, name, tmp_path):
     built = source(name)
@@ -213,7 +223,7 @@ def test_a_live_engine_at_a_new_dp_takes_muon_and_adam_state_from_ucp_restore(so
     assert steps(after["state_scalars"]) == steps(record["state_scalars"]) == (True, {3})
 
 
-@pytest.mark.parametrize("name", ["z2-bf16-asgd", "z2-fp32-hf-adafactor", "z3-fp32-adafactor"])
+@pytest.mark.parametrize("name", ["z2-bf16-asgd", "z2-fp32-hf-adafactor", "z3-fp32-adafactor", "z2-bf16-sf-adamw"])
 def test_a_live_engine_at_a_new_dp_takes_the_state_from_ucp_restore(source, universals, name, tmp_path):
     built = source(name)
     after = resume(built, LoadSpec(str(universals(name)), kind="ucp"), dp=3, steps=0, name="live", work=tmp_path)
@@ -313,3 +323,22 @@ def test_fsdp2_takes_the_state_of_ucps_dcp_folder_and_trains_on_like_deepspeed(s
     if built.spec.dtype == "fp32":  # bf16: FSDP2 and DeepSpeed follow different bf16 recipes after the load
         native = resume(built, LoadSpec(str(built.path)), name="native", work=tmp_path)
         assert_same_training(native, torch.load(record, weights_only=True), atol=1e-5)
+
+
+def test_schedule_free_state_is_not_reset_to_zeros(universals, tmp_path, capsys):
+    """A fresh schedule-free optimizer starts z at the weights and its weight sums at their own values: zeros
+    would pull every weight towards 0 at the next step."""
+    code = cli(["restore", str(universals("z2-bf16-sf-adamw")), str(tmp_path / "n"), "--dp", "3", "--step", "reset"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and "starts z at the weights" in err, err
+    assert not (tmp_path / "n").exists()
+
+
+def test_zero_3_counts_a_schedule_free_step_per_sub_group_and_ucp_says_so(source, universals, capsys):
+    """DeepSpeed 0.19.8's ZeRO-3 calls optimizer.step() once per sub-group; schedule-free counts each call in every
+    group (k 6 after 3 steps here, and its weight_sum twice over). Carried as counted (a native ZeRO-3 resume goes
+    on so), and said."""
+    record = source("z3-fp32-sf-sgd").record
+    assert {g["k"] for g in record["group_hparams"]} == {6}
+    assert cli(["inspect", str(universals("z3-fp32-sf-sgd"))]) == 0
+    assert "the param groups count 6 steps where the engine took 3" in capsys.readouterr().out

@@ -331,6 +331,8 @@ class TransformedReader(Reader):
     def __init__(self, inner: Reader, plan: TransformPlan) -> None:
         if plan.problems:
             raise InputError("; ".join(p.message for p in plan.problems))
+        if plan.reset_params:
+            flavours.check_reset(inner.facts.flavour)
         self.inner = inner
         self.plan = plan
         self.facts = plan.facts

@@ -32,6 +32,8 @@ OPTIMIZERS = (
     "torch-asgd",  # 0-dim eta and mu per parameter
     "torch-adafactor",  # torch.optim.Adafactor: a flat partition is a vector, so its variance is unfactored
     "hf-adafactor",  # transformers.optimization.Adafactor (Trainer's optim="adafactor"), with beta1
+    "sf-adamw",  # schedulefree.AdamWScheduleFree: its step k and weight sums in the group, z per parameter
+    "sf-sgd",  # schedulefree.SGDScheduleFree
 )
 
 

@@ -93,6 +93,12 @@ def _other_optimizer(spec: RunSpec, groups: list[dict], betas: tuple[float, floa
         return torch.optim.ASGD(groups, lr=lr, t0=1)  # mu leaves 1 after the first step
     if spec.optimizer == "torch-adafactor":
         return torch.optim.Adafactor(groups, lr=lr)
+    if spec.optimizer in ("sf-adamw", "sf-sgd"):
+        import schedulefree
+
+        if spec.optimizer == "sf-sgd":
+            return schedulefree.SGDScheduleFree(groups, lr=lr, momentum=0.9, warmup_steps=2)
+        return schedulefree.AdamWScheduleFree(groups, lr=lr, betas=betas, warmup_steps=2)
     if spec.optimizer == "hf-adafactor":
         from transformers.optimization import Adafactor
 
@@ -482,6 +488,9 @@ def main(argv: list[str]) -> None:
             )
             if path is None:
                 raise SystemExit(f"DeepSpeed loaded nothing from {spec.load.path}")
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    if callable(getattr(base, "train", None)):
+        base.train()  # a schedule-free optimizer steps in train mode (axolotl and accelerate call it so)
     rank, _ = _parallel_ranks(spec)
     losses = []
     for step in range(spec.first_step, spec.first_step + spec.steps):

@@ -129,6 +129,9 @@ _SIGNATURES = (
     ({"lambd", "t0"}, "torch-asgd"),
     ({"beta2_decay"}, "torch-adafactor"),
     ({"clip_threshold", "decay_rate"}, "hf-adafactor"),
+    ({"weight_sum", "lr_max", "silent_sgd_phase"}, "sf-radam"),
+    ({"weight_sum", "lr_max", "betas"}, "sf-adamw"),
+    ({"weight_sum", "lr_max", "momentum"}, "sf-sgd"),
 )
 
 

@@ -18,6 +18,9 @@ torch-rprop        rprop         ``state[p]["step"]`` float    prev, step_size
 torch-asgd         asgd          ``state[p]["step"]`` float    eta, mu (0-dim), ax
 torch-adafactor    adafactor     ``state[p]["step"]`` float    variance (a flat partition is a vector)
 hf-adafactor       hf-adafactor  ``state[p]["step"]`` int      exp_avg_sq (+ exp_avg); RMS is recomputed
+sf-adamw           sf-adamw      ``group["k"]`` int            z, exp_avg_sq (weight_sum, lr_max in the group)
+sf-radam           sf-radam      ``group["k"]`` int            z, exp_avg_sq
+sf-sgd             sf-sgd        ``group["k"]`` int            z
 ds-cpu-adagrad     ds-adagrad    ``state[p]["step"]`` int      exp_avg_sq (a running sum of squares)
 ds-lion            lion          ``state[p]["step"]`` int      exp_avg
 ds-muon            muon          Adam groups' ``state[p]``     momentum_buffer (Muon groups, no step);
@@ -55,6 +58,7 @@ __all__ = [
     "FLAVOURS",
     "check_family",
     "check_keys",
+    "check_reset",
     "get",
 ]
 
@@ -84,6 +88,9 @@ class Flavour:
     #: a matrix's second moment is kept factored (rows, columns) when the optimizer sees it whole: the state
     #: is elementwise only on ZeRO's flat partitions, and its update scales by statistics of the tensor it steps
     factored: bool = False
+    step_key: str = "step"  # the group key of a step kept in the group (schedule-free's "k")
+    #: zero tensors and step 0 are what a fresh optimizer holds (schedule-free's z starts at the weights instead)
+    zero_reset: bool = True
 
     @property
     def has_step(self) -> bool:
@@ -93,7 +100,7 @@ class Flavour:
         """The step this optimizer would use for a state entry, or None when it has none (yet)."""
         if not self.has_step:
             return None
-        raw = state.get("step") if self.step_in_state else group.get("step")
+        raw = state.get("step") if self.step_in_state else group.get(self.step_key)
         if raw is None:
             return None
         value = float(raw.item() if torch.is_tensor(raw) else raw)
@@ -138,6 +145,8 @@ class Flavour:
         if self.family != "adam":
             group = {k: v for k, v in live.items() if k != "params"}
             group.update({k: group_value(v) for k, v in raw.items() if k not in TORCH_KEYS | {"params", "step"}})
+            if self.step_key != "step" and self.group_has_step(raw):
+                group[self.step_key] = int(step)
             return group
         group = {k: v for k, v in live.items() if k != "params"}
         group.update(lr=hyper.lr, betas=tuple(hyper.betas), eps=hyper.eps, weight_decay=hyper.weight_decay)
@@ -159,7 +168,7 @@ class Flavour:
         if self.family != "adam":
             own = {k: group_value(v) for k, v in raw.items() if k not in ("params", "step")}
             if self.step_in_group and self.group_has_step(raw):
-                own["step"] = int(step)
+                own[self.step_key] = int(step)
             return own
         group: dict[str, Any] = {
             "lr": hyper.lr,
@@ -200,6 +209,24 @@ def _torch(name: str, cls: str, keys: set[str], more: str = "", **kw: Any) -> Fl
         live=(f"torch.optim:{cls}",),
         keys=frozenset(keys),
         **kw,
+    )
+
+
+def _schedule_free(name: str, cls: str, keys: set[str]) -> Flavour:
+    """A schedule-free optimizer (facebookresearch/schedule_free): its step ``k`` and weight sums live in the
+    group; per parameter ``z``, which a fresh optimizer starts at the weights (so a reset is no zeroing)."""
+    what = f"schedulefree.{cls}: int step k, weight_sum and lr_max in the group; z per parameter"
+    return Flavour(
+        name,
+        False,
+        True,
+        False,
+        what,
+        name,
+        live=(f"schedulefree:{cls}",),
+        keys=frozenset(keys),
+        step_key="k",
+        zero_reset=False,
     )
 
 
@@ -263,6 +290,9 @@ FLAVOURS: dict[str, Flavour] = {
             derived=("RMS",),
             factored=True,
         ),
+        _schedule_free("sf-adamw", "AdamWScheduleFree", {"z", "exp_avg_sq"}),
+        _schedule_free("sf-radam", "RAdamScheduleFree", {"z", "exp_avg_sq"}),
+        _schedule_free("sf-sgd", "SGDScheduleFree", {"z"}),
         Flavour(
             "ds-cpu-adagrad",
             True,
@@ -326,6 +356,16 @@ def check_family(source: str | None, target: Flavour, groups_state: bool, *, who
             f"the checkpoint holds {source} state of ZeRO's flat partitions (a second moment per element); on whole "
             f"matrices {source} keeps it factored by rows and columns, which ucp does not derive: restore into a "
             "ZeRO-1/2/3 run, or export the weights"
+        )
+
+
+def check_reset(flavour: str | None) -> None:
+    """Refuse (one line) to reset the state of an optimizer whose fresh state is not zeros."""
+    kind = FLAVOURS.get(flavour or "")
+    if kind is not None and not kind.zero_reset:
+        raise InputError(
+            f"{flavour}'s state cannot be reset to zeros: a fresh {flavour} starts z at the weights; start the new "
+            "run's optimizer afresh instead (load_optimizer_states=False, or no optimizer state in the migration)"
         )
 
 

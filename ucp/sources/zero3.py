@@ -63,6 +63,7 @@ from ucp.errors import InputError
 from ucp.io.rawfile import RawTensorFile
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme, partial_offload_ratio
+from ucp.model.flavours import Flavour
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -252,8 +253,10 @@ class Zero3Source(Reader):
             )
         if replicas > 1 or mics_shard_size(ds_config):
             notes.append(mics_note(mics_shard_size(ds_config), replicas))
+        info = self._info(head, ds_config, dtype, replicas)
+        notes += _per_call_counts(detection.flavour, groups, info.global_steps - info.skipped_steps)
         return Facts(
-            info=self._info(head, ds_config, dtype, replicas),
+            info=info,
             flavour=detection.flavour.name if detection.flavour else None,
             adam_w_mode=detection.adam_w_mode,
             step=max(steps, default=None),
@@ -587,3 +590,18 @@ class Zero3Source(Reader):
 
 
 #: What a damaged or hand-made file can make the code past the explicit checks raise.
+
+
+def _per_call_counts(flavour: Flavour | None, groups: list[GroupMeta], taken: int) -> list[str]:
+    """A note where an optimizer counting its steps in the param group (Apex, schedule-free) counted more than
+    the engine took: ZeRO-3 calls ``optimizer.step()`` once per sub-group, and every call counts in every group."""
+    if flavour is None or flavour.step_in_state or not flavour.step_in_group:
+        return []
+    over = sorted({g.step for g in groups if g.step is not None and g.step > taken})
+    if not over:
+        return []
+    return [
+        f"the param groups count {', '.join(map(str, over))} steps where the engine took {taken}: DeepSpeed's "
+        f"ZeRO-3 calls the optimizer once per sub-group and {flavour.name} counts every call in each param group "
+        "(carried as counted; a ZeRO-3 run goes on counting so, a ZeRO-1/2 run one per step)"
+    ]

@@ -147,6 +147,8 @@ def plan_native(
             )
     elif options.round_robin_gradients:
         raise ConfigError(f"round_robin_gradients applies to ZeRO-1/2, not {zero_label(options.stage)}")
+    if options.reset:
+        flavours.check_reset(facts.flavour)
     has_state = not options.reset and any(g.state_keys for g in facts.groups)
     flavours.check_family(facts.flavour, plan.flavour, has_state, whole=options.stage == 0)
     if options.stage == 0:
