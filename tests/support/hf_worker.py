@@ -135,9 +135,11 @@ def _engine_state(engine: Any) -> dict[str, Any]:
 
 
 def _optimizer_steps(engine: Any) -> list[float]:
-    """Every step the wrapped torch optimizer keeps (one per flat sub-group / group partition)."""
+    """Every step the wrapped torch optimizer keeps (one per flat sub-group / group partition; a schedule-free
+    optimizer's per param group)."""
     inner = engine.optimizer.optimizer
-    return [float(s["step"]) for s in inner.state.values() if "step" in s]
+    per_state = [float(s["step"]) for s in inner.state.values() if "step" in s]
+    return per_state or [float(g["k"]) for g in inner.param_groups if "k" in g]  # schedule-free counts in groups
 
 
 def _run_trainer(spec: HfSpec, rank: int) -> None:
