@@ -304,7 +304,8 @@ def test_a_universal_directory_holding_state_its_flavour_does_not_keep_is_refuse
 
 
 @pytest.mark.parametrize(
-    "name", ["z3-fp32-nadam", "z2-fp32-rmsprop", "z1-fp32-adadelta", "z3-bf16-sgd", "z2-bf16-asgd"]
+    "name",
+    ["z3-fp32-nadam", "z2-fp32-rmsprop", "z1-fp32-adadelta", "z3-bf16-sgd", "z2-bf16-asgd", "z1-fp32-sf-adamw"],
 )
 def test_fsdp2_takes_the_state_of_ucps_dcp_folder_and_trains_on_like_deepspeed(source, universals, name, tmp_path):
     """Out of DeepSpeed beyond Adam: ``--format dcp`` writes for the source's own torch optimizer (NAdam's and

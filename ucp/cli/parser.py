@@ -17,12 +17,12 @@ __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser"]
 FLAVOUR_NAMES = (
     "torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam", "torch-sgd", "torch-rmsprop", "torch-nadam",
     "torch-radam", "torch-adamax", "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor",
-    "hf-adafactor", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
+    "hf-adafactor", "sf-adamw", "sf-radam", "sf-sgd", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
 )  # fmt: skip
 #: optimizers a DCP output can be written for (ucp.targets.dcp.DCP_OPTIMIZERS)
 DCP_OPTIMIZER_NAMES = (
     "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
-    "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor",
+    "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor", "sf-adamw", "sf-radam", "sf-sgd",
 )  # fmt: skip
 
 

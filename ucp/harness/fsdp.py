@@ -54,8 +54,8 @@ def _build(spec: RunSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
-    if not spec.optimizer.startswith("torch-"):
-        raise SystemExit(f"the FSDP2 harness runs torch's optimizers, not {spec.optimizer}")
+    if not spec.optimizer.startswith(("torch-", "sf-")):
+        raise SystemExit(f"the FSDP2 harness runs torch's and schedule-free optimizers, not {spec.optimizer}")
     optimizer = make_optimizer(spec, groups)  # with the settings a DeepSpeed run of the spec has
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_decay) if spec.scheduler else None
     return model, optimizer, scheduler
@@ -140,6 +140,12 @@ def main(argv: list[str]) -> None:
     spec = RunSpec.from_json(argv[0])
     torch.distributed.init_process_group("gloo")
     model, optimizer, scheduler = _build(spec)
+    for group in optimizer.param_groups:
+        if "train_mode" in group:
+            # schedule-free steps in train mode, and get_state_dict's state init steps it; its train() would also
+            # leave an empty state entry per parameter, which torch 2.13's get_state_dict takes for initialised
+            # state (so nothing loads): what train() does before there is any state, without those entries
+            group["train_mode"] = True
     counters = {"global_steps": 0, "global_samples": 0, "skipped_steps": 0}
     if spec.load is not None:
         _load(spec.load.path, model, optimizer, scheduler, counters)

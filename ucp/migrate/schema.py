@@ -207,7 +207,7 @@ class PipelineConfig(Node):
 
 TARGET_FORMATS = ("deepspeed", "dcp")
 #: what a dcp target may name: torch optimizers, AdamW included (ucp.targets.dcp.DCP_OPTIMIZERS)
-DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith("torch-")))
+DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith(("torch-", "sf-"))))
 DCP_LAYOUTS = ("torch", "torchtitan")
 _ALL_OPTIMIZERS = tuple(dict.fromkeys((*flavours.FLAVOURS, *DCP_OPTIMIZERS)))
 #: TargetConfig fields that describe a native DeepSpeed layout, with the value that means "not given"

@@ -52,8 +52,9 @@ __all__ = ["write_dcp", "plan_dcp", "source_optimizer", "DcpPlan", "DCP_OPTIMIZE
 
 logger = logging.getLogger(__name__)
 
-#: what --optimizer may name for a DCP output: torch optimizers (AdamW is Adam with decoupled decay)
-DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith("torch-")))
+#: what --optimizer may name for a DCP output: torch optimizers (AdamW is Adam with decoupled decay) and the
+#: schedule-free ones, which keep their state as torch's do
+DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith(("torch-", "sf-"))))
 #: ``torch``: get_state_dict's {"model", "optim", ...}; ``torchtitan``: what its CheckpointManager reads
 DCP_LAYOUTS = ("torch", "torchtitan")
 #: torchtitan's key for the optimizer (torchtitan.components.checkpoint.OPTIMIZER)
