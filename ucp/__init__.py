@@ -7,12 +7,21 @@ stock DeepSpeed loads. Importing ucp never imports deepspeed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import sys
+
+try:
+    import importlib
+    from typing import TYPE_CHECKING, Any
+
+    from ucp.errors import UcpError
+except KeyboardInterrupt:
+    # `python -m ucp` imports this package before ucp/__main__ can take Ctrl-C: the CLI's one line here too
+    if getattr(sys, "argv", [])[:1] == ["-m"]:
+        __import__("os").write(2, b"ucp: interrupted by SIGINT while starting; nothing was written\n")
+        __import__("os")._exit(130)
+    raise
 
 __version__ = "0.1.0"
-
-from ucp.errors import UcpError  # noqa: E402
 
 if TYPE_CHECKING:
     from ucp.ops.convert import iter_optimizer_moments, load_optimizer_moments, to_universal
