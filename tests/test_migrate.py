@@ -470,8 +470,8 @@ BAD = [
         [
             "m.yaml:4: target.optimizer: must be one of torch-adam, ds-fused-adam, ds-cpu-adam, apex-fused-adam, "
             "torch-sgd, torch-rmsprop, torch-nadam, torch-radam, torch-adamax, torch-adagrad, torch-adadelta, "
-            "torch-rprop, torch-asgd, torch-adafactor, hf-adafactor, ds-cpu-adagrad, ds-lion, ds-muon, "
-            "ds-muon-torch-adam, torch-adamw, got 'adamw' (did you mean 'torch-adamw'?)"
+            "torch-rprop, torch-asgd, torch-adafactor, hf-adafactor, sf-adamw, sf-radam, sf-sgd, ds-cpu-adagrad, ds-lion, "
+            "ds-muon, ds-muon-torch-adam, torch-adamw, got 'adamw' (did you mean 'sf-adamw' or 'torch-adamw'?)"
         ],
     ),
     (

@@ -34,8 +34,12 @@ def _one_of(choices: Iterable[Any]) -> Check:
 
     def check(value: Any) -> Iterator[tuple[KeyPath, str]]:
         if value is not None and value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            names = [str(c) for c in choices]
+            # "adamw" names the tail of several flavours (sf-adamw, torch-adamw): each of them, else the closest
+            close = [n for n in names if n.split("-", 1)[-1] == str(value)] or difflib.get_close_matches(
+                str(value), names, n=1
+            )
+            hint = f" (did you mean {' or '.join(map(repr, close[:3]))}?)" if close else ""
             yield (), f"must be one of {', '.join(map(str, choices))}, got {value!r}{hint}"
 
     return check
