@@ -16,6 +16,7 @@ from ucp.model import flavours
 from ucp.model.options import STAGES, RestoreOptions
 from ucp.model.records import DTYPES, Facts
 from ucp.model.stages import METHODS
+from ucp.targets.dcp import DCP_OPTIMIZERS
 from ucp.targets.pipeline import PipelineLayout
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step
 
@@ -210,8 +211,6 @@ class PipelineConfig(Node):
 
 
 TARGET_FORMATS = ("deepspeed", "dcp")
-#: what a dcp target may name: torch optimizers, AdamW included (ucp.targets.dcp.DCP_OPTIMIZERS)
-DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith(("torch-", "sf-"))))
 DCP_LAYOUTS = ("torch", "torchtitan")
 _ALL_OPTIMIZERS = tuple(dict.fromkeys((*flavours.FLAVOURS, *DCP_OPTIMIZERS)))
 #: TargetConfig fields that describe a native DeepSpeed layout, with the value that means "not given"
