@@ -20,4 +20,9 @@ if [ ! -d .gpu/apex ]; then
     if [ -d "$APEX_SRC/.git" ] || [ -f "$APEX_SRC/setup.py" ]; then cp -r "$APEX_SRC" .gpu/apex; else git clone -q --depth 1 "$APEX_SRC" .gpu/apex; fi
     rm -rf .gpu/apex/.git
 fi
+# libaio for DeepSpeed's async_io op (FastPersist), unpacked: CUDA images often lack it (run.sh points gcc at it)
+if [ ! -d .gpu/aio/root ] && command -v apt-get > /dev/null; then
+    mkdir -p .gpu/aio && (cd .gpu/aio && apt-get download -q libaio1 libaio-dev 2> /dev/null \
+        && for deb in *.deb; do dpkg -x "$deb" root; done; rm -f ./*.deb) || echo "libaio not fetched: FastPersist will skip" >&2
+fi
 du -sh .gpu/wheels .gpu/apex

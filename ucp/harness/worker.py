@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,6 +105,15 @@ def _other_optimizer(spec: RunSpec, groups: list[dict], betas: tuple[float, floa
 
         return Adafactor(groups, lr=lr, beta1=0.9, relative_step=False, scale_parameter=False)
     raise SystemExit(f"unknown optimizer {spec.optimizer}")
+
+
+def _or_none(full: Callable, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+    """DeepSpeed's full optimizer state of a parameter, or None where its optimizer holds none: ZeRO-Offload++ steps
+    its GPU sub-groups with a second optimizer whose state DeepSpeed's own accessor cannot reach (KeyError)."""
+    try:
+        return full(param, key)
+    except KeyError:
+        return None
 
 
 def _ds_config(spec: RunSpec) -> dict:
@@ -367,7 +377,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
             else:
                 fp32 = safe_get_full_fp32_param(param)
                 full = _z3_full_state if spec.stage == 3 and spec.master != "fp32" else safe_get_full_optimizer_state
-                states = {key: full(param, key) for key in _keys_of(param, keys)}
+                states = {key: _or_none(full, param, key) for key in _keys_of(param, keys)}
             out["params"][name] = fp32.detach().float().cpu().clone()
             for key, state in states.items():
                 out["state"].setdefault(key, {})[name] = None if state is None else state.detach().cpu().clone()
