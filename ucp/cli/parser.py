@@ -129,6 +129,13 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
         help="the new run sets zero_optimization.round_robin_gradients: ZeRO-1/2 files flatten each param group "
         "in round-robin order over the ranks (default: as the source did)",
     )
+    p.add_argument(
+        "--zenflow",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the new run uses ZenFlow (zero_optimization.zenflow), which at ZeRO-3 keeps every matrix transposed "
+        "(default: as the source did)",
+    )
     p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
     p.add_argument(
         "--distributed",

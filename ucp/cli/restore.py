@@ -33,6 +33,7 @@ _DEEPSPEED_ONLY = {
     "sub_group_size": None,
     "offload": None,
     "round_robin_gradients": None,
+    "zenflow": None,
     "distributed": False,
 }
 
@@ -77,6 +78,7 @@ def _native_options(args: argparse.Namespace, step: int | str, stage: int | None
         "tp": args.tp,
         "offload": args.offload,
         "round_robin_gradients": args.round_robin_gradients,
+        "zenflow": args.zenflow,
         "overwrite": args.overwrite,
         "workers": args.workers,
         "fsync": args.fsync,

@@ -76,6 +76,8 @@ _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _PIPELINE_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: a FastPersist part: NAME-R.N, part R of N writers
+_FAST_PART = re.compile(r"^(.+\.pt)-(\d+)\.(\d+)$")
 #: the names DeepSpeed before 0.6 wrote (no MoE layer index); 0.19.8 only reads them
 _OLD_EXPERT = re.compile(r"^expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
@@ -200,6 +202,26 @@ def nvme_swap_file(tag_dir: Path, rank: int, ds_id: str, key: str | None = None)
     return tag_dir / NVME_FOLDER / f"rank{rank:0>2d}" / f"{'' if key is None else key + '-'}{ds_id}.tensor.swp"
 
 
+def _fast_persist_names(tag_dir: Path, paths: list[Path]) -> dict[Path, str]:
+    """FastPersist (``checkpoint.writer`` type ``fast``) at ZeRO-0/1/2 names each file ``NAME-R.N``: part R of N
+    data-parallel writers (DeepSpeed 0.19.8 ``CheckpointWriterFactory``). One writer's part is the whole torch
+    file, read under NAME; parts of several writers are refused (each writer frames its own share, and DeepSpeed's
+    own load looks for NAME only)."""
+    names: dict[Path, str] = {}
+    for path in paths:
+        m = _FAST_PART.match(path.name)
+        if m is None:
+            continue
+        if int(m.group(3)) != 1:
+            raise InputError(
+                f"{tag_dir} holds {path.name}: a FastPersist save split over {m.group(3)} data-parallel writers "
+                "(checkpoint.writer type fast), which neither DeepSpeed 0.19.8's load nor ucp reads; save with "
+                "checkpoint.writer.data_parallel unset or with the python writer to move the run"
+            )
+        names[path] = m.group(1)
+    return names
+
+
 def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     """Index the rank files of a DeepSpeed checkpoint (ZeRO-1/2/3, or stage 0: model-states files only) and
     refuse incomplete or mixed sets."""
@@ -214,23 +236,25 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
         raise InputError(f"cannot list {tag_dir}: {err.strerror}") from None
     layers: list[tuple[int, int | None, Path]] = []
     experts: list[tuple[int, int, int, Path]] = []
+    names = _fast_persist_names(tag_dir, paths)
     for path in paths:
-        if m := _PIPELINE_LAYER.match(path.name):
+        name = names.get(path, path.name)
+        if m := _PIPELINE_LAYER.match(name):
             layers.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2)), path))
-        elif m := _EXPERT.match(path.name):
+        elif m := _EXPERT.match(name):
             experts.append((int(m.group(1)), int(m.group(2)), int(m.group(3)), path))
-        elif _OLD_EXPERT.match(path.name):
+        elif _OLD_EXPERT.match(name):
             raise InputError(
-                f"{tag_dir} holds {path.name}: expert files of DeepSpeed before 0.6 (no MoE layer index); "
+                f"{tag_dir} holds {name}: expert files of DeepSpeed before 0.6 (no MoE layer index); "
                 "ucp reads the layer_L_expert_E files later versions write: load and save it once with DeepSpeed"
             )
-        elif m := _OPTIM.match(path.name):
+        elif m := _OPTIM.match(name):
             key = (int(m.group(3)), int(m.group(2)))
             if key in optim:
                 raise InputError(f"{tag_dir}: both bf16_ and plain optim files exist for dp rank {key[1]}")
             optim[key] = path
             prefixes.add(bool(m.group(1)))
-        elif m := _Z3_MODEL.match(path.name):
+        elif m := _Z3_MODEL.match(name):
             key = (int(m.group(2)), int(m.group(1)))
             if key in z3_model:
                 raise InputError(
@@ -238,7 +262,7 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
                     f"({z3_model[key].name}, {path.name})"
                 )
             z3_model[key] = path
-        elif m := _MODEL.match(path.name):
+        elif m := _MODEL.match(name):
             key = (int(m.group(1)), 0)
             if key in model:
                 raise InputError(f"{tag_dir}: two model files for mp rank {key[0]} ({model[key].name}, {path.name})")

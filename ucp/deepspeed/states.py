@@ -314,15 +314,22 @@ def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any], ds_versio
 MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
 
 
-def config_for_stage(config: Mapping[str, Any], stage: int, *, round_robin: bool | None = None) -> dict[str, Any]:
+def config_for_stage(
+    config: Mapping[str, Any], stage: int, *, round_robin: bool | None = None, zenflow: bool | None = None
+) -> dict[str, Any]:
     """The source's config with the stage it is now written for (and, given, the round_robin_gradients
-    its ZeRO-1/2 files are laid out for). MiCS's keys go: the files are plain ZeRO, and DeepSpeed 0.19.8
-    refuses a config that names them."""
+    its ZeRO-1/2 files are laid out for, or whether its ZeRO-3 files are a ZenFlow run's, matrices transposed:
+    a reader of them tells by the ``zenflow`` block). MiCS's keys go: the files are plain ZeRO, and DeepSpeed
+    0.19.8 refuses a config that names them."""
     out = dict(config)
     zero = {k: v for k, v in (out.get("zero_optimization") or {}).items() if k not in MICS_KEYS}
     zero["stage"] = stage
     if round_robin is not None and (round_robin or "round_robin_gradients" in zero):
         zero["round_robin_gradients"] = round_robin
+    if zenflow is False:
+        zero.pop("zenflow", None)
+    elif zenflow:
+        zero.setdefault("zenflow", {})
     out["zero_optimization"] = zero
     return out
 

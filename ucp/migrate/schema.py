@@ -224,6 +224,7 @@ _NATIVE_ONLY = {
     "tp": 1,
     "offload": None,
     "round_robin_gradients": None,
+    "zenflow": None,
     "pipeline": None,
 }
 
@@ -248,6 +249,7 @@ class TargetConfig(Node):
     tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
     offload: bool | None = None  # the new run offloads its optimizer (None: as the source did)
     round_robin_gradients: bool | None = None  # ZeRO-1/2 groups flattened in round-robin order (None: as the source)
+    zenflow: bool | None = None  # the new run uses ZenFlow: its ZeRO-3 matrices transposed (None: as the source)
     pipeline: PipelineConfig | None = None  # a PipelineEngine checkpoint (ZeRO-1) for this partition
 
     def cross_issues(self) -> Iterator[Issue]:

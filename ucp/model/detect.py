@@ -22,6 +22,8 @@ __all__ = [
     "mics_shard_size",
     "offloads_to_nvme",
     "partial_offload_ratio",
+    "unsaved_state_note",
+    "unsaved_state_reason",
     "LowPrecisionMasters",
     "low_precision_masters",
 ]
@@ -62,6 +64,37 @@ def partial_offload_ratio(ds_config: Mapping[str, Any] | None) -> float | None:
         return None
     ratio = ds_config["zero_optimization"]["offload_optimizer"].get("ratio")  # type: ignore[index]
     return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1 else None
+
+
+def unsaved_state_reason(ds_config: Mapping[str, Any] | None) -> str:
+    """Why a trained run's save holds no optimizer state: the modes whose optimizer steps in a process of its own,
+    out of the engine's state dict (both seen in real DeepSpeed 0.19.8 saves on an H200: empty ``state``, no
+    step), or a save that left it out."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, Mapping) else None
+    offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    zenflow = zero.get("zenflow") if isinstance(zero, Mapping) else None
+    if isinstance(offload, Mapping) and offload.get("super_offload") is True:
+        return (
+            "SuperOffload (offload_optimizer.super_offload) steps its CPU Adam in a worker process whose moments "
+            "and step DeepSpeed 0.19.8 does not save"
+        )
+    if isinstance(zenflow, Mapping) and zenflow.get("overlap_step") is True:
+        return (
+            "ZenFlow's overlap_step steps its CPU Adam in an optimizer process whose moments and step DeepSpeed "
+            "0.19.8 does not save"
+        )
+    return "the optimizer's state was not saved"
+
+
+def unsaved_state_note(ds_config: Mapping[str, Any] | None, applied_steps: int) -> str | None:
+    """What to say of a save whose optimizer holds no state after ``applied_steps`` steps (None before any)."""
+    if applied_steps <= 0:
+        return None
+    return (
+        f"the engine applied {applied_steps} optimizer steps, but the save holds no optimizer state: "
+        f"{unsaved_state_reason(ds_config)}; it carries the weights alone, and any resume from it, DeepSpeed's own "
+        "included, starts the moments at zero (a restore says so with --step reset)"
+    )
 
 
 def round_robin_gradients(ds_config: Mapping[str, Any] | None) -> bool:

@@ -65,6 +65,9 @@ class RestoreOptions:
     #: the new run sets ``zero_optimization.round_robin_gradients`` (ZeRO-1/2 flatten each group's members in
     #: round-robin order over the ranks); None: as the source did
     round_robin_gradients: bool | None = None
+    #: the new run uses ZenFlow (``zero_optimization.zenflow``), which at ZeRO-3 keeps every matrix transposed;
+    #: None: as the source did
+    zenflow: bool | None = None
 
     def problems(self) -> list[str]:
         """Everything wrong with these options, each in one line (empty when they are sound)."""
@@ -93,6 +96,8 @@ class RestoreOptions:
             out.append(f"offload must be true or false, got {self.offload!r}")
         if self.round_robin_gradients is not None and not isinstance(self.round_robin_gradients, bool):
             out.append(f"round_robin_gradients must be true or false, got {self.round_robin_gradients!r}")
+        if self.zenflow is not None and not isinstance(self.zenflow, bool):
+            out.append(f"zenflow must be true or false, got {self.zenflow!r}")
         if self.tag is not None and ("/" in self.tag or self.tag in ("", ".", "..")):
             out.append(f"tag {self.tag!r} is not a folder name")
         return out

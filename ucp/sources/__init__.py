@@ -104,9 +104,13 @@ def open_reader(
 
         return TensorParallelSource(files, optimizer=optimizer, rules=tp_rules)
     if files.stage3:
+        from ucp.model.zenflow import ZENFLOW_Z3_NOTE, ZenflowTransposed, transposes_matrices
         from ucp.sources.zero3 import Zero3Source
 
-        return Zero3Source(files, optimizer=optimizer)
+        source = Zero3Source(files, optimizer=optimizer)
+        if transposes_matrices(source.facts.info.ds_config, 3):  # ZenFlow's matrices, back in the model's shape
+            return ZenflowTransposed(source, note=ZENFLOW_Z3_NOTE, owns=True)
+        return source
     from ucp.sources.zero12 import Zero12Source
 
     return Zero12Source(files, optimizer=optimizer)

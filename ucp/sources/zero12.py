@@ -52,7 +52,7 @@ from ucp.deepspeed.optim_states import (
 )
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients
+from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients, unsaved_state_note
 from ucp.model.partition import Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
@@ -447,6 +447,13 @@ class Zero12Source(Reader):
                 "written by BF16_Optimizer without ZeRO (stage 0); its optimizer state is partitioned "
                 "like ZeRO-1, so ucp reads it as stage 1"
             )
+        counters = engine_counters(head)
+        unsaved = (
+            None
+            if self._has_moments
+            else unsaved_state_note(ds_config, counters["global_steps"] - counters["skipped_steps"])
+        )
+        warnings += [unsaved] if unsaved else []
         info = SourceInfo(
             format="deepspeed",
             zero_stage=stage,
@@ -458,7 +465,7 @@ class Zero12Source(Reader):
             sub_group_size=None,
             ds_config=jsonable(ds_config),
             frozen_excluded=excluded,
-            **engine_counters(head),
+            **counters,
         )
         return Facts(
             info=info,

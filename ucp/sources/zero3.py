@@ -62,7 +62,14 @@ from ucp.deepspeed.optim_states import (
 from ucp.errors import InputError
 from ucp.io.rawfile import RawTensorFile
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme, partial_offload_ratio
+from ucp.model.detect import (
+    Detection,
+    detect,
+    mics_shard_size,
+    offloads_to_nvme,
+    partial_offload_ratio,
+    unsaved_state_note,
+)
 from ucp.model.flavours import Flavour
 from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
@@ -255,6 +262,8 @@ class Zero3Source(Reader):
             notes.append(mics_note(mics_shard_size(ds_config), replicas))
         info = self._info(head, ds_config, dtype, replicas)
         notes += _per_call_counts(detection.flavour, groups, info.global_steps - info.skipped_steps)
+        unsaved = None if self._has_moments else unsaved_state_note(ds_config, info.global_steps - info.skipped_steps)
+        notes += [unsaved] if unsaved else []
         return Facts(
             info=info,
             flavour=detection.flavour.name if detection.flavour else None,

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+from ucp.errors import InputError
 from ucp.io.pool import default_workers
 from ucp.model.records import Reader
 from ucp.model.steps import step_chooser
@@ -55,6 +56,12 @@ def restore(
         named = as_live_names(source, engine.module)  # across torch.compile's wrapper
         reader = live_tp_view(engine, live_stage_view(engine, named, strict=strict))
         stage = int(engine.zero_optimization_stage())
+        if stage == 3 and getattr(engine.optimizer, "zenflow", False):
+            raise InputError(
+                "this engine runs ZenFlow at ZeRO-3, which keeps every matrix transposed: ucp.restore does not "
+                "write into it yet; write its files with `ucp restore --zenflow` and load them with "
+                "engine.load_checkpoint"
+            )
         if engine.fp16_enabled():
             refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])
         # a bf16 PipelineEngine without ZeRO runs BF16_Optimizer, partitioned like ZeRO-1: restored as ZeRO-1

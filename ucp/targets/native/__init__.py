@@ -20,6 +20,7 @@ from ucp.io.atomic import staged_output
 from ucp.io.pool import default_workers
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Reader
+from ucp.model.zenflow import ZenflowTransposed
 from ucp.sources import open_reader, opened
 from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, Share, plan_native
 from ucp.targets.native.zero0 import write_zero0
@@ -63,7 +64,8 @@ def write_files(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, s
     """The rank files of a plan into an existing ``tag_dir`` (``latest`` is the caller's); under a
     ``share``, only that process's part of them (``ucp.ops.distributed``)."""
     if plan.stage == 3:
-        write_zero3(reader, plan, tag_dir, workers, share)
+        # a ZenFlow run's ZeRO-3 layout: its matrices transposed (the view reads each whole)
+        write_zero3(ZenflowTransposed(reader) if plan.transposed else reader, plan, tag_dir, workers, share)
         return
     write = write_zero0 if plan.stage == 0 else write_zero12
     for mp_rank in range(plan.tp):

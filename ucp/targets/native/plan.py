@@ -12,12 +12,19 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.model import flavours
 from ucp.model.batch import global_batch_advice
-from ucp.model.detect import low_precision_masters, offloads_optimizer, offloads_to_nvme, round_robin_gradients
+from ucp.model.detect import (
+    low_precision_masters,
+    offloads_optimizer,
+    offloads_to_nvme,
+    round_robin_gradients,
+    unsaved_state_reason,
+)
 from ucp.model.loss_scale import fresh_fp16_scale
 from ucp.model.names import has_wrapper
 from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
+from ucp.model.zenflow import zenflow_config
 
 __all__ = ["NativePlan", "Share", "Zero12Sets", "plan_native", "param_step", "DS_DEFAULT_SUB_GROUP_SIZE"]
 
@@ -75,6 +82,7 @@ class NativePlan:
     mp_rank: int = 0  # the TP rank whose files are being written
     offload: bool = False  # the new run offloads its optimizer (DeepSpeed Muon's ZeRO-1/2 layout follows it)
     round_robin: bool = False  # ZeRO-1/2: each group's members flattened in round-robin order (round_robin_gradients)
+    transposed: bool = False  # ZeRO-3 for a ZenFlow run: every matrix written transposed, as ZenFlow keeps it
     #: param group -> its sets of members when ranks hold different ones (others: one set, all ranks)
     zero12_sets: dict[int, Zero12Sets] = field(default_factory=dict)
     #: more fields of the model-states file (a MoE run's ``num_experts``)
@@ -110,6 +118,12 @@ def plan_native(
     which DeepSpeed batch settings keep the global batch at the new DP size (a Hugging Face folder's
     writer says it in Trainer's flags instead); ``sets``: param groups whose ranks hold different members."""
     problems = options.problems()
+    trained = any(not p.frozen for p in facts.params)
+    if trained and not options.reset and not any(g.state_keys for g in facts.groups):
+        problems.append(
+            f"the source holds no optimizer state ({unsaved_state_reason(facts.info.ds_config)}): restore with "
+            "--step reset to start every moment at zero"
+        )
     name = options.optimizer or facts.flavour
     if name is None:
         problems.append(
@@ -147,6 +161,15 @@ def plan_native(
             )
     elif options.round_robin_gradients:
         raise ConfigError(f"round_robin_gradients applies to ZeRO-1/2, not {zero_label(options.stage)}")
+    if options.stage == 3:
+        asked = options.zenflow
+        plan.transposed = zenflow_config(facts.info.ds_config) is not None if asked is None else asked
+        if plan.transposed:
+            plan.notes.append(
+                "written for a ZenFlow run at ZeRO-3 (zero_optimization.zenflow), which keeps every matrix "
+                "transposed: the new run must use ZenFlow too"
+                + ("" if asked else "; --no-zenflow writes for one without")
+            )
     if options.reset:
         flavours.check_reset(facts.flavour)
     has_state = not options.reset and any(g.state_keys for g in facts.groups)

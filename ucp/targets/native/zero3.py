@@ -166,7 +166,9 @@ class _Zero3Files:
         self.rank_fields = rank_fields
         self.frozen = [m for m in reader.facts.params if m.frozen]
         self.apart = {n for sets in plan.zero12_sets.values() for names in sets.names for n in names}
-        self.config = plan.model_fields.get("ds_config") or ds_states.config_for_stage(reader.facts.info.ds_config, 3)
+        self.config = plan.model_fields.get("ds_config") or ds_states.config_for_stage(
+            reader.facts.info.ds_config, 3, zenflow=plan.transposed
+        )
         self.wrapper = zero_wrapper(reader, plan)
         self.steps: list[int] = []
         self.groups: list[dict] = []
