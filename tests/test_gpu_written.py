@@ -16,48 +16,16 @@ set). On the CPU:
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tarfile
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 import ucp
 from tests.support.checks import assert_adam_universal_matches_record
-from tests.support.fixtures import Built, cache_root, resume
-from ucp.harness import LoadSpec, RunSpec
-
-_DATA = Path(__file__).parent / "data" / "gpu-written.tgz"
-
-
-def gpu_written_root() -> Path:
-    """The folder of GPU-written runs: $UCP_GPU_CHECKPOINTS, or the kept set unpacked once into the cache."""
-    if os.environ.get("UCP_GPU_CHECKPOINTS"):
-        return Path(os.environ["UCP_GPU_CHECKPOINTS"])
-    digest = hashlib.sha1(_DATA.read_bytes()).hexdigest()[:12]
-    root = cache_root() / f"gpu-written-{digest}"
-    if not (root / ".unpacked").exists():
-        partial = root.with_name(root.name + f".partial-{os.getpid()}")
-        partial.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(_DATA) as archive:
-            archive.extractall(partial, filter="data")
-        (partial / ".unpacked").write_text("ok")
-        try:
-            partial.rename(root)
-        except OSError:  # another process unpacked it first
-            import shutil
-
-            shutil.rmtree(partial, ignore_errors=True)
-    return root
-
-
-def written(folder: Path) -> Built:
-    """One GPU-written run: its checkpoint, live record and spec."""
-    spec = RunSpec.from_json((folder / "spec.json").read_text())
-    return Built(folder / "ckpt", folder / "record.pt", spec)
+from tests.support.fixtures import Built, resume
+from tests.support.gpu_written import gpu_written_root, written
+from ucp.harness import LoadSpec
 
 
 def _written() -> list[Built]:
@@ -69,7 +37,9 @@ WRITTEN = [pytest.param(b, id=b.path.parent.name) for b in _written()]
 #: restored into CPU torch AdamW at DP 2: every flavour at ZeRO-1 bf16, ZeRO-3 fp16 and without ZeRO
 RESTORED = [p for p in WRITTEN if p.id.startswith(("cuda-z1-bf16-", "cuda-z3-fp16-", "cuda-z0-bf16-"))]
 RESUMABLE = [
-    p for p in WRITTEN if p.id in ("cuda-z2-bf16-torch-adamw-fused", "cuda-z2-bf16-ds-fused-adam", "cuda-z3-bf16-ds-fused-adam")
+    p
+    for p in WRITTEN
+    if p.id in ("cuda-z2-bf16-torch-adamw-fused", "cuda-z2-bf16-ds-fused-adam", "cuda-z3-bf16-ds-fused-adam")
 ]
 #: bf16 across a batch split: the loss of each step after the first (measured 6e-4 at most here)
 _BF16_LOSS_TOL = 2e-3
