@@ -7,8 +7,9 @@ set). On the CPU:
 
 - to-universal bit for bit against the GPU engine's record, fp16 and bf16, every flavour (Apex FusedAdam's group
   step, DeepSpeed FusedAdam's CUDA build, torch AdamW ``fused`` and ``capturable``);
-- restored at DP 2 into torch AdamW on CPU ranks, the engine holds every master and moment bit for bit, with
-  the step where torch reads it (Apex and capturable AdamW need CUDA: their state moves to a CPU optimizer);
+- restored at DP 2 into torch AdamW and DeepSpeed FusedAdam (its CPU build) on CPU ranks, the engine holds every
+  master and moment bit for bit, with the step where each reads it (Apex and capturable AdamW need CUDA: their
+  state moves to a CPU optimizer);
 - the bf16 runs of optimizers a CPU has resume at DP 2 and follow DeepSpeed's native DP 1 resume of the same
   files within bf16's rounding (a batch split in two rounds its activations differently: measured up to 6e-4 in
   the loss over three steps across the cells; the same restore with its moments reset moves it by 2.7e-2).
@@ -58,10 +59,13 @@ def _on_cpu(built: Built, **changes) -> Built:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("built", RESTORED)
-def test_a_gpu_written_checkpoint_restores_bit_exact_into_cpu_ranks_at_dp_2(built, tmp_path):
+@pytest.mark.parametrize(
+    ("flavour", "reader"), [("torch-adam", "torch-adamw-fused"), ("ds-fused-adam", "ds-fused-adam")]
+)
+def test_a_gpu_written_checkpoint_restores_bit_exact_into_cpu_ranks_at_dp_2(built, flavour, reader, tmp_path):
     out = tmp_path / "n"
-    ucp.write_native(built.path, out, dp=2, stage=built.spec.stage, optimizer="torch-adam")
-    on_cpu = _on_cpu(built, optimizer="torch-adamw-fused")
+    ucp.write_native(built.path, out, dp=2, stage=built.spec.stage, optimizer=flavour)
+    on_cpu = _on_cpu(built, optimizer=reader)
     after = resume(on_cpu, LoadSpec(str(out)), dp=2, steps=0, name="loaded", work=tmp_path)
     record = built.record
     counters = record["counters"]
