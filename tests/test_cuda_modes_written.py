@@ -73,6 +73,18 @@ def test_zenflow_zero3_reads_every_matrix_in_the_models_shape_bit_exact(tmp_path
         assert torch.equal(reader.read("proj.weight").fp32, _t(record["module"]["proj.weight"]).float())
 
 
+def test_zenflow_zero3_exports_the_models_shapes_and_says_why(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    built = _mode("zenflow-z3")
+    capsys.readouterr()
+    assert cli(["export", str(built.path), str(tmp_path / "m.safetensors"), "--dtype", "fp32"]) == 0
+    assert f"note: {ZENFLOW_Z3_NOTE}" in capsys.readouterr().err
+    weights = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(weights["embed.weight"], _t(built.record["params"]["embed.weight"]))
+    assert torch.equal(weights["proj.weight"], _t(built.record["module"]["proj.weight"]).float())
+
+
 def test_zenflow_zero3_rewritten_for_zenflow_is_the_sources_own_bytes_and_without_it_the_models_shapes(tmp_path):
     built = _mode("zenflow-z3")
     assert cli(["reshard", str(built.path), str(tmp_path / "same"), "--dp", "1"]) == 0

@@ -95,9 +95,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ucp.sources import open_reader
-    from ucp.targets.export import export
+    from ucp.targets.export import export, export_notes
 
     with output(args, args.src, lambda: open_reader(args.src, tag=args.tag), weights(args)) as reader:
+        notes = export_notes(reader)
         written = export(
             reader,
             args.out,
@@ -107,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             folder=args.src,
         )
-    return done(args, f"wrote {len(written)} file(s) to {args.out}", files=[str(p) for p in written])
+    return done(args, f"wrote {len(written)} file(s) to {args.out}", notes, files=[str(p) for p in written])
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

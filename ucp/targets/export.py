@@ -35,7 +35,7 @@ from ucp.io.small_files import read_small
 from ucp.io.torchzip import write_torch_file
 from ucp.model.cast import narrowed
 from ucp.model.names import WRAPPER_PATTERN, has_wrapper
-from ucp.model.records import DTYPES, Reader, torch_dtype
+from ucp.model.records import DTYPES, Facts, Reader, torch_dtype
 from ucp.sources import opened
 from ucp.sources.hf import config_in_dtype, find_hf_folder, model_files
 from ucp.transforms import Rename, TransformedReader, plan_transforms
@@ -221,15 +221,29 @@ def export(
         )
 
 
+UNWRAPPED_NOTE = (
+    "names written without torch.compile's _orig_mod. wrapper, as an uncompiled model's state_dict has them"
+)
+
+
+def export_notes(reader: Reader) -> list[str]:
+    """What an export of ``reader`` says besides its files: the source's own notes (a ZenFlow run's matrices read
+    in the model's shape, a save without optimizer state, ...) and a name change it makes."""
+    return list(reader.facts.warnings) + ([UNWRAPPED_NOTE] if _compiled(reader.facts) else [])
+
+
+def _compiled(facts: Facts) -> bool:
+    """Names under torch.compile's ``_orig_mod.`` wrapper."""
+    return has_wrapper([m.name for m in facts.params] + list(facts.tied) + list(facts.buffer_names))
+
+
 def _unwrapped(reader: Reader) -> Reader:
     """Names as a model's ``state_dict`` has them: without torch.compile's ``_orig_mod.`` wrapper, which a model
     compiled before deepspeed.initialize saves under (``from_pretrained`` and a plain model know no such names)."""
     facts = reader.facts
-    if not has_wrapper([m.name for m in facts.params] + list(facts.tied) + list(facts.buffer_names)):
+    if not _compiled(facts):
         return reader
-    logger.warning(
-        "names written without torch.compile's _orig_mod. wrapper, as an uncompiled model's state_dict has them"
-    )
+    logger.info(UNWRAPPED_NOTE)
     return TransformedReader(reader, plan_transforms(facts, [Rename(WRAPPER_PATTERN, r"\1")]))
 
 
