@@ -249,8 +249,16 @@ class ReaderView(Reader):
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         return self.inner.read(name, moments=moments)
 
+    def reads_whole(self, name: str) -> bool:
+        """The view changes ``name``'s tensors: :meth:`read_pieces` gives :meth:`read`'s whole ones, not the inner
+        reader's spans. By default it changes none."""
+        return False
+
     @contextmanager
     def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
+        if self.reads_whole(name):
+            yield PieceState.of(self.read(name, moments=moments))
+            return
         with self.inner.read_pieces(name, moments=moments) as state:
             yield state
 

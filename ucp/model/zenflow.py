@@ -18,15 +18,14 @@ the 37x10 embedding is saved as 10x37. A square matrix keeps its shape, so nothi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ucp.model.pieces import Pieces
-from ucp.model.records import ParamState, PieceState, Reader, ReaderView
+from ucp.model.records import ParamState, Reader, ReaderView
 
 __all__ = [
     "zenflow_config",
@@ -99,13 +98,8 @@ class ZenflowTransposed(ReaderView):
         optim = {k: _transposed(v) for k, v in state.optim.items()}
         return replace(state, fp32=_transposed(state.fp32), optim=optim)
 
-    @contextmanager
-    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
-        if name not in self._names:
-            with self.inner.read_pieces(name, moments=moments) as state:
-                yield state
-            return
-        yield PieceState.of(self.read(name, moments=moments))
+    def reads_whole(self, name: str) -> bool:
+        return name in self._names
 
     def close(self) -> None:
         if self._owns:

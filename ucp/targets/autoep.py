@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from ucp.io.atomic import staged_output
 from ucp.io.pool import default_workers
 from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
-from ucp.model.records import GroupMeta, ParamMeta, ParamState, PieceState, Reader, ReaderView, torch_dtype
+from ucp.model.records import GroupMeta, ParamMeta, ParamState, Reader, ReaderView, torch_dtype
 from ucp.sources import opened
 from ucp.sources.autoep import AUTOEP_EXTRAS
 from ucp.targets.native import NativePlan, plan_native
@@ -155,13 +154,8 @@ class _FusedExperts(ReaderView):
             scalars=dict(states[0].scalars),
         )
 
-    @contextmanager
-    def read_pieces(self, name: str, *, moments: bool = True) -> Iterator[PieceState]:
-        if name not in self.members:
-            with self.inner.read_pieces(name, moments=moments) as state:
-                yield state
-            return
-        yield PieceState.of(self.read(name, moments=moments))
+    def reads_whole(self, name: str) -> bool:
+        return name in self.members  # the stacked experts
 
 
 def _fused_pairs(meta: GroupMeta, layers: Mapping[str, AutoEpLayer]) -> list[tuple[AutoEpLayer, str]]:

@@ -150,26 +150,27 @@ def plan_native(
         tp=options.tp,
         offload=offloads_optimizer(facts.info.ds_config) if options.offload is None else options.offload,
     )
+    config = facts.info.ds_config
     if options.stage in (1, 2):
-        asked = options.round_robin_gradients
-        plan.round_robin = round_robin_gradients(facts.info.ds_config) if asked is None else asked
-        if plan.round_robin:
-            plan.notes.append(
-                "written for a run with zero_optimization.round_robin_gradients=true (each group's parameters "
-                "flattened in round-robin order over the ranks): the new run must set it too"
-                + ("" if asked else "; --no-round-robin-gradients writes for one without")
-            )
+        plan.round_robin = _layout_setting(
+            plan,
+            options.round_robin_gradients,
+            round_robin_gradients(config),
+            "written for a run with zero_optimization.round_robin_gradients=true (each group's parameters "
+            "flattened in round-robin order over the ranks): the new run must set it too",
+            "--no-round-robin-gradients",
+        )
     elif options.round_robin_gradients:
         raise ConfigError(f"round_robin_gradients applies to ZeRO-1/2, not {zero_label(options.stage)}")
     if options.stage == 3:
-        asked = options.zenflow
-        plan.transposed = zenflow_config(facts.info.ds_config) is not None if asked is None else asked
-        if plan.transposed:
-            plan.notes.append(
-                "written for a ZenFlow run at ZeRO-3 (zero_optimization.zenflow), which keeps every matrix "
-                "transposed: the new run must use ZenFlow too"
-                + ("" if asked else "; --no-zenflow writes for one without")
-            )
+        plan.transposed = _layout_setting(
+            plan,
+            options.zenflow,
+            zenflow_config(config) is not None,
+            "written for a ZenFlow run at ZeRO-3 (zero_optimization.zenflow), which keeps every matrix "
+            "transposed: the new run must use ZenFlow too",
+            "--no-zenflow",
+        )
     if options.reset:
         flavours.check_reset(facts.flavour)
     has_state = not options.reset and any(g.state_keys for g in facts.groups)
@@ -247,6 +248,15 @@ def plan_native(
     if name != facts.flavour and facts.flavour is not None:
         plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
     return plan
+
+
+def _layout_setting(plan: NativePlan, asked: bool | None, source: bool, note: str, off_flag: str) -> bool:
+    """A setting of the new run that changes the files' layout: as asked, else as the source had it; when on, a
+    note says the new run needs it (and, when not asked for, which flag writes for a run without it)."""
+    chosen = source if asked is None else asked
+    if chosen:
+        plan.notes.append(note + ("" if asked else f"; {off_flag} writes for one without"))
+    return chosen
 
 
 def _check_zero0(sets: Mapping[int, Zero12Sets] | None) -> None:
