@@ -33,6 +33,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -336,6 +337,10 @@ class TransformedReader(Reader):
         self.inner = inner
         self.plan = plan
         self.facts = plan.facts
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
+        return self.inner.inputs
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         source = self.plan.origin.get(name)

@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ucp.cli.output import done, output, output_policy, weights
+from ucp.cli.output import done, output_policy
 from ucp.errors import UcpError
 
 if TYPE_CHECKING:
@@ -49,14 +49,15 @@ def _cmd_restore_dcp(args: argparse.Namespace) -> int:
             "fp32 masters that FSDP2 loads at any world size: drop --format dcp, or "
             + ("it" if len(given) == 1 else "them")
         )
-    with output(args, args.universal, lambda: open_reader(args.universal), weights(args)) as reader:
+    policy = output_policy(args)
+    with open_reader(args.universal) as reader:
         plan = write_dcp(
             reader,
             args.out,
             optimizer=args.optimizer,
             step=args.step,
             layout=args.dcp_layout or "torch",
-            overwrite=args.overwrite,
+            overwrite=policy,
             fsync=args.fsync,
         )
     layout = f", {args.dcp_layout} layout" if args.dcp_layout else ""
@@ -79,7 +80,7 @@ def _native_options(args: argparse.Namespace, step: int | str, stage: int | None
         "offload": args.offload,
         "round_robin_gradients": args.round_robin_gradients,
         "zenflow": args.zenflow,
-        "overwrite": args.overwrite,
+        "overwrite": output_policy(args),
         "workers": args.workers,
         "fsync": args.fsync,
     }
@@ -87,12 +88,9 @@ def _native_options(args: argparse.Namespace, step: int | str, stage: int | None
 
 def _cmd_restore_hf(args: argparse.Namespace, step: int | str, tag: str) -> int:
     from ucp.model.options import zero_label
-    from ucp.sources import open_reader
     from ucp.targets.hf import write_hf
 
-    # write_hf opens the folder itself (it needs its files too); the reader here gives the size
-    with output(args, args.universal, lambda: open_reader(args.universal, tag=tag), weights(args)):
-        result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
+    result = write_hf(args.universal, args.out, **_native_options(args, step, args.stage))
     summary = (
         f"wrote {'a Trainer' if result.folder.kind == 'trainer' else 'an Accelerate'} folder for "
         f"{result.world} process{'es' if result.world > 1 else ''} ({zero_label(result.plan.stage)}, tag "
@@ -138,7 +136,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         return _cmd_restore_pipeline(args, step)
     if args.distributed:
         return _cmd_native_distributed(args, step)
-    with output(args, args.universal, lambda: open_reader(args.universal), weights(args)) as reader:
+    with open_reader(args.universal) as reader:
         if args.ep is not None or _is_moe(reader.facts):
             return _write_experts(args, reader, step)
         plan = write_native(reader, args.out, **_native_options(args, step, _stage(args, reader.facts)))
@@ -288,7 +286,7 @@ def _cmd_restore_pipeline(args: argparse.Namespace, step: int | str) -> int:
         layout = PipelineLayout.parse(args.pp_parts, args.pp_tied or ())
         if layout.pp != args.pp:
             raise UcpError(f"--pp-parts {args.pp_parts} cuts {layout.pp} stages, but --pp is {args.pp}")
-    with output(args, args.universal, lambda: open_reader(args.universal), weights(args)) as reader:
+    with open_reader(args.universal) as reader:
         _refuse_moe(reader.facts, "--pp")
         if args.pp_partition is not None:
             layout = PipelineLayout.by_method(args.pp_partition, args.pp, args.pp_layers, tied, reader.facts)

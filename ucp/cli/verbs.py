@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ucp.cli.output import done, output, output_policy, say, universal_size, weights
+from ucp.cli.output import done, output_policy, say
 from ucp.errors import UcpError
 
 if TYPE_CHECKING:
@@ -30,10 +30,9 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
     else:
         from ucp.universal.writer import write_universal
 
-        with output(args, args.src, lambda: _to_universal_source(args), universal_size) as reader:
-            manifest = write_universal(
-                reader, args.out, overwrite=args.overwrite, workers=args.workers, fsync=args.fsync
-            )
+        policy = output_policy(args)
+        with _to_universal_source(args) as reader:
+            manifest = write_universal(reader, args.out, overwrite=policy, workers=args.workers, fsync=args.fsync)
     count = len(manifest["params"])
     return done(args, f"wrote {count} parameters to {args.out}", manifest.get("warnings", []), parameters=count)
 
@@ -97,7 +96,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ucp.sources import open_reader
     from ucp.targets.export import export, export_notes
 
-    with output(args, args.src, lambda: open_reader(args.src, tag=args.tag), weights(args)) as reader:
+    policy = output_policy(args)
+    with open_reader(args.src, tag=args.tag) as reader:
         notes = export_notes(reader)
         written = export(
             reader,
@@ -105,7 +105,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             format=args.format,
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
-            overwrite=args.overwrite,
+            overwrite=policy,
             folder=args.src,
         )
     return done(args, f"wrote {len(written)} file(s) to {args.out}", notes, files=[str(p) for p in written])

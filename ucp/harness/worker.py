@@ -336,7 +336,7 @@ def record_path(record: str, tp_rank: int) -> str:
     return record if tp_rank == 0 else record.removesuffix(".pt") + f".tp{tp_rank}.pt"
 
 
-def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
+def _record(engine, model, spec: RunSpec, losses: list[float], refused: str | None = None) -> None:
     """Gather what the live engine holds (collectives: every rank takes part) and let DP rank 0 save it.
 
     Under tensor parallelism each TP rank holds its own slices: each saves its own record.
@@ -346,6 +346,7 @@ def _record(engine, model, spec: RunSpec, losses: list[float]) -> None:
 
     _relink_optimizer_state(engine.optimizer)
     out: dict = {"losses": losses, "params": {}, "exp_avg": {}, "exp_avg_sq": {}, "state": {}, "module": {}}
+    out["refused"] = refused
     base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     # every elementwise state key the optimizer keeps (safe_get_full_optimizer_state gathers those),
     # and each flat tensor's 0-dim entries (NAdam's mu_product, the step) as they are
@@ -482,13 +483,25 @@ def main(argv: list[str]) -> None:
         config=_ds_config(spec),
         mpu=mpu,
     )
+    refused: str | None = None
     if spec.load is not None:
         if spec.load.kind == "ucp":
             import ucp
 
-            ucp.restore(
-                engine, spec.load.path, load_optimizer_states=spec.load.load_optimizer_states, strict=spec.load.strict
-            )
+            try:
+                ucp.restore(
+                    engine,
+                    spec.load.path,
+                    load_optimizer_states=spec.load.load_optimizer_states,
+                    strict=spec.load.strict,
+                )
+            except ucp.UcpError as err:
+                if not spec.load.refused:
+                    raise
+                refused = str(err)
+            else:
+                if spec.load.refused:
+                    raise SystemExit(f"ucp.restore took {spec.load.path}, which the run expected it to refuse")
         else:
             path, _ = engine.load_checkpoint(
                 spec.load.path,
@@ -509,7 +522,7 @@ def main(argv: list[str]) -> None:
     if spec.save_dir:
         engine.save_checkpoint(spec.save_dir, tag=spec.save_tag, exclude_frozen_parameters=spec.exclude_frozen)
     if spec.record:
-        _record(engine, model, spec, losses)
+        _record(engine, model, spec, losses, refused)
 
 
 if __name__ == "__main__":

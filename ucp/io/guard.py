@@ -1,8 +1,10 @@
-"""May this command write OUT here? One owner for the rules every command that writes follows.
+"""May this write OUT here? One owner for the rules every function that writes follows.
 
-Callers (``ucp.cli`` for each verb, ``ucp.migrate.run`` for each output of a migration,
-``ucp.ops.distributed`` on rank 0) call :func:`check_output` before anything is staged, then run
-the write inside :func:`writing`:
+Every writer of the API (``write_universal``, ``write_native``, ``write_dcp``, ``export``, ``write_hf``, the
+pipeline and expert writers; the CLI and ``ucp migrate`` call those) builds its output inside
+:func:`guarded_output` (:func:`guarded` for a file OUT), which runs :func:`check_output` against the reader's
+:attr:`~ucp.model.records.Reader.inputs` before anything is staged, then the write inside :func:`writing`.
+``ucp migrate`` also checks all its outputs up front, before the first one is written.
 
 * OUT never is, lies inside, or holds one of the command's inputs, with or without
   ``--overwrite``: the resolved paths are compared, then the (device, inode) of OUT, the input and
@@ -24,16 +26,19 @@ import errno
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.errors import OutputExistsError, OutputOverlapError, UcpError, WriteError
-from ucp.io.atomic import OLD_MARK, OWNER_MARK, PARTIAL_MARK, owner_kind, remove_own_partials
+from ucp.io.atomic import OLD_MARK, OWNER_MARK, PARTIAL_MARK, owner_kind, remove_own_partials, staged_output
 from ucp.model.records import Facts
 
 __all__ = [
     "OutputPolicy",
+    "as_policy",
+    "guarded",
+    "guarded_output",
     "check_output",
     "check_space",
     "writing",
@@ -65,6 +70,54 @@ class OutputPolicy:
     overwrite: bool = False
     foreign: bool = False
     space_check: bool = True
+
+
+def as_policy(overwrite: bool | OutputPolicy) -> OutputPolicy:
+    """A writer's ``overwrite`` argument as a policy: ``True`` replaces an earlier output of ucp (never another
+    folder, never an input); an :class:`OutputPolicy` says more (foreign folders, the space check)."""
+    if isinstance(overwrite, OutputPolicy):
+        return overwrite
+    return OutputPolicy(overwrite=bool(overwrite))
+
+
+Inputs = Mapping[str, "str | os.PathLike[str]"] | Iterable["str | os.PathLike[str]"]
+
+
+def _roles(inputs: Inputs) -> dict[str, str | os.PathLike[str]]:
+    """Inputs by role: a mapping as it is, a list of paths as the source's (``source``, ``source 2``, ...)."""
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    paths = list(inputs)
+    return {("source" if i == 0 else f"source {i + 1}"): p for i, p in enumerate(paths)}
+
+
+@contextlib.contextmanager
+def guarded(
+    out: str | os.PathLike[str], inputs: Inputs, overwrite: bool | OutputPolicy = False, *, size: int = 0
+) -> Iterator[OutputPolicy]:
+    """The guard around a write of OUT: :func:`check_output` against ``inputs``, then the write (the ``with``
+    body) inside :func:`writing` with ``size`` (estimated bytes) for the space check. Yields the policy."""
+    policy = as_policy(overwrite)
+    check_output(out, _roles(inputs), policy)
+    with writing({Path(out): size}, policy):
+        yield policy
+
+
+@contextlib.contextmanager
+def guarded_output(
+    out: str | os.PathLike[str],
+    inputs: Inputs,
+    overwrite: bool | OutputPolicy = False,
+    *,
+    size: int = 0,
+    durable: bool = False,
+    check: Callable[[Path], None] | None = None,
+) -> Iterator[Path]:
+    """The one door through which a writer makes a folder OUT: :func:`guarded`, then
+    :func:`ucp.io.atomic.staged_output` (yields the staging folder; OUT appears whole or not at all)."""
+    with guarded(out, inputs, overwrite, size=size) as policy:
+        with staged_output(out, overwrite=policy.overwrite, durable=durable, check=check) as root:
+            yield root
 
 
 # -- paths ------------------------------------------------------------------------------------

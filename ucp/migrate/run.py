@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 # -- running ----------------------------------------------------------------------------------
-def execute(plan: MigrationPlan, *, overwrite: bool = False, workers: int | None = None) -> list[str]:
+def execute(plan: MigrationPlan, *, overwrite: bool | OutputPolicy = False, workers: int | None = None) -> list[str]:
     """Do what the plan says, in order; returns one line per output written. Closes the plan's source."""
     from ucp.universal.reader import open_universal
     from ucp.universal.writer import write_universal
@@ -46,7 +46,7 @@ def execute(plan: MigrationPlan, *, overwrite: bool = False, workers: int | None
     return done
 
 
-def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool) -> str:
+def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy) -> str:
     from ucp.targets.dcp import write_dcp
 
     target = plan.config.target
@@ -65,7 +65,7 @@ def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool) -> str:
     return f"wrote a torch.distributed.checkpoint folder ({written.flavour}, {target.layout} layout) to {target.output}"
 
 
-def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
+def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> str:
     """A Hugging Face source gets a whole folder of its kind: the DeepSpeed files, its other files, RNG files."""
     from ucp.targets.hf import write_hf_plan
 
@@ -82,7 +82,7 @@ def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: 
     )
 
 
-def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
+def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> str:
     """A PipelineEngine checkpoint for the target's partition: what ``ucp restore --pp`` writes."""
     from ucp.targets.pipeline import write_pipeline
 
@@ -104,7 +104,7 @@ def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool, wor
     )
 
 
-def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> str:
+def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> str:
     from ucp.targets.native import write_plan
 
     target = plan.config.target
@@ -131,7 +131,7 @@ def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool, worke
     )
 
 
-def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool, workers: int | None) -> list[str]:
+def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> list[str]:
     from ucp.targets.export import export
 
     config = plan.config
@@ -203,7 +203,7 @@ def run_migration(
             logger.warning("%s", warning)
         text = plan.describe(dry_run=False)
         with writing(sizes, policy):
-            done = execute(plan, overwrite=policy.overwrite)
+            done = execute(plan, overwrite=policy)
     finally:
         plan.close()  # execute closes it too; closing a reader twice is a no-op
     return "\n".join([text, *done])

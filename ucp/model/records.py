@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,6 +187,9 @@ class Reader(ABC):
     """
 
     facts: Facts
+    #: the files and folders the reader reads (set by :func:`ucp.sources.open_reader`): what no output of a
+    #: writer handed this reader may be, lie inside or hold (``ucp.io.guard``); empty for a reader over no files
+    inputs: tuple[Path, ...] = ()
     #: True when :meth:`read_pieces` hands out spans of files rather than whole tensors, valid until
     #: :meth:`close` (not just inside the ``with`` block): a target then streams each rank's share
     #: from them into its files, holding spans, never the data.
@@ -245,6 +249,10 @@ class ReaderView(Reader):
         self.inner = inner
         self.facts = facts
         self.streams = inner.streams
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
+        return self.inner.inputs
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         return self.inner.read(name, moments=moments)

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ucp.io.guard import OutputPolicy
 from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.model.records import ParamState
 from ucp.sources import open_reader
@@ -24,14 +25,16 @@ def to_universal(
     tag: str | None = None,
     optimizer: str | None = None,
     workers: int | None = None,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     fsync: bool = False,
 ) -> dict[str, Any]:
-    """Convert a DeepSpeed ZeRO checkpoint (folder with ``latest`` or a tag folder) into ``out``.
+    """Convert a checkpoint (DeepSpeed folder with ``latest`` or a tag folder, or any other source ucp reads) into
+    ``out``.
 
     Returns the manifest written to ``out/ucp.json``. ``optimizer`` names the flavour outright when
     detection cannot tell (e.g. a checkpoint saved before the first step). ``fsync`` flushes the
-    output to disk before it is published (survives power loss, not just a killed process).
+    output to disk before it is published (survives power loss, not just a killed process). OUT never is, lies
+    inside or holds ``src``; ``overwrite`` replaces an earlier output of ucp only (``ucp.io.guard``).
     """
     reader = open_reader(src, tag=tag, optimizer=optimizer)
     try:

@@ -26,8 +26,7 @@ from typing import Any, TypeVar
 
 from ucp.deepspeed.layout import LATEST
 from ucp.errors import UcpError, WriteError
-from ucp.io.atomic import staged_output
-from ucp.io.guard import OutputPolicy, check_output, check_space, fault_message, universal_bytes, weight_bytes
+from ucp.io.guard import OutputPolicy, fault_message, guarded_output, universal_bytes, weight_bytes
 from ucp.io.pool import default_workers
 from ucp.model.options import RestoreOptions
 from ucp.model.records import Facts, ParamMeta, Reader
@@ -167,10 +166,8 @@ def _run(
                 """Rank 0 alone checks OUT (ucp.io.guard) and stages it; the others learn the outcome."""
                 if rank != 0 or reader is None:
                     return None
-                check_output(out, {"source": src}, policy)
-                if policy.space_check:
-                    check_space({out: universal_bytes(reader.facts)})
-                root = stack.enter_context(staged_output(out, overwrite=policy.overwrite))
+                size = universal_bytes(reader.facts)
+                root = stack.enter_context(guarded_output(out, reader.inputs, policy, size=size))
                 (root / "zero").mkdir()
                 return str(root)
 
@@ -254,10 +251,8 @@ def _run_native(
                 """Rank 0 alone checks OUT and stages it; the others learn the outcome."""
                 if rank != 0:
                     return None
-                check_output(out, {"source": src}, policy)
-                if policy.space_check:
-                    check_space({out: weight_bytes(facts, plan.dtype)})
-                root = stack.enter_context(staged_output(out, overwrite=policy.overwrite, durable=fsync))
+                size = weight_bytes(facts, plan.dtype)
+                root = stack.enter_context(guarded_output(out, reader.inputs, policy, size=size, durable=fsync))
                 (root / plan.tag).mkdir()
                 return str(root)
 

@@ -46,8 +46,34 @@ def open_reader(
     every expert under its global index. A checkpoint saved without ZeRO (stage 0: one model-states file
     holding the optimizer's own state) is read as its parameters; ``frozen`` names its frozen parameters
     where the optimizer's shapes cannot tell them from trained ones (and a DCP folder's, as ``--frozen``).
+    The reader records ``path`` as its input (:attr:`Reader.inputs`), which no output may overlap.
     """
     path = Path(path)
+    reader = _open(path, tag=tag, optimizer=optimizer, verify=verify, tp_rules=tp_rules, frozen=frozen)
+    reader.inputs = (path,)
+    return _zenflow_view(reader)
+
+
+def _zenflow_view(reader: Reader) -> Reader:
+    """A ZenFlow ZeRO-3 save's matrices, back in the model's shape; any other reader as it is."""
+    from ucp.model.zenflow import ZENFLOW_Z3_NOTE, ZenflowTransposed, transposes_matrices
+    from ucp.sources.zero3 import Zero3Source
+
+    if isinstance(reader, Zero3Source) and transposes_matrices(reader.facts.info.ds_config, 3):
+        return ZenflowTransposed(reader, note=ZENFLOW_Z3_NOTE, owns=True)
+    return reader
+
+
+def _open(
+    path: Path,
+    *,
+    tag: str | None,
+    optimizer: str | None,
+    verify: bool,
+    tp_rules: Sequence[tuple[str, TpRule]],
+    frozen: Sequence[str],
+) -> Reader:
+    """:func:`open_reader`'s choice of source."""
     if is_universal(path):
         return open_universal(path, verify=verify)
     from ucp.sources.dcp import DcpSource, is_dcp
@@ -104,13 +130,9 @@ def open_reader(
 
         return TensorParallelSource(files, optimizer=optimizer, rules=tp_rules)
     if files.stage3:
-        from ucp.model.zenflow import ZENFLOW_Z3_NOTE, ZenflowTransposed, transposes_matrices
         from ucp.sources.zero3 import Zero3Source
 
-        source = Zero3Source(files, optimizer=optimizer)
-        if transposes_matrices(source.facts.info.ds_config, 3):  # ZenFlow's matrices, back in the model's shape
-            return ZenflowTransposed(source, note=ZENFLOW_Z3_NOTE, owns=True)
-        return source
+        return Zero3Source(files, optimizer=optimizer)
     from ucp.sources.zero12 import Zero12Source
 
     return Zero12Source(files, optimizer=optimizer)

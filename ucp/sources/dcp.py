@@ -197,6 +197,7 @@ class DcpSource(Reader):
         self, path: str | os.PathLike, *, optimizer: str | None = None, names: Mapping[str, Any] | None = None
     ):
         self.path = Path(path)
+        self.inputs = (self.path,)
         self.meta = read_metadata(self.path)
         self._paths: dict[tuple[Any, ...], Any] = {}  # key path -> its storage metadata
         for key, storage in self.meta.state_dict_metadata.items():

@@ -38,7 +38,7 @@ from ucp.deepspeed.layout import LATEST, expert_file
 from ucp.deepspeed.moe import ep_group_name
 from ucp.deepspeed.states import config_for_stage
 from ucp.errors import ConfigError, InputError
-from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.io.pool import default_workers
 from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
@@ -213,7 +213,7 @@ def write_autoep(
     options: RestoreOptions | None = None,
     *,
     ep: int,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
     **fields: Any,
@@ -230,7 +230,8 @@ def write_autoep(
         plan = plan_native(view.facts, options, sets=view.sets)
         plan.model_fields = _model_fields(reader, layers, options.dp, ep, options.stage)
         workers = workers or default_workers()
-        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+        size = weight_bytes(reader.facts, plan.dtype)
+        with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
             tag_dir = root / plan.tag
             tag_dir.mkdir()
             if plan.stage == 3:

@@ -40,7 +40,7 @@ import torch
 
 from ucp.deepspeed import states as ds_states
 from ucp.errors import ConfigError, InputError
-from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
 from ucp.model import flavours
 from ucp.model.options import StepPolicy, parse_step
 from ucp.model.records import Facts, ParamState, Reader
@@ -310,7 +310,7 @@ def write_dcp(
     layout: str = "torch",
     steps: Mapping[str, int | None] | None = None,
     step: StepPolicy = "keep",
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     fsync: bool = False,
 ) -> DcpPlan:
     """Write ``source`` (universal directory, DeepSpeed or DCP checkpoint, or a reader) as a DCP folder
@@ -337,7 +337,8 @@ def write_dcp(
             step=fixed,
             reset=policy == "reset",
         )
-        with staged_output(out, overwrite=overwrite, durable=fsync, check=read_metadata) as root:
+        size = universal_bytes(reader.facts)
+        with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync, check=read_metadata) as root:
             _save(plan, root, _Fetch(reader), fsync)
     logger.debug("wrote a DCP checkpoint (%s) to %s", plan.flavour, out)
     return plan

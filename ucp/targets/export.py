@@ -14,13 +14,14 @@ a torch export stores the same tensor object under both names, in the owner's sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
-from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree, staged_output
+from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree
+from ucp.io.guard import Inputs, OutputPolicy, guarded, guarded_output, weight_bytes
 from ucp.io.pool import default_workers, parallel_map
 from ucp.io.signals import raise_if_stopped
 from ucp.io.small_files import read_small
@@ -191,7 +193,7 @@ def export(
     dtype: str | None = None,
     max_shard_size: int | str = "5GB",
     tag: str | None = None,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     folder: str | os.PathLike | None = None,
 ) -> list[Path]:
@@ -201,6 +203,7 @@ def export(
     any other ``out`` is a folder that gets the single file or the shards and their index, and, when
     ``folder`` (by default ``src`` itself, when a path) is a Hugging Face Trainer folder, its model files.
     Names lose torch.compile's ``_orig_mod.`` wrapper (a model compiled before deepspeed.initialize).
+    OUT never is, lies inside or holds the source or ``folder``; ``overwrite`` replaces an earlier export.
     """
     if format not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -211,14 +214,14 @@ def export(
         _require_safetensors()
     out = Path(out).absolute()
     target, file_name = _resolve_out(out, format)
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it")
     carried = _model_files(folder if folder is not None else src) if file_name is None else []
     with opened(src, tag=tag) as source:
+        inputs = [*source.inputs, *([folder] if folder is not None else [])]
         reader = _unwrapped(source)
-        return _export(
-            reader, target, file_name, format, dtype, max_bytes, overwrite, workers or default_workers(), carried
-        )
+        with _staged(target, file_name, inputs, overwrite, weight_bytes(reader.facts, dtype)) as stage:
+            return _export(
+                reader, stage, target, file_name, format, dtype, max_bytes, workers or default_workers(), carried
+            )
 
 
 UNWRAPPED_NOTE = (
@@ -272,15 +275,16 @@ def _carry(path: Path, dest: Path, dtype: str | None) -> None:
 
 def _export(
     reader: Reader,
+    stage: Path,
     out: Path,
     file_name: str | None,
     fmt: str,
     dtype: str | None,
     max_bytes: int,
-    overwrite: bool,
     workers: int,
     carried: list[Path],
 ) -> list[Path]:
+    """The export's files into the staging folder ``stage``; returns where they will lie once published."""
     facts = reader.facts
     for alias, owner in facts.tied.items():
         if owner not in {p.name for p in facts.params}:
@@ -312,74 +316,66 @@ def _export(
 
     weight_map: dict[str, str] = {}
     total = 0
-    with _staged(out, file_name, overwrite) as stage:
-        for shard, file in zip(shards, names):
-            tensors: dict[str, torch.Tensor] = {}
-            tied: dict[str, str] = {}
-            loaded = parallel_map(load, shard, workers, desc=f"export {file}", weight=lambda n: by_name[n].nbytes)
-            for name, tensor in loaded:
-                tensors[name] = tensor
-                weight_map[name] = file
-                total += tensor.numel() * tensor.element_size()
-                for alias in aliases_of.get(name, []):
-                    tied[alias] = name
-                    if fmt == "torch":  # the same object: the pickle memo keeps one storage for both names
-                        tensors[alias] = tensor
-                        weight_map[alias] = file
-            _save_shard(tensors, stage / file, fmt, tied)
-            logger.info("wrote %s (%d tensors)", file, len(tensors))
-            del tensors
-        written = [out / file for file in names] if file_name is None else [out]
-        if len(shards) > 1:
-            index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            if facts.tied:
-                index["metadata"][TIED_KEY] = dict(facts.tied)
-            index_name = f"{single}.index.json"
-            (stage / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
-            written.append(out / index_name)
-        for path in carried:
-            _carry(path, stage / path.name, dtype)
-            written.append(out / path.name)
+    for shard, file in zip(shards, names):
+        tensors: dict[str, torch.Tensor] = {}
+        tied: dict[str, str] = {}
+        loaded = parallel_map(load, shard, workers, desc=f"export {file}", weight=lambda n: by_name[n].nbytes)
+        for name, tensor in loaded:
+            tensors[name] = tensor
+            weight_map[name] = file
+            total += tensor.numel() * tensor.element_size()
+            for alias in aliases_of.get(name, []):
+                tied[alias] = name
+                if fmt == "torch":  # the same object: the pickle memo keeps one storage for both names
+                    tensors[alias] = tensor
+                    weight_map[alias] = file
+        _save_shard(tensors, stage / file, fmt, tied)
+        logger.info("wrote %s (%d tensors)", file, len(tensors))
+        del tensors
+    written = [out / file for file in names] if file_name is None else [out]
+    if len(shards) > 1:
+        index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        if facts.tied:
+            index["metadata"][TIED_KEY] = dict(facts.tied)
+        index_name = f"{single}.index.json"
+        (stage / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+        written.append(out / index_name)
+    for path in carried:
+        _carry(path, stage / path.name, dtype)
+        written.append(out / path.name)
     return written
 
 
-class _staged:
-    """A folder OUT goes through :func:`ucp.io.atomic.staged_output`; a file OUT is written beside
-    itself under a temporary name and renamed into place, so a failure leaves no half file."""
-
-    def __init__(self, out: Path, file_name: str | None, overwrite: bool) -> None:
-        self.out, self.file_name, self.overwrite = out, file_name, overwrite
-
-    def __enter__(self) -> Path:
-        if self.file_name is None:
-            self._ctx = staged_output(self.out, overwrite=self.overwrite)
-            return self._ctx.__enter__()
-        if self.out.exists() and (not self.overwrite or self.out.is_dir()):
-            raise OutputExistsError(
-                f"{self.out} already exists" + ("" if self.overwrite else "; pass --overwrite to replace it")
-            )
+@contextlib.contextmanager
+def _staged(
+    out: Path, file_name: str | None, inputs: Inputs, overwrite: bool | OutputPolicy, size: int
+) -> Iterator[Path]:
+    """Where the export's files are built, inside the guard (``ucp.io.guard``): a folder OUT is staged by
+    :func:`~ucp.io.guard.guarded_output`; a file OUT is written beside itself under a temporary name and renamed
+    into place, so a failure leaves no half file."""
+    if file_name is None:
+        with guarded_output(out, inputs, overwrite, size=size) as root:
+            yield root
+        return
+    with guarded(out, inputs, overwrite, size=size) as policy:
+        if out.is_dir():
+            raise OutputExistsError(f"{out} is a folder; an export to a file does not replace it")
         try:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise UcpError(f"cannot create {self.out.parent}: {err.strerror}") from None
+            raise UcpError(f"cannot create {out.parent}: {err.strerror}") from None
         # the name ucp.io.atomic recognises as a leftover, so a later run for OUT clears it after a kill
-        self._stage = self.out.parent / f".{self.out.name}{PARTIAL_MARK}{secrets.token_hex(4)}-{os.getpid()}"
-        self._stage.mkdir()
-        return self._stage
-
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> bool:
-        if self.file_name is None:
-            return bool(self._ctx.__exit__(kind, err, tb))
+        stage = out.parent / f".{out.name}{PARTIAL_MARK}{secrets.token_hex(4)}-{os.getpid()}"
+        stage.mkdir()
         try:
-            if kind is None:
-                staged = self._stage / self.file_name
-                with open(staged, "rb") as handle:
-                    os.fsync(handle.fileno())
-                raise_if_stopped()  # a stop whose exception a library swallowed: never publish (as staged_output)
-                if self.overwrite:
-                    os.replace(staged, self.out)
-                else:  # never over a file another run published meanwhile
-                    publish_new(staged, self.out)
+            yield stage
+            staged = stage / file_name
+            with open(staged, "rb") as handle:
+                os.fsync(handle.fileno())
+            raise_if_stopped()  # a stop whose exception a library swallowed: never publish (as staged_output)
+            if policy.overwrite:
+                os.replace(staged, out)
+            else:  # never over a file another run published meanwhile
+                publish_new(staged, out)
         finally:
-            remove_tree(self._stage)
-        return False
+            remove_tree(stage)

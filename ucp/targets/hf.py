@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ucp.deepspeed.layout import LATEST, resolve_tag_dir
-from ucp.errors import InputError, UcpError
-from ucp.io.atomic import staged_output
+from ucp.errors import InputError
+from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.model.options import RestoreOptions
 from ucp.model.records import Facts, Reader
 from ucp.sources import open_reader
 from ucp.sources.hf import HfFolder, batch_advice, find_hf_folder, rng_plan
 from ucp.targets.native import NativePlan, plan_native, write_plan
 
-__all__ = ["hf_options", "write_hf_plan", "HfResult", "write_hf", "check_out_path"]
+__all__ = ["hf_options", "write_hf_plan", "HfResult", "write_hf"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +40,6 @@ class HfResult:
     world: int
     rng: list[tuple[str, str]]
     notes: list[str] = field(default_factory=list)
-
-
-def check_out_path(src: Path, out: Path) -> None:
-    """Refuse an output that is the source, inside it, or holds it: the source is never changed."""
-    src_real, out_real = src.resolve(), Path(os.path.abspath(out)).resolve()
-    if out_real == src_real or src_real in out_real.parents or out_real in src_real.parents:
-        raise UcpError(
-            f"{out} overlaps the source {src}; write the new folder beside it (e.g. {src.parent / (src.name + '-new')})"
-        )
 
 
 def hf_options(
@@ -118,7 +109,7 @@ def write_hf(
     out: str | os.PathLike[str],
     options: RestoreOptions | None = None,
     *,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
     **fields: Any,
@@ -133,7 +124,6 @@ def write_hf(
     if folder is None:
         resolve_tag_dir(src, None)  # a folder with no DeepSpeed state says what it is
         raise InputError(f"{src} is not a Hugging Face Trainer or Accelerate checkpoint folder")
-    check_out_path(src, out)
     with open_reader(src, tag=folder.tag) as reader:
         opts = hf_options(reader.facts, folder, options, fields)
         return write_hf_plan(
@@ -153,7 +143,7 @@ def write_hf_plan(
     plan: NativePlan,
     out: str | os.PathLike[str],
     *,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
 ) -> HfResult:
@@ -162,7 +152,9 @@ def write_hf_plan(
     out = Path(out)
     world = plan.dp * plan.tp
     rng = rng_plan(folder, world)
-    with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+    inputs = [folder.path, *reader.inputs]
+    size = weight_bytes(reader.facts, plan.dtype)
+    with guarded_output(out, inputs, overwrite, size=size, durable=fsync) as root:
         _fill(root, folder, reader, plan, rng, workers)
     result = HfResult(folder, plan, out, world, rng, list(plan.notes))
     result.notes += _rng_notes(folder, world, rng)

@@ -24,7 +24,7 @@ import torch
 from ucp.deepspeed.layout import LATEST, expert_file
 from ucp.deepspeed.moe import ep_group_name, expert_name, expert_parts
 from ucp.errors import ConfigError
-from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.io.pool import default_workers
 from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
@@ -149,7 +149,7 @@ def write_moe(
     options: RestoreOptions | None = None,
     *,
     ep: int,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
     **fields: Any,
@@ -167,7 +167,8 @@ def write_moe(
         plan = plan_native(view.facts, options)
         plan.zero12_sets = {g: _expert_sets(view.facts, g, layers, ep) for g in experts}
         plan.model_fields = {"num_experts": [x.experts for x in layers], "ds_autoep_layers": None}
-        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+        size = weight_bytes(reader.facts, plan.dtype)
+        with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
             tag_dir = root / plan.tag
             tag_dir.mkdir()
             write_zero12(view, plan, tag_dir, workers or default_workers())

@@ -22,7 +22,7 @@ import torch
 from ucp.deepspeed.layout import LATEST, layer_file, model_file
 from ucp.deepspeed.pipeline import PARALLEL_DIMS, TIED_PREFIX
 from ucp.errors import ConfigError
-from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.io.pool import default_workers
 from ucp.io.torchfile import load
 from ucp.io.torchzip import write_torch_file
@@ -206,7 +206,7 @@ def write_pipeline(
     layout: PipelineLayout,
     options: RestoreOptions | None = None,
     *,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
     **fields: Any,
@@ -225,7 +225,8 @@ def write_pipeline(
         if missing:
             raise ConfigError(f"{missing[0]} is on no stage of the partition {list(layout.parts)}")
         plan = plan_native(reader.facts, options)
-        with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+        size = weight_bytes(reader.facts, plan.dtype)
+        with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
             tag_dir = root / plan.tag
             tag_dir.mkdir()
             for stage, view in enumerate(views):

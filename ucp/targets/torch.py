@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from ucp.errors import InputError
 from ucp.model.records import Reader
 from ucp.sources import opened
-from ucp.targets.engine.common import as_live_names
-from ucp.targets.engine.named import load_named
+from ucp.targets.engine.common import as_live_names, check_buffers
+from ucp.targets.engine.named import stage_named
 
 __all__ = ["restore_torch"]
 
@@ -48,6 +49,10 @@ def restore_torch(
     Returns:
         The client state DeepSpeed saved with the checkpoint.
 
+    Everything is checked and read before anything changes (names, shapes, dtypes, param groups, the optimizer's
+    family, buffers, the scheduler's state): a failure is a UcpError naming what differs, and leaves the model,
+    the optimizer and the scheduler as they were.
+
     Example::
 
         model = build_model(); opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -55,12 +60,29 @@ def restore_torch(
     """
     with opened(universal_dir) as source:
         reader = as_live_names(source, model)  # across torch.compile's wrapper
-        load_named(dict(model.named_parameters()), optimizer, reader, flavour=flavour, strict=strict)
+        staged = stage_named(dict(model.named_parameters()), optimizer, reader, flavour=flavour, strict=strict)
         buffers = reader.buffers()
-        for name, buf in model.named_buffers():
-            if name in buffers:
-                buf.copy_(buffers[name].to(buf.dtype))
+        live_buffers = dict(model.named_buffers())
+        check_buffers({n: tuple(b.shape) for n, b in live_buffers.items()}, reader, buffers, strict=False)
         extras = reader.extras()
         if scheduler is not None and extras.get("lr_scheduler") is not None:
-            scheduler.load_state_dict(extras["lr_scheduler"])
+            _load_scheduler(scheduler, extras["lr_scheduler"])  # first: the one step that may still refuse
+        staged.apply()
+        with torch.no_grad():
+            for name, buf in live_buffers.items():
+                if name in buffers:
+                    buf.copy_(buffers[name].to(buf.dtype))
         return dict(extras.get("client_state") or {})
+
+
+def _load_scheduler(scheduler: Any, state: Any) -> None:
+    """The scheduler's state, or one line (and the scheduler as it was) when it does not take it."""
+    before = scheduler.state_dict()
+    try:
+        scheduler.load_state_dict(state)
+    except Exception as err:
+        scheduler.load_state_dict(before)
+        raise InputError(
+            f"the checkpoint's lr scheduler state does not load into {type(scheduler).__name__} ({err}); "
+            "nothing was restored"
+        ) from None

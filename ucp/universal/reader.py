@@ -65,6 +65,7 @@ class UniversalReader(Reader):
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
         self.path = path
+        self.inputs = (path,)
         self.verify = verify
         manifest_path = path / MANIFEST
         raw = _read_manifest(manifest_path)

@@ -28,7 +28,7 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import LATEST_UNIVERSAL, UNIVERSAL_MODEL_FILES, UNIVERSAL_OPTIM
 from ucp.errors import InputError
-from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
 from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import Facts, ParamMeta, ParamState, PieceState, Reader
@@ -120,14 +120,21 @@ def write_params(
 
 
 def write_universal(
-    reader: Reader, out: str | os.PathLike, *, overwrite: bool = False, workers: int | None = None, fsync: bool = False
+    reader: Reader,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool | OutputPolicy = False,
+    workers: int | None = None,
+    fsync: bool = False,
 ) -> dict[str, Any]:
     """Stream every parameter of ``reader`` into a universal directory at ``out``; returns the manifest.
 
     Memory stays near ``2 x workers`` parameters.
-    OUT appears whole or not at all; ``fsync`` also makes it survive a power loss.
+    OUT appears whole or not at all; ``fsync`` also makes it survive a power loss. OUT never overlaps the reader's
+    inputs; ``overwrite`` replaces an earlier output of ucp (``ucp.io.guard``).
     """
-    with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+    size = universal_bytes(reader.facts)
+    with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
         (root / "zero").mkdir()
         entries = write_params(reader, root, reader.facts.params, workers or default_workers())
         layouts = source_layouts(reader)

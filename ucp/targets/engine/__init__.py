@@ -21,7 +21,7 @@ from ucp.model.records import Reader
 from ucp.model.steps import step_chooser
 from ucp.sources import opened
 from ucp.targets.blocks.stream import refuse_fp16_overflow
-from ucp.targets.engine.common import as_live_names, match_groups, restore_common
+from ucp.targets.engine.common import as_live_names, check_engine, match_groups, restore_common
 from ucp.targets.engine.pipeline import live_stage_view
 from ucp.targets.engine.zero0 import restore_zero0
 from ucp.targets.engine.zero3 import restore_zero3
@@ -62,6 +62,7 @@ def restore(
                 "write into it yet; write its files with `ucp restore --zenflow` and load them with "
                 "engine.load_checkpoint"
             )
+        check_engine(engine, reader, strict=strict)
         if engine.fp16_enabled():
             refuse_fp16_overflow(reader, [m.name for m in reader.facts.params])
         # a bf16 PipelineEngine without ZeRO runs BF16_Optimizer, partitioned like ZeRO-1: restored as ZeRO-1

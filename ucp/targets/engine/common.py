@@ -13,13 +13,16 @@ from ucp.errors import InputError
 from ucp.model.flavours import Flavour
 from ucp.model.hyper import hyper_from_group
 from ucp.model.names import has_wrapper, wrapper_renames
-from ucp.model.records import Reader
+from ucp.model.records import Facts, Reader
 from ucp.transforms import RenameTable, TransformedReader, plan_transforms
 
 __all__ = [
     "as_live_names",
     "match_groups",
     "check_names",
+    "check_shapes",
+    "check_buffers",
+    "check_engine",
     "place_steps_on_device",
     "restore_common",
     "dp_rank_and_size",
@@ -86,6 +89,56 @@ def check_names(engine: Any, reader: Reader, *, strict: bool) -> None:
             f"parameters differ: {what} ({len(extra)} extra, {len(lost)} missing); pass strict=False "
             "to restore the common ones"
         )
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return f"({', '.join(map(str, shape))})" if len(shape) != 1 else f"({shape[0]},)"
+
+
+def check_shapes(live: Mapping[str, tuple[int, ...]], facts: Facts) -> None:
+    """Every parameter both hold has the same shape in the checkpoint and the model (``live``: name -> shape);
+    refused in one line naming the first that differs and both shapes, before anything is changed."""
+    known = {m.name: m.shape for m in facts.params}
+    wrong = [
+        (name, known[name], tuple(shape))
+        for name, shape in live.items()
+        if name in known and known[name] != tuple(shape)
+    ]
+    if wrong:
+        name, saved, have = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise InputError(
+            f"{name} has shape {_shape(saved)} in the checkpoint but {_shape(have)} in the model{more}: the checkpoint "
+            "is of another model or configuration; nothing was restored"
+        )
+
+
+def check_buffers(
+    live: Mapping[str, tuple[int, ...]], reader: Reader, buffers: Mapping[str, torch.Tensor], *, strict: bool
+) -> None:
+    """The model's buffers against the checkpoint's (``live``: name -> shape): each one both hold has one shape,
+    and with ``strict`` each one the checkpoint records is there."""
+    for name, shape in live.items():
+        if name in buffers and tuple(buffers[name].shape) != tuple(shape):
+            raise InputError(
+                f"buffer {name} has shape {_shape(tuple(buffers[name].shape))} in the checkpoint but {_shape(tuple(shape))} "
+                "in the model; nothing was restored"
+            )
+        if strict and name not in buffers and name in reader.facts.buffer_names:
+            raise InputError(f"buffer {name!r} is missing from the checkpoint")
+
+
+def check_engine(engine: Any, reader: Reader, *, strict: bool) -> None:
+    """What a live restore checks before any stage's code changes the engine: every parameter's and buffer's
+    shape (a ZeRO-3 parameter's is its ``ds_shape``; the engine holds only a partition), and with ``strict``
+    that no buffer the checkpoint records is missing."""
+    shapes = {
+        name: tuple(param.ds_shape if hasattr(param, "ds_shape") else param.shape)
+        for param, name in engine.param_names.items()
+    }
+    check_shapes(shapes, reader.facts)
+    live = {name: tuple(buf.shape) for name, buf in engine.module.named_buffers()}
+    check_buffers(live, reader, reader.buffers(), strict=strict)
 
 
 def place_steps_on_device(block: dict[str, Any], groups: list[dict[str, Any]], device: torch.device) -> None:

@@ -1,23 +1,29 @@
 """Tensors known by name and the torch optimizer that steps them: weights, optimizer state and group settings
 from a reader. A plain model's parameters (:func:`ucp.restore_torch`), or the fp32 copies an engine without ZeRO
-steps in place of its low-precision parameters (:mod:`ucp.targets.engine.zero0`)."""
+steps in place of its low-precision parameters (:mod:`ucp.targets.engine.zero0`).
+
+Call order: :func:`stage_named` checks everything (names, shapes, dtypes, param groups, the optimizer's family)
+and reads every tensor into new ones, changing nothing; :meth:`StagedNamed.apply` then copies them in, which cannot
+fail on what was checked. A restore that fails therefore leaves the model and the optimizer as they were.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from ucp.errors import InputError
 from ucp.model import flavours
+from ucp.model.cast import narrowed
 from ucp.model.detect import detect_live
-from ucp.model.records import ParamState, Reader
-from ucp.targets.blocks.stream import refuse_fp16_overflow
-from ucp.targets.engine.common import match_groups
+from ucp.model.records import Facts, ParamState, Reader
+from ucp.targets.engine.common import check_shapes, match_groups
 
-__all__ = ["load_named", "OptimizerLike"]
+__all__ = ["load_named", "stage_named", "StagedNamed", "OptimizerLike"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,27 @@ class OptimizerLike(Protocol):
     def state(self) -> MutableMapping[Any, Any]: ...
 
 
+@dataclass
+class StagedNamed:
+    """What a restore will put into named tensors and their optimizer, read and checked, not applied yet."""
+
+    weights: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live tensor, new value)
+    state: list[tuple[torch.Tensor, dict[str, Any]]] = field(default_factory=list)  # (live tensor, its new state)
+    groups: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)  # (live group, its new fields)
+    optimizer: OptimizerLike | None = None
+
+    def apply(self) -> None:
+        """Copy everything in: nothing here can fail on a restore :func:`stage_named` accepted."""
+        with torch.no_grad():
+            for param, value in self.weights:
+                param.copy_(value)
+        if self.optimizer is not None:
+            for param, entry in self.state:
+                self.optimizer.state[param] = entry
+        for group, fields in self.groups:
+            group.update(fields)
+
+
 def load_named(
     params: Mapping[str, torch.Tensor],
     optimizer: OptimizerLike | None,
@@ -42,16 +69,40 @@ def load_named(
     step_of: Callable[[ParamState], int] | None = None,
 ) -> None:
     """Copy each named tensor's fp32 master in (cast), and with ``optimizer`` its state where the flavour keeps
-    it and its group's settings (``step_of`` overrides the steps). Tied aliases: name each tensor once."""
-    facts = reader.facts
+    it and its group's settings (``step_of`` overrides the steps). Tied aliases: name each tensor once.
+    Everything is checked and read first: on a failure nothing has changed."""
+    stage_named(params, optimizer, reader, flavour=flavour, strict=strict, step_of=step_of).apply()
+
+
+def check_param_names(names: set[str], facts: Facts, *, strict: bool, what: str = "model") -> None:
+    """With ``strict``, the tensors given and the checkpoint's parameters are the same names."""
     expected = {m.name for m in facts.params}
-    if strict and set(params) != expected:
-        extra, lost = sorted(set(params) - expected), sorted(expected - set(params))
+    if strict and names != expected:
+        extra, lost = sorted(names - expected), sorted(expected - names)
         raise InputError(
-            f"parameters differ: model has {extra[:3]} not in the checkpoint, checkpoint has "
-            f"{lost[:3]} not in the model; pass strict=False to restore the common ones"
+            f"parameters differ: the {what} has {len(extra)} not in the checkpoint {extra[:3]}, the checkpoint has "
+            f"{len(lost)} not in the {what} {lost[:3]}; pass strict=False to restore the common ones"
         )
-    refuse_fp16_overflow(reader, [n for n, p in params.items() if n in expected and p.dtype == torch.float16])
+
+
+def stage_named(
+    params: Mapping[str, torch.Tensor],
+    optimizer: OptimizerLike | None,
+    reader: Reader,
+    *,
+    flavour: str | None = None,
+    strict: bool = True,
+    step_of: Callable[[ParamState], int] | None = None,
+) -> StagedNamed:
+    """Check ``reader`` against the named tensors and their optimizer, and read what :func:`load_named` puts in."""
+    facts = reader.facts
+    check_param_names(set(params), facts, strict=strict)
+    expected = {m.name for m in facts.params}
+    held = {name: param for name, param in params.items() if name in expected}
+    check_shapes({name: tuple(param.shape) for name, param in held.items()}, facts)
+    for name, param in held.items():
+        if not param.is_floating_point():
+            raise InputError(f"{name} is {param.dtype} in the model: ucp restores floating-point weights only")
     names_of = {id(p): n for n, p in params.items()}
     live_members = [
         [names_of[id(p)] for p in g["params"] if id(p) in names_of]
@@ -59,15 +110,20 @@ def load_named(
     ]
     matched = match_groups(reader, live_members, strict=strict) if optimizer else []
     kind = flavours.get(flavour) if flavour else detect_live(optimizer) if optimizer else None
-    if kind is not None:  # before any tensor is touched
+    if kind is not None:
         flavours.check_family(facts.flavour, kind, any(g.state_keys for g in facts.groups), whole=True)
+    staged = StagedNamed(optimizer=optimizer)
     given: dict[int | None, int] = {}  # each checkpoint group's step as its members were given it
-    for name, param in params.items():
-        if name not in expected:
-            continue
+    for name, param in held.items():
         state = reader.read(name, moments=optimizer is not None)
-        with torch.no_grad():
-            param.copy_(state.fp32.to(param.dtype))
+        if tuple(state.fp32.shape) != tuple(param.shape):
+            raise InputError(
+                f"{name}: the checkpoint's file holds shape {tuple(state.fp32.shape)}, its record says "
+                f"{facts.param(name).shape}: the checkpoint is damaged"
+            )
+        # an fp16 run's own weights fit fp16; any other run's are checked before they are cast to it
+        value = state.fp32.to(param.dtype) if facts.info.dtype == "fp16" else narrowed(name, state.fp32, param.dtype)
+        staged.weights.append((param, value.to(param.device)))
         if optimizer is not None and kind is not None and state.optim and param.requires_grad:
             index = facts.param(name).group
             step = int(step_of(state)) if step_of else int(state.step or 0)
@@ -80,7 +136,7 @@ def load_named(
             )
             if torch.is_tensor(new.get("step")) and _on_device(optimizer, param):
                 new["step"] = new["step"].to(param.device)
-            optimizer.state[param] = new
+            staged.state.append((param, new))
     for g, group in enumerate(optimizer.param_groups if optimizer else []):
         source = matched[g]
         if source is None or kind is None:
@@ -88,15 +144,9 @@ def load_named(
         meta = facts.groups[source]
         if group.get("lr") != meta.hyper.lr:
             logger.info("param group %d: lr %s from the checkpoint replaces %s", g, meta.hyper.lr, group.get("lr"))
-        group.update(
-            {
-                k: v
-                for k, v in kind.update_group(
-                    group, meta.hyper, given.get(source, int(meta.step or 0)), meta.raw
-                ).items()
-                if k != "params"
-            }
-        )
+        fields = kind.update_group(group, meta.hyper, given.get(source, int(meta.step or 0)), meta.raw)
+        staged.groups.append((group, {k: v for k, v in fields.items() if k != "params"}))
+    return staged
 
 
 def _on_device(optimizer: OptimizerLike, param: torch.Tensor) -> bool:

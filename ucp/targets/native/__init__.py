@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ucp.deepspeed.layout import LATEST
-from ucp.io.atomic import staged_output
+from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.io.pool import default_workers
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Reader
@@ -48,12 +48,13 @@ def write_plan(
     plan: NativePlan,
     out: str | os.PathLike,
     *,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
 ) -> NativePlan:
-    """Carry out a plan: ``out/latest`` and ``out/<tag>/``, whole or not at all."""
-    with staged_output(out, overwrite=overwrite, durable=fsync) as root:
+    """Carry out a plan: ``out/latest`` and ``out/<tag>/``, whole or not at all, never over an input."""
+    size = weight_bytes(reader.facts, plan.dtype)
+    with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
         (root / plan.tag).mkdir()
         write_files(reader, plan, root / plan.tag, workers or default_workers())
         (root / LATEST).write_text(plan.tag)
@@ -82,7 +83,7 @@ def write_native(
     out: str | os.PathLike,
     options: RestoreOptions | None = None,
     *,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
     **fields: Any,
@@ -113,7 +114,7 @@ def reshard(
     *,
     dp: int,
     stage: int | None = None,
-    overwrite: bool = False,
+    overwrite: bool | OutputPolicy = False,
     workers: int | None = None,
     fsync: bool = False,
     **fields: Any,
