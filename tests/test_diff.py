@@ -136,6 +136,6 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2_before_any_work(tmp_path
     )
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.strip() == (
-        "ucp: error: --plot needs matplotlib: pip install matplotlib (or pip install 'ucp[plot]')"
+        "ucp: error: --plot needs matplotlib: pip install matplotlib (or pip install 'ucp-checkpoint[plot]')"
     ), done.stderr
     assert not chart.exists()

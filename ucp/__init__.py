@@ -1,4 +1,4 @@
-"""ucp: universal checkpoints for DeepSpeed ZeRO.
+"""ucp: universal checkpoints for DeepSpeed ZeRO (installed as the distribution ``ucp-checkpoint``).
 
 Read ZeRO shards into a per-parameter universal directory, and restore it at any DP size, ZeRO
 stage and optimizer flavour: into a live engine, a plain torch model, or a native checkpoint that
@@ -22,6 +22,27 @@ except KeyboardInterrupt:
     raise
 
 __version__ = "0.1.0"
+#: the name pip knows ucp by (``ucp`` on the package index is another, older project)
+DISTRIBUTION = "ucp-checkpoint"
+#: files RAPIDS' UCX-Py (also imported as ``ucp``) installs into its ``ucp`` folder, and ucp-checkpoint never has
+_UCX_PY_FILES = ("_libs", "core.py", "continuous_ucx_progress.py")
+
+
+def shared_folder() -> str | None:
+    """One line when another package installed into this package's folder (UCX-Py's ``ucp``, in one environment
+    with ucp-checkpoint: both are imported as ``ucp``, so pip puts their files in one folder and neither works
+    whole), else None. Two stat calls: the CLI asks at every start."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = [name for name in _UCX_PY_FILES if os.path.exists(os.path.join(here, name))]
+    if not found:
+        return None
+    return (
+        f"{here} also holds {', '.join(found)} of RAPIDS' UCX-Py, which is imported as `ucp` too: the two packages "
+        f"cannot share one environment; install {DISTRIBUTION} in a virtual environment of its own"
+    )
+
 
 if TYPE_CHECKING:
     from ucp.ops.convert import iter_optimizer_moments, load_optimizer_moments, to_universal
@@ -85,6 +106,8 @@ def write_dcp(source, out, **kwargs):  # type: ignore[no-untyped-def]
 
 __all__ = [
     "__version__",
+    "DISTRIBUTION",
+    "shared_folder",
     "UcpError",
     "to_universal",
     "open_universal",

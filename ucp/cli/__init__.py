@@ -20,10 +20,12 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from ucp import shared_folder
 from ucp.cli.output import say
 from ucp.cli.parser import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, build_parser
 from ucp.errors import Stopped, UcpError
 from ucp.io.signals import held_signals, raise_if_stopped, stop_on_signals
+from ucp.io.timing import phase
 
 __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser", "main"]
 
@@ -31,6 +33,9 @@ logger = logging.getLogger("ucp")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    clash = shared_folder()
+    if clash is not None:
+        say(f"ucp: warning: {clash}")
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
@@ -47,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"ucp: interrupted by {name} while starting; nothing was written")
         return 128 + held[0]
     try:
-        with stop_on_signals():
+        with stop_on_signals(), phase(f"ucp {args.verb} in all"):
             code = args.func(args)
             raise_if_stopped()  # a library swallowed the signal's exception: the command still ends as stopped
             return code

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any, NoReturn
 
-from ucp import __version__
+from ucp import DISTRIBUTION, __version__
 from ucp.cli.restore import cmd_reshard, cmd_restore
 from ucp.cli.verbs import cmd_demo, cmd_diff, cmd_export, cmd_inspect, cmd_migrate, cmd_to_universal, cmd_verify
 
@@ -24,6 +25,27 @@ DCP_OPTIMIZER_NAMES = (
     "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
     "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor", "sf-adamw", "sf-radam", "sf-sgd",
 )  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line that says where the help is (not the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def _log_flags(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """-q, -v and --debug, accepted before the verb and after it (``ucp -q diff A B`` and ``ucp diff A B -q``)."""
+    default: Any = False if top else argparse.SUPPRESS
+    p.add_argument("--debug", action="store_true", default=default, help="show tracebacks and debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", default=default, help="log progress and each phase's time")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="print nothing but errors (no result line, notes, report or progress bars; the exit code tells)",
+    )
 
 
 def _non_negative(text: str) -> float:
@@ -146,15 +168,13 @@ def _new_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ucp", description="Universal checkpoints for DeepSpeed ZeRO.", allow_abbrev=False
+    parser = _Parser(
+        prog="ucp",
+        description="Move a training checkpoint to another GPU count, ZeRO stage, optimizer, layout or framework.",
+        allow_abbrev=False,
     )
-    parser.add_argument("--version", action="version", version=f"ucp {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
-    parser.add_argument(
-        "-q", "--quiet", action="store_true", help="print nothing but errors (no result line, notes or progress bars)"
-    )
+    parser.add_argument("--version", action="version", version=f"ucp {__version__} (distribution {DISTRIBUTION})")
+    _log_flags(parser, top=True)
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO or DCP checkpoint -> universal directory")
@@ -221,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("universal", nargs="?", help="universal directory to compare bit for bit")
     p.add_argument("--model", help="MODULE:CALLABLE building the model whose names/shapes/order to check")
     p.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one `latest` names)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (ok, message, what was compared)")
     p.set_defaults(func=cmd_verify)
 
     p = verbs.add_parser(
@@ -267,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-dp", type=_positive, default=4, help="DP size of the training run saved (default 4)")
     p.add_argument("--target-dp", type=_positive, default=2, help="DP size the run resumes at (default 2)")
     p.set_defaults(func=cmd_demo)
-    for sub in verbs.choices.values():  # "--over" must not pass for --overwrite
-        sub.allow_abbrev = False
+    for sub in verbs.choices.values():
+        sub.allow_abbrev = False  # "--over" must not pass for --overwrite
+        _log_flags(sub, top=False)
     return parser

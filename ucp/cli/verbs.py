@@ -64,7 +64,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = verify_universal(args.source, args.universal, tag=args.tag)
     else:
         raise UcpError("verify needs UNIVERSAL (to compare against SOURCE) or --model MODULE:CALLABLE")
-    print(result.message)
+    if args.json:
+        print(json.dumps({"verb": "verify", "source": args.source, **result.to_json()}))
+    elif not args.quiet:
+        print(result.message)
     return 0 if result.ok else 1
 
 
@@ -84,10 +87,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
             plot_report(report, args.plot, overwrite=args.overwrite)
     if args.json:
         print(json.dumps({**report.to_json(), "plot": args.plot}))
-    else:
+    elif not args.quiet:  # the exit code alone tells: 0 equal, 1 they differ
         for line in report.lines():
             print(line)
-        if args.plot and not args.quiet:
+        if args.plot:
             say(f"note: wrote the chart to {args.plot}")
     return 0 if report.equal else 1
 

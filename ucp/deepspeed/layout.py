@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ucp.errors import CorruptFileError, InputError
+from ucp.io.atomic import owner_mark
 from ucp.io.small_files import read_small
 
 __all__ = [
@@ -101,6 +103,9 @@ class CheckpointFiles:
     #: saved without ZeRO (stage 0, DeepSpeed's default): no optim files; each mp rank's model-states file
     #: holds the whole model and the optimizer's own state_dict (``optim`` is then one empty row per mp rank)
     stage0: bool = False
+    #: ucp wrote this checkpoint with the optimizer reset (``ucp restore --step reset``): the flavour it was written
+    #: for, from ucp's stamp beside ``latest`` (the files hold a fresh optimizer, which no state tells apart)
+    reset_flavour: str | None = None
 
     @property
     def dp(self) -> int:
@@ -226,6 +231,18 @@ def find_checkpoint(src: Path, tag: str | None = None) -> CheckpointFiles:
     """Index the rank files of a DeepSpeed checkpoint (ZeRO-1/2/3, or stage 0: model-states files only) and
     refuse incomplete or mixed sets."""
     tag_dir, tag = resolve_tag_dir(Path(src), tag)
+    files = _find_files(tag_dir, tag)
+    mark = owner_mark(tag_dir.parent)
+    reset = mark.get(RESET_MARK) if mark is not None else None
+    return dataclasses.replace(files, reset_flavour=reset) if isinstance(reset, str) else files
+
+
+#: the field of ucp's stamp (ucp.io.atomic.mark_owned) naming the flavour of an optimizer written reset
+RESET_MARK = "optimizer_reset"
+
+
+def _find_files(tag_dir: Path, tag: str) -> CheckpointFiles:
+    """:func:`find_checkpoint` once the tag folder is known."""
     optim: dict[tuple[int, int], Path] = {}
     z3_model: dict[tuple[int, int], Path] = {}
     model: dict[tuple[int, int], Path] = {}

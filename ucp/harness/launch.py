@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
+from ucp.harness.ops import check_op_build
 from ucp.harness.spec import RunSpec
 from ucp.harness.zygote import ForkedRank, write_exit_code, zygote_for
 
@@ -59,7 +60,10 @@ def run_ranks(
     module: str = WORKER,
 ) -> None:
     """Run ``python -m module SPEC_JSON`` on ``spec.dp x spec.tp`` local processes and wait for all of them
-    (see :func:`launch`)."""
+    (see :func:`launch`). DeepSpeed ranks on CPU first have their C++ op's build checked (a compiler, no stale
+    lock): one line instead of a hang or a traceback per rank."""
+    if module == WORKER and getattr(spec, "device", "cpu") == "cpu":
+        check_op_build()
     if not spec.port:
         spec.port = free_port()
     env = {"DS_ACCELERATOR": getattr(spec, "device", "cpu")}  # a run on GPUs says so in its spec

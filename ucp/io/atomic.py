@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ucp.errors import OutputExistsError, Stopped, UcpError, WriteError
 from ucp.io.signals import held_signals, raise_if_stopped, stopped_by
+from ucp.io.timing import phase
 from ucp.model.version import VERSION
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "fsync_tree",
     "mark_owned",
     "owner_kind",
+    "owner_mark",
     "remove_own_partials",
     "publish_new",
     "remove_tree",
@@ -94,14 +96,22 @@ def _fsync_dir(folder: Path) -> None:
 
 
 # -- who made a folder -----------------------------------------------------------------------
-def mark_owned(folder: Path, kind: str = "output") -> None:
-    """Stamp ``folder`` as ucp's (deterministic bytes: two runs write the same file)."""
-    text = json.dumps({"created_by": f"ucp {VERSION}", "kind": kind}, sort_keys=True) + "\n"
+def mark_owned(folder: Path, kind: str = "output", **facts: str) -> None:
+    """Stamp ``folder`` as ucp's (deterministic bytes: two runs write the same file); ``facts`` say more about what
+    ucp wrote there that its files cannot (``optimizer_reset``: the flavour of an optimizer restored reset)."""
+    text = json.dumps({"created_by": f"ucp {VERSION}", "kind": kind, **facts}, sort_keys=True) + "\n"
     (folder / OWNER_MARK).write_text(text)
 
 
 def owner_kind(folder: Path) -> str | None:
     """The kind named by ucp's stamp in ``folder``; None when it has none (or a symlink, or garbage)."""
+    data = owner_mark(folder)
+    kind = data.get("kind") if data is not None else None
+    return kind if isinstance(kind, str) else None
+
+
+def owner_mark(folder: Path) -> dict[str, object] | None:
+    """ucp's stamp in ``folder`` as a dict; None when it has none (or a symlink, or garbage)."""
     mark = folder / OWNER_MARK
     try:
         fd = os.open(mark, os.O_RDONLY | os.O_NOFOLLOW)
@@ -115,8 +125,7 @@ def owner_kind(folder: Path) -> str | None:
         return None
     if not isinstance(data, dict) or not str(data.get("created_by", "")).startswith("ucp "):
         return None
-    kind = data.get("kind")
-    return kind if isinstance(kind, str) else None
+    return data
 
 
 # -- renames ----------------------------------------------------------------------------------
@@ -282,18 +291,19 @@ def _staged(out: Path, overwrite: bool, durable: bool, check: Callable[[Path], N
         except OSError as err:
             raise WriteError(f"cannot create {staging} beside {out}: {err.strerror}") from None
         yield staging
-        if PARTIAL_MARK not in out.parent.name:
-            mark_owned(staging)
-        if check is not None:
-            check(staging)
-        if durable:
-            fsync_tree(staging)
-        raise_if_stopped()  # a stop signal whose exception a library swallowed: still never publish
-        if os.path.lexists(out) and overwrite:
-            _publish_over(staging, out, token)
-        else:
-            publish_new(staging, out)
-        _fsync_dir(out.parent)
+        with phase(f"publish {out}" + (" (fsync)" if durable else "")):
+            if PARTIAL_MARK not in out.parent.name and not (staging / OWNER_MARK).exists():
+                mark_owned(staging)  # unless the writer stamped it with more
+            if check is not None:
+                check(staging)
+            if durable:
+                fsync_tree(staging)
+            raise_if_stopped()  # a stop signal whose exception a library swallowed: still never publish
+            if os.path.lexists(out) and overwrite:
+                _publish_over(staging, out, token)
+            else:
+                publish_new(staging, out)
+            _fsync_dir(out.parent)
     except BaseException:
         remove_tree(staging)
         raise

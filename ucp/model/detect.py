@@ -86,8 +86,14 @@ def unsaved_state_reason(ds_config: Mapping[str, Any] | None) -> str:
     return "the optimizer's state was not saved"
 
 
-def unsaved_state_note(ds_config: Mapping[str, Any] | None, applied_steps: int) -> str | None:
-    """What to say of a save whose optimizer holds no state after ``applied_steps`` steps (None before any)."""
+def unsaved_state_note(ds_config: Mapping[str, Any] | None, applied_steps: int, reset: str | None = None) -> str | None:
+    """What to say of a save whose optimizer holds no state after ``applied_steps`` steps (None before any);
+    ``reset``: ucp wrote it with the optimizer reset, for that flavour."""
+    if reset is not None:
+        return (
+            f"ucp wrote this checkpoint with the optimizer reset (ucp restore --step reset): {reset} starts every "
+            "moment at zero and every step at 0 when a run loads it; restore it again with --step reset"
+        )
     if applied_steps <= 0:
         return None
     return (

@@ -4,7 +4,7 @@ One column per common parameter (A's order) and one marker per state key (the fp
 optimizer state key, scalars): its max absolute difference on a log scale, so a single diverged
 parameter among hundreds stands out. Values equal bit for bit sit on a floor line below the
 smallest difference; differences the scale cannot show (shapes, state keys on one side only, NaNs
-in different places, steps) are red crosses at the top. matplotlib is optional (``pip install 'ucp[plot]'``):
+in different places, steps) are red crosses at the top. matplotlib is optional (``pip install 'ucp-checkpoint[plot]'``):
 :func:`check_plot` says so before any work, and the chart is drawn with the Agg canvas, never pyplot.
 """
 
@@ -42,7 +42,9 @@ def check_plot(out: str | os.PathLike[str]) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UcpError("--plot needs matplotlib: pip install matplotlib (or pip install 'ucp[plot]')") from None
+        raise UcpError(
+            "--plot needs matplotlib: pip install matplotlib (or pip install 'ucp-checkpoint[plot]')"
+        ) from None
 
 
 def plot_report(report: DiffReport, out: str | os.PathLike[str], *, overwrite: bool = False) -> Path:

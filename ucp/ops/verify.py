@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,15 @@ class VerifyResult:
 
     ok: bool
     message: str
+    #: what was compared, when it all held (parameters, elements, buffers, groups, tied)
+    compared: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return self.ok
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``ucp verify --json`` prints (with the verb and the source)."""
+        return {"ok": self.ok, "message": self.message, "compared": dict(self.compared)}
 
 
 # -- tensors ----------------------------------------------------------------------------------
@@ -215,6 +221,7 @@ def verify_universal(
             True,
             f"OK: {len(metas)} parameters ({numel:,} elements), their optimizer moments and "
             f"steps, and {len(ours)} buffer(s) match the source bit for bit; checksums hold",
+            {"parameters": len(metas), "elements": numel, "buffers": len(ours)},
         )
     finally:
         src.close()
@@ -360,4 +367,5 @@ def verify_model(ckpt: str | os.PathLike, model: str, *, tag: str | None = None)
         f"OK: {model} matches the checkpoint: {len(facts.params)} parameters "
         f"({frozen} frozen) in {len(facts.groups)} groups, {len(facts.tied)} tied; names, "
         "shapes, ties and per-group order agree",
+        {"parameters": len(facts.params), "frozen": frozen, "groups": len(facts.groups), "tied": len(facts.tied)},
     )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucp.deepspeed.layout import find_checkpoint
 from ucp.errors import InputError
+from ucp.io.timing import phase
 from ucp.model.records import Reader
 from ucp.universal.reader import is_universal, open_universal
 
@@ -49,7 +50,8 @@ def open_reader(
     The reader records ``path`` as its input (:attr:`Reader.inputs`), which no output may overlap.
     """
     path = Path(path)
-    reader = _open(path, tag=tag, optimizer=optimizer, verify=verify, tp_rules=tp_rules, frozen=frozen)
+    with phase(f"read {path}'s metadata"):
+        reader = _open(path, tag=tag, optimizer=optimizer, verify=verify, tp_rules=tp_rules, frozen=frozen)
     reader.inputs = (path,)
     return _zenflow_view(reader)
 

@@ -244,7 +244,7 @@ class Zero0Source(Reader):
                 f"{name}: {_MASTERS} holds {[len(m) for m in masters]} fp32 masters per group, the optimizer's "
                 f"param groups {[len(m) for m in members]} parameters: the file is damaged"
             )
-        detection = detect(inner, ds_config, optimizer)
+        detection = detect(inner, ds_config, optimizer or self.files.reset_flavour)
         flavour = detection.flavour
         # per group: its members' state keys (they must agree) and each member's shape, step and master
         self._keys: list[tuple[str, ...]] = []

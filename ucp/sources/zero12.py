@@ -419,7 +419,7 @@ class Zero12Source(Reader):
         self._layouts_ = self._layouts(shapes, blocks)
         self._flat_names = [list(g) for g in shapes]
         self._round_robin = self._kind == "zero" and dp > 1 and round_robin_gradients(ds_config)
-        detection = detect(blocks[0][_BASE], ds_config, optimizer)
+        detection = detect(blocks[0][_BASE], ds_config, optimizer or self.files.reset_flavour)
         offload = offloads_optimizer(ds_config)
         flavour = detection.flavour
         self._whole = [flavour.zero12_whole_keys(g, offload=offload) if flavour else () for g in groups_raw]
@@ -451,7 +451,9 @@ class Zero12Source(Reader):
         unsaved = (
             None
             if self._has_moments
-            else unsaved_state_note(ds_config, counters["global_steps"] - counters["skipped_steps"])
+            else unsaved_state_note(
+                ds_config, counters["global_steps"] - counters["skipped_steps"], self.files.reset_flavour
+            )
         )
         warnings += [unsaved] if unsaved else []
         info = SourceInfo(

@@ -232,7 +232,7 @@ class Zero3Source(Reader):
         groups_raw = inners[0][0]
         layout = self._layout(inners)
         self._check_partitions(blocks, [sub for g, subs in enumerate(layout) if self._reads(g) for sub in subs])
-        detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer)
+        detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer or self.files.reset_flavour)
         flat = self._flat(blocks, len(shapes))
         if offloads_to_nvme(ds_config):
             inners = self._swap_in(flat, inners, shapes)
@@ -262,7 +262,8 @@ class Zero3Source(Reader):
             notes.append(mics_note(mics_shard_size(ds_config), replicas))
         info = self._info(head, ds_config, dtype, replicas)
         notes += _per_call_counts(detection.flavour, groups, info.global_steps - info.skipped_steps)
-        unsaved = None if self._has_moments else unsaved_state_note(ds_config, info.global_steps - info.skipped_steps)
+        applied = info.global_steps - info.skipped_steps
+        unsaved = None if self._has_moments else unsaved_state_note(ds_config, applied, self.files.reset_flavour)
         notes += [unsaved] if unsaved else []
         return Facts(
             info=info,

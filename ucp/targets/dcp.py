@@ -41,6 +41,7 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.errors import ConfigError, InputError
 from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
+from ucp.io.timing import phase
 from ucp.model import flavours
 from ucp.model.options import StepPolicy, parse_step
 from ucp.model.records import Facts, ParamState, Reader
@@ -339,6 +340,7 @@ def write_dcp(
         )
         size = universal_bytes(reader.facts)
         with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync, check=read_metadata) as root:
-            _save(plan, root, _Fetch(reader), fsync)
+            with phase("write the DCP folder"):
+                _save(plan, root, _Fetch(reader), fsync)
     logger.debug("wrote a DCP checkpoint (%s) to %s", plan.flavour, out)
     return plan

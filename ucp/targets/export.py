@@ -34,6 +34,7 @@ from ucp.io.guard import Inputs, OutputPolicy, guarded, guarded_output, weight_b
 from ucp.io.pool import default_workers, parallel_map
 from ucp.io.signals import raise_if_stopped
 from ucp.io.small_files import read_small
+from ucp.io.timing import phase
 from ucp.io.torchzip import write_torch_file
 from ucp.model.cast import narrowed
 from ucp.model.names import WRAPPER_PATTERN, has_wrapper
@@ -181,7 +182,7 @@ def _require_safetensors() -> None:
     except ImportError:
         raise UcpError(
             "--format safetensors needs the safetensors package: pip install safetensors "
-            "(or pip install 'ucp[export]'), or export with --format torch"
+            "(or pip install 'ucp-checkpoint[export]'), or export with --format torch"
         ) from None
 
 
@@ -218,7 +219,7 @@ def export(
     with opened(src, tag=tag) as source:
         inputs = [*source.inputs, *([folder] if folder is not None else [])]
         reader = _unwrapped(source)
-        with _staged(target, file_name, inputs, overwrite, weight_bytes(reader.facts, dtype)) as stage:
+        with _staged(target, file_name, inputs, overwrite, weight_bytes(reader.facts, dtype)) as stage, phase("export"):
             return _export(
                 reader, stage, target, file_name, format, dtype, max_bytes, workers or default_workers(), carried
             )

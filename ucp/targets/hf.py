@@ -23,7 +23,7 @@ from ucp.model.options import RestoreOptions
 from ucp.model.records import Facts, Reader
 from ucp.sources import open_reader
 from ucp.sources.hf import HfFolder, batch_advice, find_hf_folder, rng_plan
-from ucp.targets.native import NativePlan, plan_native, write_plan
+from ucp.targets.native import NativePlan, mark_reset, plan_native, write_plan
 
 __all__ = ["hf_options", "write_hf_plan", "HfResult", "write_hf"]
 
@@ -156,6 +156,7 @@ def write_hf_plan(
     size = weight_bytes(reader.facts, plan.dtype)
     with guarded_output(out, inputs, overwrite, size=size, durable=fsync) as root:
         _fill(root, folder, reader, plan, rng, workers)
+        mark_reset(root, plan)
     result = HfResult(folder, plan, out, world, rng, list(plan.notes))
     result.notes += _rng_notes(folder, world, rng)
     batch = _batch_note(reader.facts, plan.dp)

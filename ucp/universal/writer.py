@@ -30,6 +30,7 @@ from ucp.deepspeed.layout import LATEST_UNIVERSAL, UNIVERSAL_MODEL_FILES, UNIVER
 from ucp.errors import InputError
 from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
 from ucp.io.pool import default_workers, parallel_map, state_bytes
+from ucp.io.timing import phase
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import Facts, ParamMeta, ParamState, PieceState, Reader
 from ucp.universal.manifest import (
@@ -136,9 +137,11 @@ def write_universal(
     size = universal_bytes(reader.facts)
     with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
         (root / "zero").mkdir()
-        entries = write_params(reader, root, reader.facts.params, workers or default_workers())
+        with phase("write every parameter's files"):
+            entries = write_params(reader, root, reader.facts.params, workers or default_workers())
         layouts = source_layouts(reader)
-        manifest = finish_universal(root, reader.facts, entries, reader.extras(), reader.buffers(), layouts=layouts)
+        with phase("write the shared state and ucp.json"):
+            manifest = finish_universal(root, reader.facts, entries, reader.extras(), reader.buffers(), layouts=layouts)
     return manifest
 
 

@@ -15,9 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ucp.deepspeed.layout import LATEST
+from ucp.deepspeed.layout import LATEST, RESET_MARK
+from ucp.io.atomic import mark_owned
 from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.io.pool import default_workers
+from ucp.io.timing import phase
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Reader
 from ucp.model.zenflow import ZenflowTransposed
@@ -37,6 +39,7 @@ __all__ = [
     "write_plan",
     "write_files",
     "reshard",
+    "mark_reset",
     "DS_DEFAULT_SUB_GROUP_SIZE",
 ]
 
@@ -56,9 +59,18 @@ def write_plan(
     size = weight_bytes(reader.facts, plan.dtype)
     with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync) as root:
         (root / plan.tag).mkdir()
-        write_files(reader, plan, root / plan.tag, workers or default_workers())
+        with phase(f"write the rank files of {plan.tag}"):
+            write_files(reader, plan, root / plan.tag, workers or default_workers())
         (root / LATEST).write_text(plan.tag)
+        mark_reset(root, plan)
     return plan
+
+
+def mark_reset(root: Path, plan: NativePlan) -> None:
+    """A checkpoint written with the optimizer reset holds a fresh optimizer, which no file tells from a save that
+    lost its state: ucp's stamp beside ``latest`` says which flavour it was written for (ucp.deepspeed.layout)."""
+    if plan.reset_moments:
+        mark_owned(root, **{RESET_MARK: plan.flavour.name})
 
 
 def write_files(reader: Reader, plan: NativePlan, tag_dir: Path, workers: int, share: Share = Share()) -> None:

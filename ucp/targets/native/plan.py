@@ -188,6 +188,12 @@ def plan_native(
             "must hold the trained parameters in the source's group order"
         )
     plan.zero12_sets = dict(sets or {})
+    if options.stage == 3 and options.sub_group_size is None and facts.info.sub_group_size is None:
+        plan.notes.append(
+            f"the source records no sub_group_size: the ZeRO-3 files are cut for DeepSpeed's default ({size:,}); a "
+            "new run configured with another zero_optimization.sub_group_size refuses them at load: give it with "
+            "--sub-group-size N (migration YAML: target.sub_group_size)"
+        )
     if options.stage == 3:
         numels = [[facts.param(n).numel for n in names] for names in group_names]
         counts = [options.dp] * len(numels)
