@@ -29,10 +29,38 @@ def _ucp(*args: str, **kwargs) -> subprocess.Popen:
 def test_version_and_no_abbreviated_options(capsys):
     with pytest.raises(SystemExit) as done:
         cli(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"ucp {ucp.__version__}"
+    assert capsys.readouterr().out.strip() == f"ucp {ucp.__version__} (distribution {ucp.DISTRIBUTION})"
+    assert done.value.code == 0
     with pytest.raises(SystemExit) as done:
         cli(["restore", "a", "b", "--dp", "2", "--over"])
     assert done.value.code == 2 and "unrecognized arguments: --over" in capsys.readouterr().err
+
+
+def _documented_flags() -> dict[str, set[str]]:
+    """Per verb, the flags docs/cli.md's option tables name (``--offload`` / ``--no-offload`` rows name both)."""
+    import re
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    flags: dict[str, set[str]] = {}
+    for section in re.split(r"^## ucp ", text, flags=re.M)[1:]:
+        verb = section.split("\n", 1)[0].strip()
+        cells = [re.split(r"(?<!\\)\|", line)[1] for line in section.splitlines() if line.startswith("| `")]
+        flags[verb] = {f for cell in cells for f in re.findall(r"`(--[a-z][a-z0-9-]*)", cell)}
+    return flags
+
+
+def test_docs_cli_lists_exactly_the_flags_each_verb_takes():
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    documented = _documented_flags()
+    everywhere = {"--help", "--debug", "--verbose", "--quiet"}  # documented once, under "Global options"
+    for verb, sub in verbs.items():
+        taken = {o for a in sub._actions for o in a.option_strings if o.startswith("--")} - everywhere
+        # reshard takes restore's flags but the output format (the docs say so instead of repeating the table)
+        want = documented["restore"] - {"--format", "--dcp-layout"} if verb == "reshard" else documented[verb]
+        assert taken == want, (
+            f"{verb}: undocumented {sorted(taken - want)}, documented but not taken {sorted(want - taken)}"
+        )
 
 
 def test_every_option_has_help_and_the_optimizer_names_are_the_registrys():

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,32 @@ def test_the_readme_first_screen_is_short_and_says_what_a_machine_needs() -> Non
     assert "python -m pytest" in (REPO / ".ci" / "run").read_text()
 
 
+def _anchors(page: Path) -> Iterator[str]:
+    """The anchors GitHub makes of a page's headings (lower case, punctuation dropped, spaces to dashes, a repeated
+    one numbered)."""
+    seen: dict[str, int] = {}
+    for title in re.findall(r"^#{1,6} (.+)$", page.read_text(), re.M):
+        anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        seen[anchor] = seen.get(anchor, -1) + 1
+        yield anchor if seen[anchor] == 0 else f"{anchor}-{seen[anchor]}"
+
+
 def test_every_link_of_the_readme_and_docs_leads_somewhere() -> None:
     for page in [README, *sorted((REPO / "docs").glob("*.md"))]:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
             if target.startswith("http"):
                 continue
-            assert (page.parent / target).exists(), f"{page.name} links {target}"
+            linked = page.parent / target if target else page
+            assert linked.exists(), f"{page.name} links {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in set(_anchors(linked)), f"{page.name} links {target}#{anchor}, which is no heading"
+
+
+def test_format_md_has_a_table_of_contents_naming_every_section() -> None:
+    text = (REPO / "docs" / "format.md").read_text()
+    contents = text[text.index("**Contents**") : text.index("\n## 1.")]
+    for title in re.findall(r"^## (.+)$", text, re.M):
+        assert f"[{title.replace('`', '')}](#" in contents, title
 
 
 def test_the_distribution_has_a_name_of_its_own_and_every_hint_uses_it() -> None:

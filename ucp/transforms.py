@@ -342,6 +342,13 @@ class TransformedReader(Reader):
     def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
         return self.inner.inputs
 
+    @property
+    def format(self) -> str:  # type: ignore[override]
+        return self.inner.format
+
+    def mark_source(self, format: str, inputs: tuple[Path, ...]) -> None:
+        self.inner.mark_source(format, inputs)
+
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         source = self.plan.origin.get(name)
         if source is None:

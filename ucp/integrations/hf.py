@@ -26,7 +26,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ucp.sources.hf import find_hf_folder
 from ucp.targets.engine import restore
 
 __all__ = ["ucp_loading", "resume_trainer", "load_accelerate_state"]
@@ -38,8 +37,7 @@ def _restore_into(engine: Any, path: str | os.PathLike[str], tag: str | None, st
     """Every rank reads the checkpoint and takes its own share (what engine.load_checkpoint does)."""
     from ucp.sources import open_reader
 
-    folder = find_hf_folder(path)
-    with open_reader(path, tag=tag or (folder.tag if folder else None)) as reader:
+    with open_reader(path, tag=tag) as reader:  # a Trainer folder is read at its own tag
         logger.info("loading %s into the live engine through ucp", path)
         return restore(engine, reader, strict=strict)
 

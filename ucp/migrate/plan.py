@@ -19,9 +19,10 @@ from ucp.migrate.schema import (
     TensorParallelConfig,
 )
 from ucp.model import flavours
+from ucp.model.layouts import RunFolder
 from ucp.model.options import zero_label
 from ucp.model.records import DTYPES, Facts, Reader
-from ucp.sources.hf import find_hf_folder
+from ucp.sources import source_format
 from ucp.transforms import TransformedReader, TransformPlan, plan_transforms
 
 
@@ -39,7 +40,7 @@ class MigrationPlan:
     #: each trained parameter's step in a dcp target (torch keeps one per parameter; resets restart some)
     dcp_steps: dict[str, int] = field(default_factory=dict)
     #: the source is a Hugging Face Trainer/Accelerate folder: a native target is written as a whole one
-    hf: Any | None = None  # ucp.sources.hf.HfFolder
+    hf: RunFolder | None = None
 
     @property
     def facts(self) -> Facts:
@@ -81,7 +82,7 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
         raise config_error(issues, origin, exists)
     try:
         warnings: list[Issue] = []
-        if config.tag is not None and reader.facts.info.format == "universal":
+        if config.tag is not None and reader.format == "universal":
             warnings.append(Issue(("tag",), "is ignored: the source is a universal directory"))
         steps = [] if "transforms" in broken else [t.to_step() for t in config.transforms]
         tplan = plan_transforms(reader.facts, steps)
@@ -101,7 +102,7 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
             if config.target.format == "dcp":
                 dcp = plan_dcp_target(config.target, reader, tplan, _param_steps(reader, tplan), issues)
             else:
-                hf = find_hf_folder(config.source)
+                hf = reader.facts.folder
                 native = _plan_target(config, config.target, reader, tplan, issues, hf)
         if config.exports and not broken & {"exports", "transforms"} and not tplan.problems:
             _check_exports(config, reader, tplan, issues)
@@ -388,10 +389,7 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
     info = source.info
     head = f"migration plan for {config.origin.file or 'config'}"
     out = [head + (" (dry run: nothing is written)" if dry_run else "")]
-    kind = {
-        "universal": "universal directory",
-        "ds-universal": f"DeepSpeed ds_to_universal folder (from {zero_label(info.zero_stage)})",
-    }.get(info.format, f"DeepSpeed {zero_label(info.zero_stage)} checkpoint")
+    kind = source_format(plan.reader.format).title(source) if plan.reader.format else "checkpoint"
     out.append(
         f"read       {config.source}: {kind}, tag {info.tag}, dp={info.dp_world_size}, {info.dtype}, "
         f"{source.flavour or 'unknown optimizer'}, optimizer step {source.step}"

@@ -19,6 +19,7 @@ import torch
 
 from ucp.model.flavours import check_keys
 from ucp.model.hyper import Hyper
+from ucp.model.layouts import RunFolder, SourceLayout
 from ucp.model.pieces import Pieces
 
 __all__ = [
@@ -166,6 +167,10 @@ class Facts:
     #: per parameter, how tensor parallelism lays it out (ucp.model.tp.TpRule as JSON); empty when the
     #: source had no tensor parallelism and no rules were given
     tp_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: a composite source's pipeline stages, MoE or AutoEP layers (None: one flat model)
+    layout: SourceLayout | None = None
+    #: the training framework's run folder the checkpoint came in (a Trainer or Accelerate folder), if any
+    folder: RunFolder | None = None
 
     def __post_init__(self) -> None:
         # every source's facts pass here: state its flavour does not keep is refused, never carried as Adam's
@@ -190,6 +195,8 @@ class Reader(ABC):
     #: the files and folders the reader reads (set by :func:`ucp.sources.open_reader`): what no output of a
     #: writer handed this reader may be, lie inside or hold (``ucp.io.guard``); empty for a reader over no files
     inputs: tuple[Path, ...] = ()
+    #: the source format it was opened as (a name of ``ucp.sources.registry``); "" for a reader built by hand
+    format: str = ""
     #: True when :meth:`read_pieces` hands out spans of files rather than whole tensors, valid until
     #: :meth:`close` (not just inside the ``with`` block): a target then streams each rank's share
     #: from them into its files, holding spans, never the data.
@@ -231,6 +238,10 @@ class Reader(ABC):
         """Release the files; the reader is unusable afterwards. Readers that hold none keep this no-op."""
         return None
 
+    def mark_source(self, format: str, inputs: tuple[Path, ...]) -> None:
+        """What the registry that opened the reader knows of it: its format's name and the paths it reads."""
+        self.format, self.inputs = format, inputs
+
     def __enter__(self) -> Reader:
         return self
 
@@ -242,17 +253,28 @@ class ReaderView(Reader):
     """Another reader seen with other facts (rules added, parameters cut for one TP rank, ...).
 
     Everything it does not override goes to the inner reader, streaming included; closing a view
-    leaves the inner reader open (its owner closes it).
+    leaves the inner reader open (its owner closes it), unless the view ``owns`` it (a source that hands out the
+    view closes its reader through it).
     """
 
-    def __init__(self, inner: Reader, facts: Facts) -> None:
+    _owns = False
+
+    def __init__(self, inner: Reader, facts: Facts, *, owns: bool = False) -> None:
         self.inner = inner
         self.facts = facts
         self.streams = inner.streams
+        self._owns = owns
 
     @property
     def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
         return self.inner.inputs
+
+    @property
+    def format(self) -> str:  # type: ignore[override]
+        return self.inner.format
+
+    def mark_source(self, format: str, inputs: tuple[Path, ...]) -> None:
+        self.inner.mark_source(format, inputs)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         return self.inner.read(name, moments=moments)
@@ -281,3 +303,7 @@ class ReaderView(Reader):
 
     def extras(self) -> dict[str, Any]:
         return self.inner.extras()
+
+    def close(self) -> None:
+        if self._owns:
+            self.inner.close()

@@ -87,9 +87,8 @@ class ZenflowTransposed(ReaderView):
         self._names = frozenset(p.name for p in facts.params if len(p.shape) == 2)
         params = [replace(p, shape=p.shape[::-1]) if p.name in self._names else p for p in facts.params]
         warnings = facts.warnings + ([note] if note else [])
-        super().__init__(inner, replace(facts, params=params, warnings=warnings))
+        super().__init__(inner, replace(facts, params=params, warnings=warnings), owns=owns)
         self.streams = False
-        self._owns = owns
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         state = self.inner.read(name, moments=moments)
@@ -100,10 +99,6 @@ class ZenflowTransposed(ReaderView):
 
     def reads_whole(self, name: str) -> bool:
         return name in self._names
-
-    def close(self) -> None:
-        if self._owns:
-            self.inner.close()
 
 
 def _transposed(tensor: torch.Tensor | Pieces) -> torch.Tensor:

@@ -17,9 +17,9 @@ from ucp.deepspeed import states as ds_states
 from ucp.model import flavours
 from ucp.model.detect import low_precision_masters, round_robin_gradients
 from ucp.model.records import Facts, Reader
-from ucp.sources import is_universal, open_reader
-from ucp.sources.hf import find_hf_folder
+from ucp.sources import open_reader, source_format
 from ucp.universal.manifest import source_layouts
+from ucp.universal.reader import UniversalReader
 
 __all__ = ["inspect_path", "inspect_reader", "format_report"]
 
@@ -27,23 +27,24 @@ logger = logging.getLogger(__name__)
 
 #: torch's per-run switches: how the new run computes, not what the checkpoint means
 _SWITCHES = ("foreach", "maximize", "capturable", "differentiable", "fused")
-#: sources that are neither DeepSpeed nor universal, by the format their facts give
-_FORMATS = {"dcp": "dcp"}
+#: the report's ``format`` by the source format's family: a ds_to_universal folder is a universal checkpoint too
+#: (DeepSpeed's flavour of one); the formats not named here report their own name
+_KINDS = {"deepspeed": "deepspeed", "ds-universal": "universal"}
 
 
 def inspect_path(path: str | os.PathLike, *, tag: str | None = None, optimizer: str | None = None) -> dict[str, Any]:
     """Summarize the checkpoint or universal directory at ``path`` as one JSON-ready dict."""
     path = Path(path)
-    hf = find_hf_folder(path) if tag is None else None
-    reader = open_reader(path, tag=tag or (hf.tag if hf else None), optimizer=optimizer, verify=False)
-    try:
-        report = inspect_reader(reader, path=path, universal=is_universal(path))
-    finally:
-        reader.close()
-    if hf is not None:
-        report["format"] = f"hf-{hf.kind}"
-        report["hf"] = hf.describe()
-    return report
+    with open_reader(path, tag=tag, optimizer=optimizer, verify=False) as reader:
+        return inspect_reader(reader, path=path)
+
+
+def _kind(reader: Reader) -> str:
+    """``format`` of the report: deepspeed, universal, dcp, hf-trainer, hf-accelerate, ..."""
+    if not reader.format:
+        return "universal" if isinstance(reader, UniversalReader) else _KINDS.get(reader.facts.info.format, "deepspeed")
+    chosen = source_format(reader.format)
+    return _KINDS.get(chosen.family or chosen.name, chosen.name)
 
 
 def _adam_w_mode(facts: Facts) -> bool | None:
@@ -54,8 +55,8 @@ def _adam_w_mode(facts: Facts) -> bool | None:
     return modes.pop() if len(modes) == 1 else None
 
 
-def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, universal: bool = False) -> dict[str, Any]:
-    """The report for an already open reader (``universal`` says which kind of input it is)."""
+def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The report for an already open reader."""
     facts = reader.facts
     info = facts.info
     steps = reader.param_steps()
@@ -88,8 +89,7 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     frozen = [p for p in facts.params if p.frozen]
     report: dict[str, Any] = {
         "path": str(path) if path is not None else None,
-        # a ds_to_universal folder is a universal checkpoint too (DeepSpeed's flavour of one)
-        "format": "universal" if universal or info.format == "ds-universal" else _FORMATS.get(info.format, "deepspeed"),
+        "format": _kind(reader),
         "source_format": info.format,
         "tag": info.tag,
         "ds_version": info.ds_version,
@@ -124,10 +124,11 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None, uni
     # a pipeline-parallel source's stages, a mixture-of-experts source's MoE or AutoEP layers (a universal directory
     # keeps its source's in ucp.json)
     report.update(source_layouts(reader))
-    if universal:
-        manifest = getattr(reader, "manifest", {}) or {}
-        report["format_version"] = manifest.get("format_version")
-        report["created_by"] = manifest.get("created_by")
+    if isinstance(reader, UniversalReader):
+        report["format_version"] = reader.manifest.get("format_version")
+        report["created_by"] = reader.manifest.get("created_by")
+    if facts.folder is not None:
+        report["hf"] = facts.folder.describe()
     return report
 
 

@@ -21,7 +21,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
 
 from ucp.deepspeed.autoep import WEIGHTS, AutoEpLayer, autoep_layers, autoep_record, expert_name, rank_view
 from ucp.deepspeed.fields import need_list, need_mapping
@@ -30,19 +29,20 @@ from ucp.deepspeed.moe import ep_size, expert_ranks
 from ucp.deepspeed.optim_states import optimizer_block
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
+from ucp.model.layouts import SourceLayout
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader
+from ucp.sources.format import How, Probe, SourceFormat
 from ucp.sources.moe import MoeSource
 from ucp.sources.zero3 import Zero3Source
 from ucp.sources.zero12 import Zero12Source
 
-__all__ = ["AutoEpSource", "AUTOEP_EXTRAS", "is_autoep"]
+__all__ = ["FORMAT", "AutoEpSource", "is_autoep"]
 
 logger = logging.getLogger(__name__)
 
 #: the ``extras`` entry (kept in the universal directory's state.pt) describing the AutoEP layers:
 #: ``{"world": W, "ep_size": E, "layers": [{"layer", "module", "prefix", "experts", "ep_size", "shapes"}]}``
-AUTOEP_EXTRAS = "autoep"
 
 
 def is_autoep(files: CheckpointFiles) -> bool:
@@ -221,10 +221,15 @@ class AutoEpSource(MoeSource):
         untrained = sorted(set(fused) - {local for _, local, *_ in self._slices.values()})
         if untrained:
             raise InputError(f"{untrained[0]} is an AutoEP expert tensor no optimizer group trains: not supported yet")
-        self.autoep: dict[str, Any] = autoep_record(self._autoep_layers, head.info.dp_world_size)
+        layout = SourceLayout("autoep", autoep_record(self._autoep_layers, head.info.dp_world_size))
         step_values = [g.step for g in groups if g.step is not None]
         return replace(
-            head, groups=groups, params=params + frozen, step=max(step_values, default=None), warnings=warnings
+            head,
+            groups=groups,
+            params=params + frozen,
+            step=max(step_values, default=None),
+            warnings=warnings,
+            layout=layout,
         )
 
     # -- tensors -----------------------------------------------------------------------------
@@ -250,5 +255,22 @@ class AutoEpSource(MoeSource):
         with self.read_pieces(name, moments=moments) as state:
             return state.joined()
 
-    def extras(self) -> dict[str, Any]:
-        return {**self._dense.extras(), AUTOEP_EXTRAS: self.autoep}
+
+def _claims_autoep(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return files is not None and not files.layers and probe.autoep
+
+
+def _open_autoep(probe: Probe, how: How) -> Reader:
+    assert probe.deepspeed is not None  # claimed
+    return AutoEpSource(probe.deepspeed, optimizer=how.optimizer)
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-autoep",
+    label="DeepSpeed AutoEP checkpoint (expert_parallel)",
+    docs="format.md#expert-parallelism-autoep-0198-expert_parallel-config",
+    claims=_claims_autoep,
+    open=_open_autoep,
+    family="deepspeed",
+)

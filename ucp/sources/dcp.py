@@ -14,6 +14,7 @@ the largest parameter; byte items are unpickled with ``weights_only=True`` only.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -33,8 +34,10 @@ from ucp.model.detect import detect
 from ucp.model.hyper import hyper_from_group, raw_group
 from ucp.model.loss_scale import LossScale
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
+from ucp.sources.format import How, Probe, SourceFormat
 
 __all__ = [
+    "FORMAT",
     "DcpSource",
     "is_dcp",
     "read_metadata",
@@ -52,6 +55,8 @@ METADATA = ".metadata"
 #: a model of a million tensors writes about a gigabyte of metadata; a larger one is damage
 MAX_METADATA_BYTES = 1 << 30
 MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY = "model", "optim", "lr_scheduler", "train_state", "ucp"
+#: what ucp reads of ``train_state`` (DeepSpeed's counters, and an fp16 run's scaler that ucp's writer keeps there)
+_TRAIN_STATE_READ = frozenset({"step", "skipped_steps", "global_samples", "loss_scale"})
 
 _DCP = "torch.distributed.checkpoint"
 #: the only globals a DCP .metadata pickle may name (torch 2.4 - 2.13 write these)
@@ -215,7 +220,23 @@ class DcpSource(Reader):
         self._extras = {k: small.get(k) for k in (SCHEDULER, TRAIN_STATE)}
         self._scalars: dict[str, dict[str, torch.Tensor]] = small.get(OPTIM, {}).get("state", {})
         recorded = json.loads(small[UCP_KEY]) if isinstance(small.get(UCP_KEY), str) else {}
-        self.facts = self._facts(small, {**recorded, **dict(names or {})}, optimizer)
+        facts = self._facts(small, {**recorded, **dict(names or {})}, optimizer)
+        unread = self._unread(small)
+        self.facts = dataclasses.replace(facts, warnings=[*facts.warnings, unread]) if unread else facts
+
+    def _unread(self, small: Mapping[str, Any]) -> str | None:
+        """What the folder holds besides what ucp reads (a run's own entries, a dataloader's state), said in a note:
+        none of it reaches an output."""
+        entries = sorted({str(p[0]) for p in self._paths} - {MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY})
+        train = small.get(TRAIN_STATE)
+        counters = sorted(set(train) - _TRAIN_STATE_READ) if isinstance(train, Mapping) else []
+        unread = entries + [f"{TRAIN_STATE}.{k}" for k in counters]
+        if not unread:
+            return None
+        return (
+            f"not carried: {', '.join(unread[:8])}{' ...' if len(unread) > 8 else ''} (entries of the DCP folder "
+            "beside model, optim, lr_scheduler and train_state's counters, which no output holds)"
+        )
 
     # -- opening ------------------------------------------------------------------------------
     def _tensor_meta(self, where: tuple[Any, ...]) -> Any:
@@ -424,3 +445,17 @@ class DcpSource(Reader):
             out["loss_scaler"] = scaler_object(scale)
             out["dynamic_loss_scale"] = scale.dynamic
         return out
+
+
+def _open_dcp(probe: Probe, how: How) -> Reader:
+    return DcpSource(probe.path, optimizer=how.optimizer, names={"frozen": list(how.frozen)} if how.frozen else None)
+
+
+FORMAT = SourceFormat(
+    name="dcp",
+    label="torch.distributed.checkpoint folder (FSDP2, torchtitan)",
+    docs="format.md#6-torchdistributedcheckpoint-fsdp2",
+    claims=lambda probe: is_dcp(probe.path),
+    open=_open_dcp,
+    takes=frozenset({"frozen"}),
+)

@@ -21,7 +21,7 @@ An AutoEP run (the model states list ``ds_autoep_layers``): each fused expert te
 gets one folder holding the whole ``[experts, ...]`` tensor (its files add ``is_expert_param`` and
 ``ep_num_experts``), while ``param_shapes`` keeps rank 0's local ``[experts / ep, ...]``. ucp reads it as
 :class:`~ucp.sources.autoep.AutoEpSource` reads the original checkpoint: one parameter per expert,
-``{module}.experts.w1.{e}``, and the same ``autoep`` record in ``extras``.
+``{module}.experts.w1.{e}``, and the same ``autoep`` layout in its facts.
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients
+from ucp.model.layouts import SourceLayout
 from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
-from ucp.sources.autoep import AUTOEP_EXTRAS
 from ucp.sources.common import group_meta, zero3_gather
+from ucp.sources.format import How, Probe, SourceFormat
 
-__all__ = ["DsUniversalSource"]
+__all__ = ["FORMAT", "DsUniversalSource"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ class DsUniversalSource(Reader):
             tied=tied,
             buffer_names=buffer_names,
             warnings=warnings,
+            layout=SourceLayout("autoep", self.autoep) if self.autoep else None,
         )
 
     def _read_autoep(self, head: Mapping[str, Any], dp: int, stage: int) -> None:
@@ -473,8 +475,7 @@ class DsUniversalSource(Reader):
         return module_buffers(self._models[0].obj, self._models[0].path.name)
 
     def extras(self) -> dict[str, Any]:
-        autoep = {AUTOEP_EXTRAS: self.autoep} if self.autoep else {}
-        return {**model_extras(self._models[0].obj, None), **self._extras, **autoep}
+        return {**model_extras(self._models[0].obj, None), **self._extras}
 
     def close(self) -> None:
         for tf in getattr(self, "_models", {}).values():
@@ -513,3 +514,18 @@ def _refuse_round_robin(shapes: list[Mapping[str, Any]], ds_config: Mapping[str,
             "buffers DeepSpeed 0.19.8 cuts at the wrong offsets (its parameter folders hold other parameters' "
             "bytes): convert the original checkpoint with `ucp to-universal` instead"
         )
+
+
+def _open_ds_universal(probe: Probe, how: How) -> Reader:
+    assert probe.ds_universal is not None  # claimed
+    return DsUniversalSource(probe.ds_universal, optimizer=how.optimizer)
+
+
+FORMAT = SourceFormat(
+    name="ds-universal",
+    label="DeepSpeed ds_to_universal folder",
+    docs="format.md#deepspeeds-own-ds_to_universal-output",
+    claims=lambda probe: probe.ds_universal is not None,
+    open=_open_ds_universal,
+    refines=("deepspeed",),  # it carries DeepSpeed's model-states files too
+)

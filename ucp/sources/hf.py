@@ -13,11 +13,11 @@ random streams of the old run are not reproduced exactly (ranks past ``W_old`` r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,9 @@ from ucp.deepspeed.layout import LATEST, read_latest
 from ucp.errors import InputError
 from ucp.io.small_files import read_small
 from ucp.model.batch import global_batch_advice
+from ucp.model.layouts import RunFolder
+from ucp.model.records import Reader, ReaderView
+from ucp.sources.format import How, Probe, SourceFormat
 
 __all__ = [
     "HfFolder",
@@ -36,6 +39,8 @@ __all__ = [
     "batch_advice",
     "TRAINER",
     "ACCELERATE",
+    "TRAINER_FORMAT",
+    "ACCELERATE_FORMAT",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,39 +57,8 @@ _ACCEL_TAG = re.compile(r"^pytorch_model(?:_\d+)?$")
 _DS_FILE = re.compile(r"(model|optim)_states\.pt$")
 
 
-@dataclass(frozen=True)
-class HfFolder:
-    """What a Hugging Face run folder holds, by file name (nothing unpickled)."""
-
-    path: Path
-    kind: str  # TRAINER | ACCELERATE
-    tag: str  # the DeepSpeed tag folder the framework loads
-    rng_files: tuple[str, ...]  # one per old process, in process order
-    files: tuple[str, ...]  # every other entry, copied unchanged
-    skipped: tuple[str, ...]  # other DeepSpeed tag folders, not carried (their shards fit the old size only)
-    trainer_state: dict[str, Any] | None
-
-    @property
-    def old_world(self) -> int | None:
-        """Processes of the run that saved it, as its RNG files count them."""
-        return len(self.rng_files) or None
-
-    @property
-    def global_step(self) -> int | None:
-        return None if self.trainer_state is None else self.trainer_state.get("global_step")
-
-    def describe(self) -> dict[str, Any]:
-        """The JSON summary ``ucp inspect`` shows."""
-        return {
-            "kind": self.kind,
-            "tag": self.tag,
-            "global_step": self.global_step,
-            "processes": self.old_world,
-            "rng_files": list(self.rng_files),
-            "files": list(self.files),
-            "skipped": list(self.skipped),
-            "train_batch_size": None if self.trainer_state is None else self.trainer_state.get("train_batch_size"),
-        }
+#: the run folder's record (kept under its old name for the callers that know it so)
+HfFolder = RunFolder
 
 
 def _is_tag_dir(path: Path) -> bool:
@@ -241,3 +215,33 @@ def batch_advice(micro: int, accum: int, old_dp: int, new_dp: int) -> str | None
         spell=lambda b, a: f"--per_device_train_batch_size {b} --gradient_accumulation_steps {a}",
         verb="pass",
     )
+
+
+def _open_wrapped(probe: Probe, how: How) -> Reader:
+    """The DeepSpeed checkpoint the folder wraps, at the folder's tag, in whichever DeepSpeed layout it has."""
+    from ucp.sources.registry import open_probe
+
+    folder = probe.hf
+    assert folder is not None  # claimed
+    inner = open_probe(probe.with_tag(folder.tag), how, family="deepspeed")
+    return ReaderView(inner, dataclasses.replace(inner.facts, folder=folder), owns=True)
+
+
+TRAINER_FORMAT = SourceFormat(
+    name="hf-trainer",
+    label="Hugging Face Trainer checkpoint folder (DeepSpeed)",
+    docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
+    claims=lambda probe: probe.hf is not None and probe.hf.kind == TRAINER,
+    open=_open_wrapped,
+    refines=("deepspeed",),
+    takes=frozenset({"frozen"}),
+)
+ACCELERATE_FORMAT = SourceFormat(
+    name="hf-accelerate",
+    label="Accelerate save_state folder (DeepSpeed)",
+    docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
+    claims=lambda probe: probe.hf is not None and probe.hf.kind == ACCELERATE,
+    open=_open_wrapped,
+    refines=("deepspeed",),
+    takes=frozenset({"frozen"}),
+)

@@ -24,16 +24,17 @@ from ucp.deepspeed.moe import EXPERT_INFIX, ep_size, expert_name, expert_order, 
 from ucp.deepspeed.optim_states import optimizer_block
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
+from ucp.model.layouts import SourceLayout
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader
+from ucp.sources.format import How, Probe, SourceFormat
 from ucp.sources.zero12 import Zero12Source
 
-__all__ = ["MoeSource", "MOE_EXTRAS"]
+__all__ = ["FORMAT", "MoeSource"]
 
 logger = logging.getLogger(__name__)
 
 #: the ``extras`` entry (kept in the universal directory's state.pt) describing the MoE layers:
 #: ``{"layers": [{"layer", "module", "experts", "ep_size"}], "world": W}``
-MOE_EXTRAS = "moe"
 
 
 class MoeSource(Reader):
@@ -195,10 +196,15 @@ class MoeSource(Reader):
         for layer in layers:
             if "ep_size" not in layer:
                 raise InputError(f"{layer['module']} has expert files but no param group holds its experts")
-        self.moe: dict[str, Any] = {"world": head.info.dp_world_size, "layers": layers}
+        layout = SourceLayout("moe", {"world": head.info.dp_world_size, "layers": layers})
         step_values = [g.step for g in groups if g.step is not None]
         return replace(
-            head, groups=groups, params=params + frozen, step=max(step_values, default=None), warnings=warnings
+            head,
+            groups=groups,
+            params=params + frozen,
+            step=max(step_values, default=None),
+            warnings=warnings,
+            layout=layout,
         )
 
     # -- tensors -----------------------------------------------------------------------------
@@ -220,8 +226,28 @@ class MoeSource(Reader):
         return self._dense.buffers()
 
     def extras(self) -> dict[str, Any]:
-        return {**self._dense.extras(), MOE_EXTRAS: self.moe}
+        return self._dense.extras()
 
     def close(self) -> None:
         for reader in getattr(self, "_readers", []):
             reader.close()
+
+
+def _claims_moe(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return files is not None and bool(files.experts) and not (files.layers or files.stage0) and not probe.autoep
+
+
+def _open_moe(probe: Probe, how: How) -> Reader:
+    assert probe.deepspeed is not None  # claimed
+    return MoeSource(probe.deepspeed, optimizer=how.optimizer)
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-moe",
+    label="DeepSpeed mixture-of-experts checkpoint (deepspeed.moe)",
+    docs="format.md#expert-parallelism-legacy-deepspeedmoelayermoe",
+    claims=_claims_moe,
+    open=_open_moe,
+    family="deepspeed",
+)

@@ -33,8 +33,10 @@ from ucp.deepspeed.pipeline import TIED_PREFIX, layer_prefix, pipeline_degrees
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 from ucp.model import tp as tpl
+from ucp.model.layouts import SourceLayout
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, dtype_name
+from ucp.sources.format import How, Probe, SourceFormat
 from ucp.sources.tensor_parallel import (
     INFO_KEY,
     TensorParallelSource,
@@ -45,7 +47,7 @@ from ucp.sources.tensor_parallel import (
 )
 from ucp.sources.zero12 import Zero12Source
 
-__all__ = ["PipelineSource"]
+__all__ = ["FORMAT", "PipelineSource"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,6 @@ class PipelineSource(Reader):
         optimized = [p.name for p in params]
         self._frozen = zero12_frozen_values(head, optimized, {}, buffer_names, self.files.tag_dir.name)
         params += [ParamMeta(n, tuple(v.shape), dtype_name(v.dtype), None, True) for n, v in self._frozen.items()]
-        self.pipeline = self._describe(buffer_names)
         steps = [g.step for g in groups if g.step is not None]
         rules = {n: r for reader in self._stages for n, r in reader.facts.tp_rules.items()}
         rules.update({n: r.to_json() for n, r in self._frozen_rules.items() if n in self._frozen})
@@ -148,6 +149,7 @@ class PipelineSource(Reader):
             tp_rules=rules,
             buffer_names=buffer_names,
             warnings=list(dict.fromkeys(w for r in self._stages for w in r.facts.warnings)) + warnings,
+            layout=SourceLayout("pipeline", self._describe(buffer_names)),
         )
 
     def _model_file(self, stage: int) -> str:
@@ -372,3 +374,23 @@ class PipelineSource(Reader):
             reader.close()
         for tf in getattr(self, "_layers", []):
             tf.close()
+
+
+def _claims_pipeline(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return files is not None and bool(files.layers) and not files.stage0
+
+
+def _open_pipeline(probe: Probe, how: How) -> Reader:
+    assert probe.deepspeed is not None  # claimed
+    return PipelineSource(probe.deepspeed, optimizer=how.optimizer, rules=how.tp_rules)
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-pipeline",
+    label="DeepSpeed pipeline-parallel checkpoint (PipelineEngine)",
+    docs="format.md#pipeline-parallelism-deepspeedpipepipelinemodule-pipelineengine",
+    claims=_claims_pipeline,
+    open=_open_pipeline,
+    family="deepspeed",
+)

@@ -24,8 +24,10 @@ from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 from ucp.model import tp as tpl
 from ucp.model.records import Facts, ParamMeta, ParamState, Reader, ReaderView
+from ucp.sources.format import How, Probe, SourceFormat
 
 __all__ = [
+    "FORMAT",
     "TensorParallelSource",
     "checkpoint_tp_info",
     "given_rules",
@@ -247,3 +249,38 @@ class TensorParallelSource(Reader):
     def close(self) -> None:
         for reader in self._ranks:
             reader.close()
+
+
+def _claims_tp(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return files is not None and files.mp > 1 and not (files.layers or files.experts) and not probe.autoep
+
+
+def _open_tp(probe: Probe, how: How) -> Reader:
+    """Every mp rank by its stage's reader (stage 0's own, which takes ``frozen``), merged by the rules."""
+    files = probe.deepspeed
+    assert files is not None  # claimed
+    if not files.stage0:
+        if how.frozen:
+            raise InputError(
+                f"frozen parameters are named only for a DCP folder or a stage-0 checkpoint; {probe.path} is a ZeRO "
+                "checkpoint, which lists its own"
+            )
+        return TensorParallelSource(files, optimizer=how.optimizer, rules=how.tp_rules)
+    from ucp.sources.zero0 import Zero0Source
+
+    def rank_reader(mp_rank: int) -> Reader:
+        return Zero0Source(files, optimizer=how.optimizer, frozen=how.frozen, mp_rank=mp_rank)
+
+    return TensorParallelSource(files, rules=how.tp_rules, rank_reader=rank_reader)
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-tp",
+    label="DeepSpeed tensor-parallel checkpoint (AutoTP, Megatron-DeepSpeed)",
+    docs="format.md#3-tensor-parallelism-deepspeed-autotp-megatron-deepspeed",
+    claims=_claims_tp,
+    open=_open_tp,
+    family="deepspeed",
+    takes=frozenset({"frozen"}),
+)

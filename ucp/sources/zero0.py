@@ -49,8 +49,9 @@ from ucp.model.detect import detect
 from ucp.model.loss_scale import scale_from_wrapper
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta
+from ucp.sources.format import How, Probe, SourceFormat
 
-__all__ = ["Zero0Source"]
+__all__ = ["FORMAT", "Zero0Source"]
 
 logger = logging.getLogger(__name__)
 
@@ -547,3 +548,24 @@ def _place(
             owner[pname] = g
         out.append(names)
     return out
+
+
+def _claims_zero0(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return files is not None and files.stage0 and files.mp == 1
+
+
+def _open_zero0(probe: Probe, how: How) -> Reader:
+    assert probe.deepspeed is not None  # claimed
+    return Zero0Source(probe.deepspeed, optimizer=how.optimizer, frozen=how.frozen)
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-zero0",
+    label="DeepSpeed checkpoint without ZeRO (stage 0)",
+    docs="format.md#stage-0-no-zero-deepspeeds-default",
+    claims=_claims_zero0,
+    open=_open_zero0,
+    family="deepspeed",
+    takes=frozenset({"frozen"}),
+)

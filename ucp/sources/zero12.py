@@ -53,13 +53,15 @@ from ucp.deepspeed.optim_states import (
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients, unsaved_state_note
+from ucp.model.options import zero_label
 from ucp.model.partition import Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
 from ucp.model.zenflow import ZENFLOW_NOTE, ZENFLOW_OVERLAP_NOTE, newest_master, zenflow_config
 from ucp.sources.common import file_pieces, group_meta
+from ucp.sources.format import How, Probe, SourceFormat
 
-__all__ = ["Zero12Source"]
+__all__ = ["FORMAT", "Zero12Source"]
 
 logger = logging.getLogger(__name__)
 
@@ -563,3 +565,29 @@ class Zero12Source(Reader):
         model = getattr(self, "_model", None)
         if model is not None:
             model.close()
+
+
+def _claims_zero12(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return (
+        files is not None
+        and not (files.stage3 or files.stage0 or files.layers or files.experts)
+        and files.mp == 1
+        and not probe.autoep
+    )
+
+
+def _open_zero12(probe: Probe, how: How) -> Reader:
+    assert probe.deepspeed is not None  # claimed
+    return Zero12Source(probe.deepspeed, optimizer=how.optimizer)
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-zero12",
+    label="DeepSpeed ZeRO-1/2 checkpoint",
+    docs="format.md#2-deepspeed-zero-1-and-zero-2",
+    claims=_claims_zero12,
+    open=_open_zero12,
+    family="deepspeed",
+    describe=lambda facts: f"DeepSpeed {zero_label(facts.info.zero_stage)} checkpoint",
+)

@@ -75,8 +75,9 @@ from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import SpanSource, file_pieces, group_meta, zero3_gather, zero3_slices
+from ucp.sources.format import How, Probe, SourceFormat
 
-__all__ = ["Zero3Source"]
+__all__ = ["FORMAT", "Zero3Source"]
 
 logger = logging.getLogger(__name__)
 
@@ -615,3 +616,29 @@ def _per_call_counts(flavour: Flavour | None, groups: list[GroupMeta], taken: in
         f"ZeRO-3 calls the optimizer once per sub-group and {flavour.name} counts every call in each param group "
         "(carried as counted; a ZeRO-3 run goes on counting so, a ZeRO-1/2 run one per step)"
     ]
+
+
+def _claims_zero3(probe: Probe) -> bool:
+    files = probe.deepspeed
+    return files is not None and files.stage3 and files.mp == 1 and not files.layers and not probe.autoep
+
+
+def _open_zero3(probe: Probe, how: How) -> Reader:
+    """A ZeRO-3 save; a ZenFlow run's matrices read back in the model's shape (it saves them transposed)."""
+    from ucp.model.zenflow import ZENFLOW_Z3_NOTE, ZenflowTransposed, transposes_matrices
+
+    assert probe.deepspeed is not None  # claimed
+    source = Zero3Source(probe.deepspeed, optimizer=how.optimizer)
+    if transposes_matrices(source.facts.info.ds_config, 3):
+        return ZenflowTransposed(source, note=ZENFLOW_Z3_NOTE, owns=True)
+    return source
+
+
+FORMAT = SourceFormat(
+    name="deepspeed-zero3",
+    label="DeepSpeed ZeRO-3 checkpoint",
+    docs="format.md#1-deepspeed-zero-3",
+    claims=_claims_zero3,
+    open=_open_zero3,
+    family="deepspeed",
+)

@@ -44,7 +44,6 @@ from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import GroupMeta, ParamMeta, ParamState, Reader, ReaderView, torch_dtype
 from ucp.sources import opened
-from ucp.sources.autoep import AUTOEP_EXTRAS
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
 from ucp.targets.native.zero3 import write_zero3
@@ -57,8 +56,9 @@ logger = logging.getLogger(__name__)
 
 def autoep_layers_of(reader: Reader) -> list[AutoEpLayer]:
     """The AutoEP layers a reader of an AutoEP run records, in layer order."""
-    record = reader.extras().get(AUTOEP_EXTRAS)
-    if not isinstance(record, Mapping) or not record.get("layers"):
+    layout = reader.facts.layout
+    record = layout.record if layout is not None and layout.kind == "autoep" else {}
+    if not record.get("layers"):
         raise ConfigError("the checkpoint records no AutoEP layers: it was not read from a DeepSpeed AutoEP run")
     return sorted(
         (
@@ -80,7 +80,8 @@ def autoep_layers_of(reader: Reader) -> list[AutoEpLayer]:
 def is_autoep(reader: Reader) -> bool:
     """The reader records AutoEP layers (an AutoEP checkpoint, or a universal directory made from one): only
     :func:`write_autoep` writes what its run loads (fused experts under their local names)."""
-    return isinstance(reader.extras().get(AUTOEP_EXTRAS), Mapping)
+    layout = reader.facts.layout
+    return layout is not None and layout.kind == "autoep"
 
 
 def source_ep_size(reader: Reader) -> int:

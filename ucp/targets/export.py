@@ -40,7 +40,8 @@ from ucp.model.cast import narrowed
 from ucp.model.names import WRAPPER_PATTERN, has_wrapper
 from ucp.model.records import DTYPES, Facts, Reader, torch_dtype
 from ucp.sources import opened
-from ucp.sources.hf import config_in_dtype, find_hf_folder, model_files
+from ucp.sources.hf import config_in_dtype, model_files
+from ucp.sources.registry import run_folder
 from ucp.transforms import Rename, TransformedReader, plan_transforms
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
@@ -215,8 +216,9 @@ def export(
         _require_safetensors()
     out = Path(out).absolute()
     target, file_name = _resolve_out(out, format)
-    carried = _model_files(folder if folder is not None else src) if file_name is None else []
     with opened(src, tag=tag) as source:
+        run = source.facts.folder if folder is None else run_folder(folder)
+        carried = [run.path / name for name in model_files(run)] if run is not None and file_name is None else []
         inputs = [*source.inputs, *([folder] if folder is not None else [])]
         reader = _unwrapped(source)
         with _staged(target, file_name, inputs, overwrite, weight_bytes(reader.facts, dtype)) as stage, phase("export"):
@@ -249,15 +251,6 @@ def _unwrapped(reader: Reader) -> Reader:
         return reader
     logger.info(UNWRAPPED_NOTE)
     return TransformedReader(reader, plan_transforms(facts, [Rename(WRAPPER_PATTERN, r"\1")]))
-
-
-def _model_files(src: str | os.PathLike | Reader) -> list[Path]:
-    """A Hugging Face Trainer folder's config, generation config and tokenizer files, which a folder OUT gets
-    beside the weights so that ``from_pretrained(OUT)`` loads it (``ucp.sources.hf.model_files``)."""
-    if isinstance(src, Reader):
-        return []
-    folder = find_hf_folder(src) if Path(src).is_dir() else None
-    return [folder.path / name for name in model_files(folder)] if folder is not None else []
 
 
 #: a config.json larger than this is copied as it is, not rewritten for --dtype

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ucp.deepspeed.layout import LATEST, resolve_tag_dir
+from ucp.deepspeed.layout import LATEST
 from ucp.errors import InputError
 from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.model.options import RestoreOptions
 from ucp.model.records import Facts, Reader
-from ucp.sources import open_reader
-from ucp.sources.hf import HfFolder, batch_advice, find_hf_folder, rng_plan
+from ucp.sources import opened
+from ucp.sources.hf import HfFolder, batch_advice, rng_plan
 from ucp.targets.native import NativePlan, mark_reset, plan_native, write_plan
 
 __all__ = ["hf_options", "write_hf_plan", "HfResult", "write_hf"]
@@ -105,7 +105,7 @@ def _fill(
 
 
 def write_hf(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Reader,
     out: str | os.PathLike[str],
     options: RestoreOptions | None = None,
     *,
@@ -114,17 +114,18 @@ def write_hf(
     fsync: bool = False,
     **fields: Any,
 ) -> HfResult:
-    """Write OUT: the Trainer or Accelerate folder ``src`` for ``dp`` x ``tp`` processes, whole or not at all.
+    """Write OUT: the Trainer or Accelerate folder ``src`` (a path, or a reader of one) for ``dp`` x ``tp``
+    processes, whole or not at all.
 
     ``options`` or its fields as keywords (``dp=3``, ``stage``, ``optimizer``, ...); stage and tag
     default to the source's, so the framework finds the tag it looks for.
     """
-    src, out = Path(src), Path(out)
-    folder = find_hf_folder(src)
-    if folder is None:
-        resolve_tag_dir(src, None)  # a folder with no DeepSpeed state says what it is
-        raise InputError(f"{src} is not a Hugging Face Trainer or Accelerate checkpoint folder")
-    with open_reader(src, tag=folder.tag) as reader:
+    with opened(src) as reader:
+        folder = reader.facts.folder
+        if folder is None:
+            raise InputError(
+                f"{src} is a {reader.format or 'checkpoint'}, not a Hugging Face Trainer or Accelerate folder"
+            )
         opts = hf_options(reader.facts, folder, options, fields)
         return write_hf_plan(
             folder,

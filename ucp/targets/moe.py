@@ -30,7 +30,6 @@ from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Facts, Reader, ReaderView, torch_dtype
 from ucp.sources import opened
-from ucp.sources.moe import MOE_EXTRAS
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
 from ucp.targets.native.zero12 import write_zero12
@@ -51,13 +50,19 @@ class MoeLayer:
 
 def moe_layers(reader: Reader) -> list[MoeLayer]:
     """The MoE layers a reader of a MoE run records, in layer order."""
-    record = reader.extras().get(MOE_EXTRAS)
-    if not isinstance(record, Mapping) or not record.get("layers"):
+    record = _record(reader)
+    if not record.get("layers"):
         raise ConfigError("the checkpoint records no MoE layers: it was not read from a legacy DeepSpeed MoE run")
     return sorted(
         (MoeLayer(str(x["module"]), int(x["layer"]), int(x["experts"])) for x in record["layers"]),
         key=lambda x: x.layer,
     )
+
+
+def _record(reader: Reader) -> Mapping[str, Any]:
+    """The MoE layers the reader's facts record (empty when it holds none)."""
+    layout = reader.facts.layout
+    return layout.record if layout is not None and layout.kind == "moe" else {}
 
 
 def is_moe(facts: Facts) -> bool:
@@ -68,8 +73,7 @@ def is_moe(facts: Facts) -> bool:
 
 def source_ep_size(reader: Reader) -> int:
     """The expert-parallel size the MoE run was saved at, when every MoE layer shares one."""
-    record = reader.extras().get(MOE_EXTRAS)
-    layers = record.get("layers") if isinstance(record, Mapping) else None
+    layers = _record(reader).get("layers")
     sizes = sorted({int(x["ep_size"]) for x in layers or () if isinstance(x, Mapping) and "ep_size" in x})
     if len(sizes) != 1:
         seen = f"ep_size {', '.join(map(str, sizes))}" if sizes else "no ep_size"

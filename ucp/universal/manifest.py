@@ -20,7 +20,8 @@ from typing import Any
 
 from ucp.errors import CorruptFileError, InputError
 from ucp.model.hyper import Hyper
-from ucp.model.records import Facts, GroupMeta, ParamMeta, SourceInfo
+from ucp.model.layouts import LAYOUT_KINDS, SourceLayout
+from ucp.model.records import Facts, GroupMeta, ParamMeta, Reader, SourceInfo
 from ucp.model.version import VERSION
 
 __all__ = [
@@ -48,10 +49,9 @@ STATE_FILE = "state.pt"
 FP32_FILE = "fp32.pt"
 STEP_FILE = "step.pt"
 SUFFIX = ".pt"
-#: how the source was laid out, as its reader describes it (``reader.pipeline``, ``reader.moe``,
-#: ``reader.autoep``), kept in ucp.json for ``ucp inspect``; optional keys, absent from directories of other
-#: sources and older ucp
-SOURCE_LAYOUTS = ("pipeline", "moe", "autoep")
+#: how the source was laid out (its facts' :class:`~ucp.model.layouts.SourceLayout`), kept in ucp.json under its
+#: kind for the targets and ``ucp inspect``; optional keys, absent from directories of other sources and older ucp
+SOURCE_LAYOUTS = LAYOUT_KINDS
 _SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _MAX_FOLDER = 200
 
@@ -113,12 +113,16 @@ def state_file(key: str) -> str:
     return key + SUFFIX
 
 
-def source_layouts(reader: Any) -> dict[str, Any]:
-    """The source's pipeline stages, MoE or AutoEP layers, where its reader describes them (the universal reader
-    gives its manifest's), for :func:`manifest_json`."""
-    manifest = getattr(reader, "manifest", None) or {}
-    found = {key: getattr(reader, key, None) or manifest.get(key) for key in SOURCE_LAYOUTS}
-    return {key: value for key, value in found.items() if value}
+def source_layouts(reader: Reader) -> dict[str, Any]:
+    """The source's pipeline stages, MoE or AutoEP layers (its facts' layout), as ucp.json keeps them."""
+    layout = reader.facts.layout
+    return layout.to_json() if layout is not None else {}
+
+
+def _layout(raw: Mapping[str, Any]) -> SourceLayout | None:
+    """The layout a manifest records (one of :data:`SOURCE_LAYOUTS`), as the facts carry it."""
+    found = [SourceLayout(kind, raw[kind]) for kind in SOURCE_LAYOUTS if raw.get(kind)]
+    return found[0] if found else None
 
 
 def manifest_json(
@@ -388,6 +392,7 @@ def facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry]
             buffer_names=list(raw.get("buffers", [])),
             warnings=list(raw.get("warnings", [])),
             tp_rules={k: dict(v) for k, v in (raw.get("tensor_parallel") or {}).get("rules", {}).items()},
+            layout=_layout(raw),
         )
         files = {k: FileEntry(**v) for k, v in raw.get("files", {}).items()}
     except (KeyError, TypeError, ValueError) as err:

@@ -1,0 +1,68 @@
+"""Typed records of how a source is laid out beyond one flat model, carried in :class:`~ucp.model.records.Facts`.
+
+A composite source (pipeline stages, legacy MoE or AutoEP layers) describes its layout as a :class:`SourceLayout`;
+a source wrapped in a training framework's run folder (a Hugging Face Trainer ``checkpoint-N`` or an Accelerate
+``save_state`` folder) carries the folder as a :class:`RunFolder`. Targets read both here, never from a source
+module or a reader's attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["LAYOUT_KINDS", "LayoutKind", "SourceLayout", "RunFolder"]
+
+LayoutKind = Literal["pipeline", "moe", "autoep"]
+#: the layouts a source can have, as ucp.json names them (docs/format.md section 8)
+LAYOUT_KINDS: tuple[LayoutKind, ...] = ("pipeline", "moe", "autoep")
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """A composite source's layout: ``kind``, and ``record``, the JSON-ready description that ucp.json keeps and
+    ``ucp inspect`` shows (pipeline stages; MoE layers and their expert-parallel size; AutoEP layers, their
+    placement and fused shapes). The owners of DeepSpeed's layout (``ucp.deepspeed.moe``, ``.autoep``) read it."""
+
+    kind: LayoutKind
+    record: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {self.kind: dict(self.record)}
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """What a training framework's run folder holds around its checkpoint, by file name (nothing unpickled)."""
+
+    path: Path
+    kind: str  # "trainer" | "accelerate"
+    tag: str  # the DeepSpeed tag folder the framework loads
+    rng_files: tuple[str, ...]  # one per old process, in process order
+    files: tuple[str, ...]  # every other entry, copied unchanged
+    skipped: tuple[str, ...]  # other DeepSpeed tag folders, not carried (their shards fit the old size only)
+    trainer_state: dict[str, Any] | None
+
+    @property
+    def old_world(self) -> int | None:
+        """Processes of the run that saved it, as its RNG files count them."""
+        return len(self.rng_files) or None
+
+    @property
+    def global_step(self) -> int | None:
+        return None if self.trainer_state is None else self.trainer_state.get("global_step")
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON summary ``ucp inspect`` shows."""
+        return {
+            "kind": self.kind,
+            "tag": self.tag,
+            "global_step": self.global_step,
+            "processes": self.old_world,
+            "rng_files": list(self.rng_files),
+            "files": list(self.files),
+            "skipped": list(self.skipped),
+            "train_batch_size": None if self.trainer_state is None else self.trainer_state.get("train_batch_size"),
+        }
