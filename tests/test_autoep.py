@@ -132,7 +132,7 @@ def assert_expert_group_by_global_index(run: BuiltAutoEp, universal: Path) -> No
         assert [(g.hyper.lr, g.hyper.weight_decay) for g in groups] == [
             (h["lr"], h["weight_decay"]) for h in live["group_hparams"]
         ]
-        layers = reader.extras()["autoep"]
+        layers = reader.facts.layout.record
         assert layers["ep_size"] == 2 and layers["world"] == run.spec.world
         assert [(x["prefix"], x["experts"], x["shapes"]["w2"]) for x in layers["layers"]] == [
             (p, 4, [4, 16, 23]) for p in PREFIXES
@@ -209,7 +209,7 @@ def test_zero3_experts_get_the_same_global_names_and_group_as_at_zero12(z3, z3_u
     assert_expert_group_by_global_index(z3, z3_universal)
     with open_reader(z3_universal) as ours, open_reader(build_autoep(**RUNS["zero1-w2"]).path) as zero1:
         assert [g.params for g in ours.facts.groups] == [g.params for g in zero1.facts.groups]
-        assert ours.extras()["autoep"]["layers"] == zero1.extras()["autoep"]["layers"]
+        assert ours.facts.layout.record["layers"] == zero1.facts.layout.record["layers"]
 
 
 def test_the_plain_zero3_reader_refuses_an_autoep_save_in_one_line(z3):
@@ -335,7 +335,7 @@ def test_a_zero3_run_restored_at_zero3_at_another_world_and_ep_size_resumes_like
     ucp.to_universal(wide_z3.path, tmp_path / "u")
     write_autoep(tmp_path / "u", tmp_path / "n", dp=world, ep=ep, stage=3)
     with open_reader(tmp_path / "n") as back:
-        assert back.facts.info.zero_stage == 3 and back.extras()["autoep"]["ep_size"] == ep
+        assert back.facts.info.zero_stage == 3 and back.facts.layout.record["ep_size"] == ep
     ours = run_autoep_from(wide_z3, name="ours", work=tmp_path, load=LoadSpec(str(tmp_path / "n")), world=world, ep=ep)
     assert_resumed_alike(ours, wide_z3_native, atol=3e-7)
 
@@ -369,7 +369,7 @@ def test_a_cli_restore_of_the_universal_directory_writes_an_autoep_checkpoint(ru
     code = run_cli(capsys, "restore", str(universal), str(tmp_path / "n"), "--dp", str(run.spec.world))[0]
     assert code == 0
     with open_reader(tmp_path / "n") as back:
-        assert isinstance(back, AutoEpSource) and back.autoep["ep_size"] == run.spec.ep
+        assert isinstance(back, AutoEpSource) and back.facts.layout.record["ep_size"] == run.spec.ep
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,11 @@ def test_cli_restore_of_an_autoep_universal_writes_what_write_autoep_writes(
     write_autoep(universal, tmp_path / "api", dp=world, ep=ep, stage=stage)
     assert _files(tmp_path / "cli") == _files(tmp_path / "api")
     with open_reader(tmp_path / "cli") as back:
-        assert isinstance(back, AutoEpSource) and back.autoep["ep_size"] == ep and back.autoep["world"] == world
+        assert (
+            isinstance(back, AutoEpSource)
+            and back.facts.layout.record["ep_size"] == ep
+            and back.facts.layout.record["world"] == world
+        )
 
 
 def test_cli_reshard_of_deepspeeds_autoep_checkpoint_writes_what_write_autoep_writes(wide, tmp_path, capsys):
@@ -131,7 +135,7 @@ def test_a_migration_native_target_refuses_an_autoep_source_in_one_line(universa
 def test_inspect_shows_the_autoep_layers_of_the_checkpoint_and_of_its_universal_directory(wide, universal, capsys):
     manifest = json.loads((universal / "ucp.json").read_text())
     with open_reader(wide.path) as reader:
-        record = reader.extras()["autoep"]
+        record = reader.facts.layout.record
     assert manifest["autoep"] == record  # ucp.json keeps what the source's reader records
     assert "moe" not in manifest
     for path in (wide.path, universal):
@@ -160,7 +164,7 @@ def test_deepspeeds_ds_to_universal_output_reads_exactly_as_the_autoep_checkpoin
             (g.params, g.step, g.raw, g.hyper) for g in b.groups
         ]
         assert (a.step, a.flavour, a.adam_w_mode) == (b.step, b.flavour, b.adam_w_mode) == (3, "torch-adam", True)
-        assert theirs.extras()["autoep"] == ours.extras()["autoep"]
+        assert theirs.facts.layout.record == ours.facts.layout.record
         experts = 0
         for meta in a.params:
             x, y = ours.read(meta.name), theirs.read(meta.name)

@@ -92,7 +92,7 @@ def test_expert_groups_list_every_expert_by_global_index_with_their_settings(moe
         assert [(g.hyper.lr, g.hyper.weight_decay) for g in groups] == [
             (h["lr"], h["weight_decay"]) for h in live["group_hparams"]
         ]
-        assert reader.extras()["moe"]["layers"] == [{"module": "moe", "layer": 0, "experts": 4, "ep_size": 2}]
+        assert reader.facts.layout.record["layers"] == [{"module": "moe", "layer": 0, "experts": 4, "ep_size": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_restore_at_another_ep_size_resumes_like_deepspeeds_native_resume(moe, u
     (one expert per rank, unpartitioned); read back by ucp, the files hold the universal state bit for bit."""
     write_moe(universal, tmp_path / "n", dp=world, ep=ep, stage=2)
     with open_reader(tmp_path / "n") as ours, open_reader(universal) as theirs:
-        assert ours.extras()["moe"]["layers"] == [{"module": "moe", "layer": 0, "experts": 4, "ep_size": ep}]
+        assert ours.facts.layout.record["layers"] == [{"module": "moe", "layer": 0, "experts": 4, "ep_size": ep}]
         assert [p.name for p in ours.facts.params] == [p.name for p in theirs.facts.params]
         for meta in theirs.facts.params:
             a, b = ours.read(meta.name), theirs.read(meta.name)
@@ -227,7 +227,7 @@ def test_cli_reshard_of_deepspeeds_moe_checkpoint_writes_what_write_moe_writes(m
         (("--dp", "4", "--ep", "3"), "ep_size=3 must divide the number of ranks (4)"),
         (("--dp", "4", "--stage", "3"), "a MoE target is ZeRO-1 or ZeRO-2"),
         (("--dp", "4", "--pp", "2", "--pp-parts", "0,2,4"), "mixture-of-experts run, which --pp cannot write"),
-        (("--dp", "4", "--ep", "2", "--format", "dcp"), "--ep describes a DeepSpeed output"),
+        (("--dp", "4", "--ep", "2", "--format", "dcp"), "--dp, --ep describe a DeepSpeed output"),
         (("--dp", "4", "--ep", "2", "--distributed"), "--ep writes a legacy MoE checkpoint at PP=1 in one process"),
     ],
     ids=["ep-does-not-divide-dp", "bad-ep", "zero3", "pp", "dcp", "distributed"],

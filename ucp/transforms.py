@@ -376,6 +376,15 @@ class TransformedReader(Reader):
             raise InputError(f"{name}: cannot reset optimizer scalar {key!r}: ucp does not know its starting value")
         return float(start)
 
+    def param_steps(self) -> dict[str, int | None]:
+        """The inner reader's steps under the new names; a parameter whose reset restarts it at step 0."""
+        inner = self.inner.param_steps()
+        steps = {new: inner.get(old) for new, old in self.plan.origin.items()}
+        for name in self.plan.restarted:
+            if steps.get(name) is not None:
+                steps[name] = 0
+        return steps
+
     def buffers(self) -> dict[str, torch.Tensor]:
         source = self.inner.buffers()
         return {new: source[old] for new, old in self.plan.buffer_origin.items() if old in source}

@@ -11,20 +11,9 @@ from typing import Any, NoReturn
 from ucp import DISTRIBUTION, __version__
 from ucp.cli.restore import cmd_reshard, cmd_restore
 from ucp.cli.verbs import cmd_demo, cmd_diff, cmd_export, cmd_inspect, cmd_migrate, cmd_to_universal, cmd_verify
+from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, OPTIONS, Option
 
 __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser"]
-
-#: every optimizer flavour (ucp.model.flavours.FLAVOURS; spelled here so that --help needs no torch, kept equal by a test)
-FLAVOUR_NAMES = (
-    "torch-adam", "ds-fused-adam", "ds-cpu-adam", "apex-fused-adam", "torch-sgd", "torch-rmsprop", "torch-nadam",
-    "torch-radam", "torch-adamax", "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor",
-    "hf-adafactor", "sf-adamw", "sf-radam", "sf-sgd", "ds-cpu-adagrad", "ds-lion", "ds-muon", "ds-muon-torch-adam",
-)  # fmt: skip
-#: optimizers a DCP output can be written for (ucp.targets.dcp.DCP_OPTIMIZERS)
-DCP_OPTIMIZER_NAMES = (
-    "torch-adamw", "torch-adam", "torch-sgd", "torch-rmsprop", "torch-nadam", "torch-radam", "torch-adamax",
-    "torch-adagrad", "torch-adadelta", "torch-rprop", "torch-asgd", "torch-adafactor", "sf-adamw", "sf-radam", "sf-sgd",
-)  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,84 +75,33 @@ def _output_flags(p: argparse.ArgumentParser, *, fsync: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
 
 
-def _new_run_flags(p: argparse.ArgumentParser) -> None:
-    """The new run's layout and optimizer, shared by restore and reshard; then the output flags."""
-    p.add_argument(
-        "--dp", type=_positive, help="data-parallel size of the new run (restore needs it unless --format dcp)"
-    )
-    p.add_argument(
-        "--stage",
-        type=int,
-        choices=(0, 1, 2, 3),
-        help="ZeRO stage of the new run, 0 without ZeRO (default: the source's; 3 for an FSDP2 / DCP source)",
-    )
-    p.add_argument(
-        "--tp",
-        type=_positive,
-        default=1,
-        help="tensor-parallel degree of the new run (default 1; > 1 needs --stage 0, 1 or 2)",
-    )
-    p.add_argument(
-        "--pp",
-        type=_positive,
-        help="pipeline stages of the new run: a PipelineEngine checkpoint (stage defaults to 1; needs --pp-parts or "
-        "--pp-partition)",
-    )
-    p.add_argument("--pp-parts", metavar="0,3,6", help="--pp: the new run's layer partition (PipelineModule.parts)")
-    p.add_argument(
-        "--pp-partition",
-        choices=("uniform", "parameters"),
-        help="--pp: cut the layers as the new run's partition_method will (instead of --pp-parts; needs --pp-layers)",
-    )
-    p.add_argument("--pp-layers", type=_positive, metavar="N", help="--pp-partition: the PipelineModule's layer count")
-    p.add_argument(
-        "--pp-tied",
-        action="append",
-        metavar="KEY=0,5",
-        help="--pp: the layers using TiedLayerSpec KEY (repeat per key)",
-    )
-    p.add_argument(
-        "--ep",
-        type=_positive,
-        help="expert-parallel size of the new run: a legacy DeepSpeed MoE or AutoEP checkpoint (ZeRO-1/2; default "
-        "for a source with experts: its own ep_size or autoep_size, and its stage)",
-    )
-    p.add_argument(
-        "--optimizer",
-        choices=sorted(set(FLAVOUR_NAMES) | set(DCP_OPTIMIZER_NAMES)),
-        help="optimizer of the new run (default: the source's; for --format dcp its torch optimizer, AdamW for Adam's)",
-    )
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="model dtype of the new run (default: source's)")
-    p.add_argument("--tag", help="tag folder name (default: global_step<N>)")
-    p.add_argument("--sub-group-size", type=_positive, help="ZeRO-3 sub_group_size of the new run (default: source's)")
-    p.add_argument("--step", default="keep", help="keep (default), reset, or an integer")
-    p.add_argument(
-        "--offload",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its ZeRO-1/2 momentum "
-        "out by it (default: as the source did)",
-    )
-    p.add_argument(
-        "--round-robin-gradients",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the new run sets zero_optimization.round_robin_gradients: ZeRO-1/2 files flatten each param group "
-        "in round-robin order over the ranks (default: as the source did)",
-    )
-    p.add_argument(
-        "--zenflow",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the new run uses ZenFlow (zero_optimization.zenflow), which at ZeRO-3 keeps every matrix transposed "
-        "(default: as the source did)",
-    )
+def _option_flag(p: argparse.ArgumentParser, option: Option) -> None:
+    """One declared option as a flag, read as its kind says."""
+    how: dict[str, Any] = {"help": option.help}
+    if option.kind == "positive":
+        how.update(type=_positive, default=option.unset)
+    elif option.kind == "choice":
+        how.update(type=type(option.choices[0]), choices=option.choices)
+    elif option.kind == "tristate":
+        how.update(action=argparse.BooleanOptionalAction, default=None)
+    elif option.kind == "list":
+        how.update(action="append")
+    elif option.kind == "flag":
+        how.update(action="store_true")
+    else:  # step, tag, text: read as given, checked by the target
+        how.update(default=option.unset)
+    if option.metavar is not None:
+        how["metavar"] = option.metavar
+    p.add_argument(option.flag, **how)
+
+
+def _new_run_flags(p: argparse.ArgumentParser, *, dcp: bool) -> None:
+    """The new run's layout and optimizer (every declared option; ``dcp``: a DCP output's too), the workers, then
+    the output flags."""
+    for option in OPTIONS:
+        if dcp or option.targets != {"dcp"}:
+            _option_flag(p, option)
     p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
-    p.add_argument(
-        "--distributed",
-        action="store_true",
-        help="split the rank files across torch.distributed ranks (launch with torchrun; OUT on a shared file system)",
-    )
     _output_flags(p, fsync=True)
 
 
@@ -211,12 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="deepspeed",
         help="deepspeed (default): a native ZeRO checkpoint; dcp: a torch.distributed.checkpoint folder for FSDP2",
     )
-    p.add_argument(
-        "--dcp-layout",
-        choices=("torch", "torchtitan"),
-        help="--format dcp: torch (default; get_state_dict's model/optim) or torchtitan (its CheckpointManager's keys)",
-    )
-    _new_run_flags(p)
+    _new_run_flags(p, dcp=True)
     p.set_defaults(func=cmd_restore)
 
     p = verbs.add_parser(
@@ -224,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("universal", metavar="src", help="DeepSpeed checkpoint (or any source restore reads)")
     p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
-    _new_run_flags(p)
+    _new_run_flags(p, dcp=False)
     p.set_defaults(func=cmd_reshard, format="deepspeed", dcp_layout=None)
 
     p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")

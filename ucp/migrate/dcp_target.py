@@ -12,6 +12,7 @@ from typing import Any
 from ucp.errors import UcpError
 from ucp.migrate.issues import Issue
 from ucp.migrate.schema import TargetConfig
+from ucp.model.options import parse_step
 from ucp.model.records import Reader
 from ucp.transforms import TransformPlan
 
@@ -26,7 +27,17 @@ def plan_dcp_target(
     from ucp.targets.dcp import plan_dcp
 
     try:
-        return plan_dcp(tplan.facts, {}, reader.extras(), target.optimizer, steps=steps, layout=target.layout)
+        step = parse_step(target.step)
+        return plan_dcp(
+            tplan.facts,
+            {},
+            reader.extras(),
+            target.optimizer,
+            steps=steps,
+            layout=target.layout or "torch",
+            step=step if isinstance(step, int) else None,
+            reset=step == "reset",
+        )
     except UcpError as err:
         at = ("target", "optimizer") if "family" in str(err) or "optimizer" in str(err) else ("target",)
         issues.append(Issue(at, str(err)))

@@ -262,10 +262,10 @@ def _plan_target(
 def _check_pipeline(pipeline: PipelineConfig, facts: Facts, hf: Any | None, issues: list[Issue]) -> None:
     """What a pipeline target would refuse half-way: a source that is no single pipeline-able model, a name
     that the partition places on no stage."""
-    from ucp.targets.moe import is_moe
+    from ucp.targets.experts import has_experts
 
     at: KeyPath = ("target", "pipeline")
-    if hf is not None or is_moe(facts):
+    if hf is not None or has_experts(facts):
         what = "a Hugging Face folder" if hf is not None else "a mixture-of-experts run"
         issues.append(Issue(at, f"the source is {what}, which a pipeline target cannot write; remove pipeline"))
         return
@@ -283,9 +283,9 @@ def _check_pipeline(pipeline: PipelineConfig, facts: Facts, hf: Any | None, issu
 def _check_experts(facts: Facts, issues: list[Issue]) -> None:
     """A legacy MoE or AutoEP source written by the native target would put every expert on every rank under
     names its run lacks; ``ucp restore --ep`` writes it."""
-    from ucp.targets.moe import is_moe
+    from ucp.targets.experts import has_experts
 
-    if is_moe(facts):
+    if has_experts(facts):
         issues.append(
             Issue(
                 ("target",),
@@ -296,24 +296,10 @@ def _check_experts(facts: Facts, issues: list[Issue]) -> None:
 
 
 def _param_steps(reader: Reader, tplan: TransformPlan) -> dict[str, int]:
-    """The step each trained (renamed) parameter will carry: 0 when reset, else the source's
-    (a native writer reads "never stepped" as 0 too)."""
-    per_param = reader.param_steps()
-    source = reader.facts
-    group_step = {g.index: g.step for g in source.groups}
-    steps: dict[str, int] = {}
-    for meta in tplan.facts.params:
-        if meta.frozen:
-            continue
-        old = tplan.origin[meta.name]
-        if meta.name in tplan.restarted:
-            steps[meta.name] = 0
-        elif old in per_param:
-            steps[meta.name] = int(per_param[old] or 0)
-        else:
-            group = source.param(old).group
-            steps[meta.name] = int(group_step.get(group) or 0) if group is not None else 0
-    return steps
+    """The step each trained (renamed) parameter will carry: 0 when reset, else the source's (a native writer
+    reads "never stepped" as 0 too)."""
+    steps = TransformedReader(reader, tplan).param_steps() if tplan.changes_anything else reader.param_steps()
+    return {meta.name: int(steps.get(meta.name) or 0) for meta in tplan.facts.params if not meta.frozen}
 
 
 def _step_conflicts(config: MigrationConfig, reader: Reader, tplan: TransformPlan, plan: Any) -> list[Issue]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,10 @@ from ucp.errors import StepConflictError
 from ucp.io.guard import OutputPolicy, check_output, universal_bytes, weight_bytes, writing
 from ucp.migrate.issues import Issue, KeyPath, MigrationConfigError
 from ucp.migrate.plan import MigrationPlan, plan_with
+from ucp.migrate.schema import TargetConfig
 from ucp.migrate.yaml_file import read_config
-from ucp.model.options import zero_label
-from ucp.model.records import Reader
+from ucp.model.records import Reader, ReaderView
+from ucp.targets.format import Request
 from ucp.transforms import TransformedReader
 
 logger = logging.getLogger(__name__)
@@ -46,89 +48,43 @@ def execute(plan: MigrationPlan, *, overwrite: bool | OutputPolicy = False, work
     return done
 
 
-def _write_dcp(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy) -> str:
-    from ucp.targets.dcp import write_dcp
-
-    target = plan.config.target
-    if target is None or plan.dcp is None:
-        raise ValueError("the plan has no dcp target")
-    written = write_dcp(
-        reader,
-        target.output,
-        optimizer=target.optimizer,
-        layout=target.layout,
-        steps=plan.dcp_steps,
-        overwrite=overwrite,
-    )
-    for note in written.notes:
-        logger.warning("%s", note)
-    return f"wrote a torch.distributed.checkpoint folder ({written.flavour}, {target.layout} layout) to {target.output}"
-
-
-def _write_hf(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> str:
-    """A Hugging Face source gets a whole folder of its kind: the DeepSpeed files, its other files, RNG files."""
-    from ucp.targets.hf import write_hf_plan
-
-    target = plan.config.target
-    if target is None or plan.native is None or plan.hf is None:
-        raise ValueError("the plan has no Hugging Face target")
-    result = write_hf_plan(plan.hf, reader, plan.native, target.output, overwrite=overwrite, workers=workers)
-    for note in result.notes:
-        logger.warning("%s", note)
-    kind = "Trainer" if result.folder.kind == "trainer" else "Accelerate"
-    return (
-        f"wrote a {kind} folder for {result.world} process(es) ({zero_label(result.plan.stage)}, tag {result.plan.tag}, "
-        f"{len(result.folder.files)} files copied, {len(result.rng)} RNG files) to {target.output}"
-    )
-
-
-def _write_pipeline(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> str:
-    """A PipelineEngine checkpoint for the target's partition: what ``ucp restore --pp`` writes."""
-    from ucp.targets.pipeline import write_pipeline
-
-    target = plan.config.target
-    if target is None or target.pipeline is None:
-        raise ValueError("the plan has no pipeline target")
-    layout = target.pipeline.layout(reader.facts)
-    native = write_pipeline(
-        reader,
-        target.output,
-        layout,
-        target.options(reader.facts.info.zero_stage),
-        overwrite=overwrite,
-        workers=workers,
-    )
-    return (
-        f"wrote a pipeline checkpoint for pp={layout.pp} x dp={native.dp} ({zero_label(native.stage)}, "
-        f"{native.flavour.name}, {native.dtype}) to {target.output}/{native.tag}"
-    )
+def target_request(target: TargetConfig, *, overwrite: bool | OutputPolicy, workers: int | None) -> Request:
+    """The target as the registry's request: its options by name, ``pipeline`` as ``ucp restore --pp`` spells it."""
+    values = target.values()
+    pipe = target.pipeline
+    if pipe is not None:
+        values.update(
+            pp=pipe.pp,
+            pp_parts=",".join(map(str, pipe.parts)) if pipe.parts is not None else None,
+            pp_partition=pipe.partition,
+            pp_layers=pipe.layers,
+            pp_tied=[f"{key}={','.join(map(str, layers))}" for key, layers in pipe.tied.items()],
+        )
+    return Request(values, overwrite=overwrite, workers=workers)
 
 
 def _write_target(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> str:
-    from ucp.targets.native import write_plan
+    """The target the registry chooses for the source and the config (the one the plan described), written."""
+    from ucp.targets.registry import write
 
     target = plan.config.target
-    if plan.dcp is not None:
-        return _write_dcp(plan, reader, overwrite=overwrite)
-    if target is None or plan.native is None:
+    if target is None:
         raise ValueError("the plan has no target")
-    if plan.hf is not None:
-        return _write_hf(plan, reader, overwrite=overwrite, workers=workers)
-    if target.pipeline is not None:
-        return _write_pipeline(plan, reader, overwrite=overwrite, workers=workers)
+    if plan.hf is not None and reader.facts.folder is None:  # read back from the universal directory written first
+        reader = ReaderView(reader, replace(reader.facts, folder=plan.hf))
     try:
-        native = write_plan(reader, plan.native, target.output, overwrite=overwrite, workers=workers)
+        written = write(
+            reader, target.output, target_request(target, overwrite=overwrite, workers=workers), target.format
+        )
     except StepConflictError as err:
         # plan_migration checks this up front; a source whose own steps disagree still lands here
         origin = plan.config.origin
         raise MigrationConfigError(
             [origin.where(Issue(("target", "step"), f"{err}; set target.step to an integer or reset"))]
         ) from None
-    tp = f" tp={native.tp}" if native.tp > 1 else ""
-    return (
-        f"wrote a native {zero_label(native.stage)} checkpoint for dp={native.dp}{tp} ({native.flavour.name}, "
-        f"{native.dtype}) to {target.output}/{native.tag}"
-    )
+    for note in written.notes:
+        logger.warning("%s", note)
+    return written.summary
 
 
 def _exports(plan: MigrationPlan, reader: Reader, *, overwrite: bool | OutputPolicy, workers: int | None) -> list[str]:

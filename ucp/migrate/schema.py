@@ -12,11 +12,10 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.migrate.checking import Check, Node, checked
 from ucp.migrate.issues import Issue, KeyPath, Origin
-from ucp.model import flavours
-from ucp.model.options import STAGES, RestoreOptions
+from ucp.model.option_table import DCP_OPTIMIZER_NAMES, OPTIONS, Option, not_taken
+from ucp.model.options import RestoreOptions
 from ucp.model.records import DTYPES, Facts
 from ucp.model.stages import METHODS
-from ucp.targets.dcp import DCP_OPTIMIZERS
 from ucp.targets.pipeline import PipelineLayout
 from ucp.transforms import Drop, Rename, ResetOptimizer, Step
 
@@ -210,52 +209,58 @@ class PipelineConfig(Node):
         return PipelineLayout.by_method(self.partition, self.stages, self.layers, tied, facts)
 
 
+#: the target formats a migration names (``format:``); the others follow from the source (a Trainer folder) or
+#: from ``pipeline``
 TARGET_FORMATS = ("deepspeed", "dcp")
-DCP_LAYOUTS = ("torch", "torchtitan")
-_ALL_OPTIMIZERS = tuple(dict.fromkeys((*flavours.FLAVOURS, *DCP_OPTIMIZERS)))
-#: TargetConfig fields that describe a native DeepSpeed layout, with the value that means "not given"
-_NATIVE_ONLY = {
-    "dp": None,
-    "stage": None,
-    "dtype": None,
-    "step": "keep",
-    "tag": None,
-    "sub_group_size": None,
-    "tp": 1,
-    "offload": None,
-    "round_robin_gradients": None,
-    "zenflow": None,
-    "pipeline": None,
-}
+
+
+def _option_check(o: Option) -> Check:
+    """How a migration checks a declared option's value (its kind, as the command line reads it)."""
+    if o.kind == "positive":
+        return lambda v: _positive(v) if v is not None else ()
+    if o.kind == "choice":
+        return _one_of(o.choices)
+    if o.kind == "step":
+        return _step_value
+    if o.kind == "tag":
+        return _tag
+    return lambda v: ()
+
+
+def _option(yaml_key: str) -> Any:
+    """A TargetConfig field for the option declared under ``yaml_key`` (ucp.model.option_table): its check and
+    its "not given" default."""
+    o = next(o for o in OPTIONS if o.yaml == yaml_key)
+    return checked(_option_check(o), default=o.unset)
 
 
 @dataclass
 class TargetConfig(Node):
     """What the new run loads: a native DeepSpeed checkpoint (``engine.load_checkpoint``), or with
-    ``format: dcp`` a torch.distributed.checkpoint folder for FSDP2, which reshards on load (no dp)."""
+    ``format: dcp`` a torch.distributed.checkpoint folder for FSDP2, which reshards on load (no dp). Every key but
+    ``output``, ``format`` and ``pipeline`` is a restore option declared in ucp.model.option_table, which also says
+    the formats that take it."""
 
     output: Path
-    dp: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)  # deepspeed: required
     format: str = checked(_one_of(TARGET_FORMATS), default="deepspeed")
-    layout: str = checked(_one_of(DCP_LAYOUTS), default="torch")  # dcp: get_state_dict's, or torchtitan's
-    stage: int | None = checked(_one_of(STAGES), default=None)  # None: 3 (a Hugging Face folder: its own)
-    optimizer: str | None = checked(
-        _one_of(_ALL_OPTIMIZERS), default=None
-    )  # None: the source's (dcp: its torch optimizer, AdamW for Adam's)
-    dtype: str | None = checked(_one_of(DTYPES), default=None)  # None: the source's
-    step: str | int = checked(_step_value, default="keep")
-    tag: str | None = checked(_tag, default=None)  # None: global_step<N>
-    sub_group_size: int | None = checked(lambda v: _positive(v) if v is not None else (), default=None)
-    tp: int = checked(_positive, default=1)  # tensor-parallel degree of the new run
-    offload: bool | None = None  # the new run offloads its optimizer (None: as the source did)
-    round_robin_gradients: bool | None = None  # ZeRO-1/2 groups flattened in round-robin order (None: as the source)
-    zenflow: bool | None = None  # the new run uses ZenFlow: its ZeRO-3 matrices transposed (None: as the source)
+    dp: int | None = _option("dp")  # deepspeed: required
+    layout: str | None = _option("layout")  # dcp: get_state_dict's (None: torch), or torchtitan's
+    stage: int | None = _option("stage")  # None: the source's, 1 for a pipeline (a Hugging Face folder: its own)
+    optimizer: str | None = _option("optimizer")  # None: the source's (dcp: its torch optimizer, AdamW for Adam's)
+    dtype: str | None = _option("dtype")  # None: the source's
+    step: str | int = _option("step")
+    tag: str | None = _option("tag")  # None: global_step<N>
+    sub_group_size: int | None = _option("sub_group_size")
+    tp: int = _option("tp")  # tensor-parallel degree of the new run
+    offload: bool | None = _option("offload")  # the new run offloads its optimizer (None: as the source did)
+    round_robin_gradients: bool | None = _option("round_robin_gradients")  # ZeRO-1/2 round-robin order
+    zenflow: bool | None = _option("zenflow")  # the new run uses ZenFlow: its ZeRO-3 matrices transposed
     pipeline: PipelineConfig | None = None  # a PipelineEngine checkpoint (ZeRO-1) for this partition
 
     def cross_issues(self) -> Iterator[Issue]:
-        if self.format == "dcp" and self.optimizer is not None and self.optimizer not in DCP_OPTIMIZERS:
+        if self.format == "dcp" and self.optimizer is not None and self.optimizer not in DCP_OPTIMIZER_NAMES:
             yield Issue(
-                ("optimizer",), f"a dcp output is read by a torch optimizer: one of {', '.join(DCP_OPTIMIZERS)}"
+                ("optimizer",), f"a dcp output is read by a torch optimizer: one of {', '.join(DCP_OPTIMIZER_NAMES)}"
             )
         if self.format == "deepspeed" and self.optimizer == "torch-adamw":
             yield Issue(
@@ -263,21 +268,27 @@ class TargetConfig(Node):
                 "torch-adamw names a dcp output's optimizer; a native checkpoint takes torch-adam (AdamW is "
                 "torch-adam with decoupled weight decay, kept from the source)",
             )
+        for o in not_taken(self.format, self.values()):
+            assert o.yaml is not None  # only keys of the YAML are in values()
+            if o.targets == {"dcp"}:
+                yield Issue((o.yaml,), "describes a dcp output; set format: dcp or remove it")
+            else:
+                yield Issue(
+                    (o.yaml,),
+                    f"does not apply to format {self.format}: the folder holds fp32 masters and each parameter's own "
+                    "step, and DCP reshards on load at any world size; remove it",
+                )
+        if self.format == "dcp" and self.pipeline is not None:
+            yield Issue(("pipeline",), "does not apply to format dcp: a DCP folder has no pipeline stages; remove it")
         if self.format == "deepspeed":
             if self.pipeline is not None:
                 yield from self._pipeline_issues()
             if self.dp is None:
                 yield Issue(("dp",), "is required: the data-parallel size of the new run (or set format: dcp)")
-            if self.layout != "torch":
-                yield Issue(("layout",), "describes a dcp output; set format: dcp or remove it")
-            return
-        for name, unset in _NATIVE_ONLY.items():
-            if getattr(self, name) != unset:
-                yield Issue(
-                    (name,),
-                    "does not apply to format dcp: the folder holds fp32 masters and each parameter's own step, "
-                    "and DCP reshards on load at any world size; remove it",
-                )
+
+    def values(self) -> dict[str, Any]:
+        """Every declared option the YAML gave, by its option name (``layout`` is ``dcp_layout``)."""
+        return {o.name: getattr(self, o.yaml) for o in OPTIONS if o.yaml is not None}
 
     def _pipeline_issues(self) -> Iterator[Issue]:
         """What ``ucp restore --pp`` refuses too, before anything is written: PipelineEngine runs ZeRO-0/1.

@@ -44,12 +44,13 @@ from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import GroupMeta, ParamMeta, ParamState, Reader, ReaderView, torch_dtype
 from ucp.sources import opened
+from ucp.targets.experts import expert_format, serves_experts
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
 from ucp.targets.native.zero3 import write_zero3
 from ucp.targets.native.zero12 import write_zero12
 
-__all__ = ["autoep_layers_of", "is_autoep", "source_ep_size", "write_autoep"]
+__all__ = ["FORMAT", "autoep_layers_of", "is_autoep", "source_ep_size", "write_autoep"]
 
 logger = logging.getLogger(__name__)
 
@@ -243,3 +244,15 @@ def write_autoep(
             (root / LATEST).write_text(plan.tag)
         logger.debug("wrote an AutoEP checkpoint for %d ranks at autoep_size=%d to %s", options.dp, ep, out)
         return plan
+
+
+FORMAT = expert_format(
+    name="deepspeed-autoep",
+    label="a DeepSpeed AutoEP checkpoint (expert_parallel)",
+    docs="format.md#expert-parallelism-autoep-0198-expert_parallel-config",
+    noun="an AutoEP",
+    size="autoep_size",
+    write=write_autoep,
+    source_ep_size=source_ep_size,
+    serves=serves_experts(is_autoep, True),
+)

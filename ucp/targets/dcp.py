@@ -43,21 +43,21 @@ from ucp.errors import ConfigError, InputError
 from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
 from ucp.io.timing import phase
 from ucp.model import flavours
+from ucp.model.option_table import DCP_LAYOUTS, Option
 from ucp.model.options import StepPolicy, parse_step
 from ucp.model.records import Facts, ParamState, Reader
 from ucp.sources import opened
 from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
+from ucp.targets.format import Request, TargetFormat, Written
 from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
 
-__all__ = ["write_dcp", "plan_dcp", "source_optimizer", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
+__all__ = ["FORMAT", "write_dcp", "plan_dcp", "source_optimizer", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
 
 logger = logging.getLogger(__name__)
 
 #: what --optimizer may name for a DCP output: torch optimizers (AdamW is Adam with decoupled decay) and the
 #: schedule-free ones, which keep their state as torch's do
 DCP_OPTIMIZERS = ("torch-adamw", *(name for name in flavours.FLAVOURS if name.startswith(("torch-", "sf-"))))
-#: ``torch``: get_state_dict's {"model", "optim", ...}; ``torchtitan``: what its CheckpointManager reads
-DCP_LAYOUTS = ("torch", "torchtitan")
 #: torchtitan's key for the optimizer (torchtitan.components.checkpoint.OPTIMIZER)
 TT_OPTIMIZER = "optimizer"
 
@@ -333,7 +333,7 @@ def write_dcp(
             reader.buffers(),
             reader.extras(),
             optimizer,
-            steps=steps,
+            steps=reader.param_steps() if steps is None else steps,
             layout=layout,
             step=fixed,
             reset=policy == "reset",
@@ -344,3 +344,32 @@ def write_dcp(
                 _save(plan, root, _Fetch(reader), fsync)
     logger.debug("wrote a DCP checkpoint (%s) to %s", plan.flavour, out)
     return plan
+
+
+def _write(reader: Reader, out: Path, request: Request) -> Written:
+    layout = request.get("dcp_layout") or "torch"
+    plan = write_dcp(
+        reader, out, optimizer=request.get("optimizer"), step=request.get("step"), layout=layout,
+        overwrite=request.overwrite, fsync=request.fsync,
+    )  # fmt: skip
+    summary = f"wrote a torch.distributed.checkpoint folder ({plan.flavour}, {layout} layout) to {out}"
+    return Written(summary, list(plan.notes), {"format": "dcp", "optimizer": plan.flavour, "layout": layout})
+
+
+def _refusal(options: list[Option], request: Request) -> str:
+    flags = [o.flag for o in options]
+    one = len(flags) == 1
+    return (
+        f"{', '.join(flags)} describe{'s' if one else ''} a DeepSpeed output; a DCP folder holds fp32 masters that FSDP2 "
+        f"loads at any world size: drop --format dcp, or {'it' if one else 'them'}"
+    )
+
+
+FORMAT = TargetFormat(
+    name="dcp",
+    label="a torch.distributed.checkpoint folder (FSDP2, torchtitan)",
+    docs="format.md#6-torchdistributedcheckpoint-fsdp2",
+    write=_write,
+    serves=lambda reader, request: False,  # only when asked for (--format dcp, format: dcp)
+    refusal=_refusal,
+)

@@ -19,13 +19,14 @@ from typing import Any
 from ucp.deepspeed.layout import LATEST
 from ucp.errors import InputError
 from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
-from ucp.model.options import RestoreOptions
+from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.records import Facts, Reader
 from ucp.sources import opened
 from ucp.sources.hf import HfFolder, batch_advice, rng_plan
+from ucp.targets.format import Request, TargetFormat, Written
 from ucp.targets.native import NativePlan, mark_reset, plan_native, write_plan
 
-__all__ = ["hf_options", "write_hf_plan", "HfResult", "write_hf"]
+__all__ = ["FORMAT", "hf_options", "write_hf_plan", "HfResult", "write_hf"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +169,36 @@ def write_hf_plan(
     for note in result.notes:
         logger.debug("%s", note)
     return result
+
+
+def _write(reader: Reader, out: Path, request: Request) -> Written:
+    """The whole folder for the new process count: stage and tag as the source's unless asked."""
+    fields = {name: request.get(name) for name in RestoreOptions.field_names()}
+    result = write_hf(reader, out, overwrite=request.overwrite, workers=request.workers, fsync=request.fsync, **fields)
+    world, plan = result.world, result.plan
+    summary = (
+        f"wrote {'a Trainer' if result.folder.kind == 'trainer' else 'an Accelerate'} folder for {world} "
+        f"process{'es' if world > 1 else ''} ({zero_label(plan.stage)}, tag {plan.tag}, {len(result.folder.files)} "
+        f"files copied, {len(result.rng)} RNG files) to {out}"
+    )
+    return Written(
+        summary,
+        list(result.notes),
+        {
+            "format": result.folder.kind,
+            "processes": world,
+            "stage": plan.stage,
+            "tag": plan.tag,
+            "files_copied": list(result.folder.files),
+            "rng_files": [new for _, new in result.rng],
+        },
+    )
+
+
+FORMAT = TargetFormat(
+    name="hf-folder",
+    label="a Hugging Face Trainer or Accelerate folder",
+    docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
+    write=_write,
+    serves=lambda reader, request: reader.facts.folder is not None,
+)

@@ -30,11 +30,12 @@ from ucp.io.torchzip import write_torch_file
 from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Facts, Reader, ReaderView, torch_dtype
 from ucp.sources import opened
+from ucp.targets.experts import expert_format, serves_experts
 from ucp.targets.native import NativePlan, plan_native
 from ucp.targets.native.plan import Zero12Sets
 from ucp.targets.native.zero12 import write_zero12
 
-__all__ = ["MoeLayer", "is_moe", "moe_layers", "source_ep_size", "write_moe"]
+__all__ = ["FORMAT", "MoeLayer", "moe_layers", "source_ep_size", "write_moe"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,6 @@ def _record(reader: Reader) -> Mapping[str, Any]:
     """The MoE layers the reader's facts record (empty when it holds none)."""
     layout = reader.facts.layout
     return layout.record if layout is not None and layout.kind == "moe" else {}
-
-
-def is_moe(facts: Facts) -> bool:
-    """The checkpoint holds expert param groups (``moe: True``): only :func:`write_moe` writes a checkpoint
-    its run loads (a dense-shaped one puts every expert on every rank, under names the run lacks)."""
-    return any(group.raw.get("moe") for group in facts.groups)
 
 
 def source_ep_size(reader: Reader) -> int:
@@ -180,3 +175,20 @@ def write_moe(
             (root / LATEST).write_text(plan.tag)
         logger.debug("wrote a MoE checkpoint for %d ranks at ep_size=%d to %s", options.dp, ep, out)
         return plan
+
+
+def _is_autoep(reader: Reader) -> bool:
+    layout = reader.facts.layout
+    return layout is not None and layout.kind == "autoep"
+
+
+FORMAT = expert_format(
+    name="deepspeed-moe",
+    label="a DeepSpeed mixture-of-experts checkpoint (deepspeed.moe)",
+    docs="format.md#expert-parallelism-legacy-deepspeedmoelayermoe",
+    noun="a MoE",
+    size="ep_size",
+    write=write_moe,
+    source_ep_size=source_ep_size,
+    serves=serves_experts(_is_autoep, False),
+)

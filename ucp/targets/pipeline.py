@@ -30,11 +30,12 @@ from ucp.model.options import RestoreOptions, options_with
 from ucp.model.records import Facts, Reader, ReaderView
 from ucp.model.stages import METHODS, balanced_parts, uniform_parts
 from ucp.sources import opened
-from ucp.targets.native import NativePlan, plan_native
+from ucp.targets.format import Request, TargetFormat, Written
+from ucp.targets.native import NativePlan, native_written, plan_native
 from ucp.targets.native.zero12 import write_zero12
 from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
 
-__all__ = ["PipelineLayout", "StageView", "write_pipeline"]
+__all__ = ["FORMAT", "PipelineLayout", "StageView", "layout_of", "write_pipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,3 +237,46 @@ def write_pipeline(
                     _to_layer_files(tag_dir, layout, stage, options.tp, tp_rank)
             (root / LATEST).write_text(plan.tag)
         return plan
+
+
+def layout_of(request: Request, facts: Facts) -> PipelineLayout:
+    """The new run's partition from a request's ``pp``, ``pp_parts`` or ``pp_partition`` + ``pp_layers``, and
+    ``pp_tied`` (``ucp restore --pp``), each problem in one line."""
+    parts, method, layers = request.get("pp_parts"), request.get("pp_partition"), request.get("pp_layers")
+    pp, tied_given = int(request.get("pp")), list(request.get("pp_tied") or ())
+    if (parts is None) == (method is None):
+        raise ConfigError(
+            "--pp needs the new run's layer partition: --pp-parts 0,3,6 (its PipelineModule.parts) or "
+            "--pp-partition uniform|parameters --pp-layers N (its partition_method), and --pp-tied KEY=LAYERS for "
+            "each TiedLayerSpec key"
+        )
+    if method is not None and layers is None:
+        raise ConfigError("--pp-partition needs --pp-layers: the length of the PipelineModule's layer list")
+    if parts is not None:
+        layout = PipelineLayout.parse(parts, tied_given)
+        if layout.pp != pp:
+            raise ConfigError(f"--pp-parts {parts} cuts {layout.pp} stages, but --pp is {pp}")
+        return layout
+    return PipelineLayout.by_method(method, pp, int(layers), PipelineLayout.parse_tied(tied_given), facts)
+
+
+def _write(reader: Reader, out: Path, request: Request) -> Written:
+    """A PipelineEngine checkpoint: ZeRO-1 unless asked (PipelineEngine runs ZeRO-0/1)."""
+    layout = layout_of(request, reader.facts)
+    options = request.restore_options(1)
+    plan = write_pipeline(
+        reader, out, layout, options, overwrite=request.overwrite, workers=request.workers, fsync=request.fsync
+    )
+    sizes = f"pp={layout.pp} x " + (f"tp={plan.tp} x " if plan.tp > 1 else "") + f"dp={plan.dp}"
+    return native_written(
+        plan, out, noun="a pipeline", layout=sizes, format="deepspeed-pipeline", pp=layout.pp, parts=list(layout.parts)
+    )
+
+
+FORMAT = TargetFormat(
+    name="deepspeed-pipeline",
+    label="a DeepSpeed pipeline checkpoint (PipelineEngine)",
+    docs="format.md#pipeline-parallelism-deepspeedpipepipelinemodule-pipelineengine",
+    write=_write,
+    serves=lambda reader, request: request.has("pp"),
+)

@@ -20,10 +20,11 @@ from ucp.io.atomic import mark_owned
 from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.io.pool import default_workers
 from ucp.io.timing import phase
-from ucp.model.options import RestoreOptions, options_with
+from ucp.model.options import RestoreOptions, options_with, zero_label
 from ucp.model.records import Reader
 from ucp.model.zenflow import ZenflowTransposed
 from ucp.sources import open_reader, opened
+from ucp.targets.format import Request, TargetFormat, Written
 from ucp.targets.native.plan import DS_DEFAULT_SUB_GROUP_SIZE, NativePlan, Share, plan_native
 from ucp.targets.native.zero0 import write_zero0
 from ucp.targets.native.zero3 import write_zero3
@@ -31,6 +32,8 @@ from ucp.targets.native.zero12 import write_zero12
 from ucp.targets.tensor_parallel import TpShardReader, rank_layouts
 
 __all__ = [
+    "FORMAT",
+    "native_written",
     "NativePlan",
     "RestoreOptions",
     "Share",
@@ -144,3 +147,38 @@ def reshard(
         return write_plan(
             reader, plan_native(reader.facts, chosen), out, overwrite=overwrite, workers=workers, fsync=fsync
         )
+
+
+def native_written(
+    plan: NativePlan, out: str | os.PathLike, *, noun: str | None = None, layout: str | None = None, **fields: Any
+) -> Written:
+    """What a native write reports: one summary line, its plan's notes, and the JSON fields (``format``:
+    ``deepspeed`` unless ``fields`` say otherwise). ``noun`` names a layout of its own (``a pipeline``, ``a MoE``:
+    the ZeRO stage then goes in the parentheses), ``layout`` the new run's sizes (default ``dp=N``, ``tp=T``)."""
+    sizes = layout or f"dp={plan.dp}" + (f" tp={plan.tp}" if plan.tp > 1 else "")
+    what = [zero_label(plan.stage)] if noun else []
+    summary = (
+        f"wrote {noun or 'a ' + zero_label(plan.stage)} checkpoint for {sizes} "
+        f"({', '.join([*what, plan.flavour.name, plan.dtype])}) to {out}/{plan.tag}"
+    )
+    body = {"stage": plan.stage, "dp": plan.dp, "tp": plan.tp, "optimizer": plan.flavour.name, "dtype": plan.dtype}
+    return Written(summary, list(plan.notes), {"format": "deepspeed", **fields, **body, "tag": plan.tag})
+
+
+def _write(reader: Reader, out: Path, request: Request) -> Written:
+    """A bare DeepSpeed checkpoint, at the source's ZeRO stage unless one is asked for."""
+    options = request.restore_options(reader.facts.info.zero_stage)
+    plan = write_plan(
+        reader, plan_native(reader.facts, options), out, overwrite=request.overwrite, workers=request.workers,
+        fsync=request.fsync,
+    )  # fmt: skip
+    return native_written(plan, out)
+
+
+FORMAT = TargetFormat(
+    name="deepspeed",
+    label="a DeepSpeed checkpoint",
+    docs="format.md#1-deepspeed-zero-3",
+    write=_write,
+    serves=lambda reader, request: True,
+)

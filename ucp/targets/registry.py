@@ -1,0 +1,63 @@
+"""The one list of formats ucp writes for a new run, and the one choice among them.
+
+``ucp restore`` / ``ucp reshard`` and a migration's ``target`` both call :func:`choose` then :func:`write`; the
+options each target takes are declared once in ``ucp.model.option_table``. Adding a target format is one module
+that declares a :class:`~ucp.targets.format.TargetFormat` (its ``FORMAT``), its name in the option declarations
+it takes, and one line in :data:`TARGET_FORMATS` (docs/design.md lists the steps).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ucp.errors import ConfigError
+from ucp.model.option_table import not_taken
+from ucp.model.records import Reader
+from ucp.targets import autoep, dcp, hf, moe, native, pipeline
+from ucp.targets.format import Request, TargetFormat, Written
+
+__all__ = ["TARGET_FORMATS", "target_format", "choose", "refuse_options", "write"]
+
+#: every target, in the order their ``serves`` is asked when no format is named (the plain DeepSpeed checkpoint,
+#: which serves any source, last; a DCP folder only when asked for)
+TARGET_FORMATS: tuple[TargetFormat, ...] = (
+    hf.FORMAT,
+    autoep.FORMAT,
+    moe.FORMAT,
+    pipeline.FORMAT,
+    dcp.FORMAT,
+    native.FORMAT,
+)
+
+_BY_NAME = {t.name: t for t in TARGET_FORMATS}
+
+
+def target_format(name: str) -> TargetFormat:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ConfigError(f"no target format {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def choose(reader: Reader, request: Request, asked: str | None = None) -> TargetFormat:
+    """The target for ``reader`` under ``request``: the format ``asked`` for when it is one a user names (``dcp``),
+    else the first that serves the source and the options (a Trainer folder gets a whole folder of its kind; a
+    source with experts an expert target; ``pp`` a pipeline checkpoint; anything else a DeepSpeed checkpoint)."""
+    if asked is not None and asked != native.FORMAT.name:
+        return target_format(asked)
+    return next(t for t in TARGET_FORMATS if t.serves(reader, request))
+
+
+def refuse_options(target: TargetFormat, request: Request) -> None:
+    """One line refusing every option given that ``target`` does not take, before anything is opened for writing."""
+    extra = not_taken(target.name, dict(request.values))
+    if extra:
+        raise ConfigError(target.refuse(extra, request))
+
+
+def write(reader: Reader, out: str | os.PathLike[str], request: Request, asked: str | None = None) -> Written:
+    """Choose the target, refuse what it does not take, write OUT; what the write reports."""
+    target = choose(reader, request, asked)
+    refuse_options(target, request)
+    return target.write(reader, Path(out), request)
