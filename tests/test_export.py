@@ -257,7 +257,7 @@ def test_exported_files_follow_the_umask_and_a_foreign_suffix_is_refused(bf16_un
 
 
 def test_config_dtype_is_rewritten_only_where_it_names_another_dtype_and_hostile_text_is_left_alone():
-    from ucp.sources.hf import config_in_dtype
+    from ucp.frameworks.hf import config_in_dtype
 
     written = config_in_dtype(b'{"dtype": "bfloat16", "text_config": {"torch_dtype": "float32"}, "x": 1}', "fp16")
     assert json.loads(written) == {"dtype": "float16", "text_config": {"torch_dtype": "float16"}, "x": 1}

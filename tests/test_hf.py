@@ -35,7 +35,7 @@ from tests.support.hf_runs import (  # noqa: E402
 )
 from tests.support.hf_worker import HfSpec  # noqa: E402
 from ucp.errors import InputError, UcpError  # noqa: E402
-from ucp.sources.hf import batch_advice, find_hf_folder, rng_plan  # noqa: E402
+from ucp.frameworks.hf import batch_advice, find_hf_folder, rng_plan  # noqa: E402
 from ucp.targets.hf import write_hf  # noqa: E402
 
 
@@ -171,7 +171,7 @@ def test_batch_advice_names_the_settings_that_keep_the_global_batch(
 
 
 def test_rng_files_map_new_rank_to_old_rank_mod_old_world(tmp_path: Path) -> None:
-    from ucp.sources.hf import HfFolder
+    from ucp.frameworks.hf import HfFolder
 
     two = HfFolder(tmp_path, "trainer", "global_step4", ("rng_state_0.pth", "rng_state_1.pth"), (), (), None)
     assert rng_plan(two, 1) == [("rng_state_0.pth", "rng_state.pth")]

@@ -36,7 +36,7 @@ def test_a_huge_latest_file_is_one_line(z3_bf16_dp2, tmp_path: Path, capsys: pyt
 
 @pytest.mark.parametrize("text", ["[" * 200_000, '{"a": ' + '"x' * 10 + "}"], ids=["nested", "broken"])
 def test_an_unreadable_trainer_state_is_one_input_error(tmp_path: Path, text: str) -> None:
-    from ucp.sources.hf import _read_state
+    from ucp.frameworks.hf import _read_state
 
     (tmp_path / "trainer_state.json").write_text(text)
     with pytest.raises(InputError, match="not readable JSON"):

@@ -15,12 +15,9 @@ the largest parameter; byte items are unpickled with ``weights_only=True`` only.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import os
-import pickle
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,145 +25,30 @@ from typing import Any
 import torch
 
 from ucp.deepspeed.states import scaler_object
-from ucp.errors import CorruptFileError, InputError
-from ucp.io.small_files import read_small
+from ucp.errors import InputError
+from ucp.frameworks.dcp import (
+    METADATA,
+    MODEL,
+    OPTIM,
+    SCHEDULER,
+    TRAIN_STATE,
+    UCP_KEY,
+    is_dcp,
+    load_items,
+    read_metadata,
+)
 from ucp.model.detect import detect
 from ucp.model.hyper import hyper_from_group, raw_group
 from ucp.model.loss_scale import LossScale
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.format import How, Probe, SourceFormat
 
-__all__ = [
-    "FORMAT",
-    "DcpSource",
-    "is_dcp",
-    "read_metadata",
-    "METADATA",
-    "MODEL",
-    "OPTIM",
-    "SCHEDULER",
-    "TRAIN_STATE",
-    "UCP_KEY",
-]
+__all__ = ["FORMAT", "DcpSource"]
 
 logger = logging.getLogger(__name__)
 
-METADATA = ".metadata"
-#: a model of a million tensors writes about a gigabyte of metadata; a larger one is damage
-MAX_METADATA_BYTES = 1 << 30
-MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY = "model", "optim", "lr_scheduler", "train_state", "ucp"
 #: what ucp reads of ``train_state`` (DeepSpeed's counters, and an fp16 run's scaler that ucp's writer keeps there)
 _TRAIN_STATE_READ = frozenset({"step", "skipped_steps", "global_samples", "loss_scale"})
-
-_DCP = "torch.distributed.checkpoint"
-#: the only globals a DCP .metadata pickle may name (torch 2.4 - 2.13 write these)
-_ALLOWED = {
-    (f"{_DCP}.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-def is_dcp(path: str | os.PathLike) -> bool:
-    """A folder holding DCP's ``.metadata`` file."""
-    return (Path(path) / METADATA).is_file()
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata dataclasses, torch sizes, dtypes and layouts; refuses anything else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
-
-
-def read_metadata(path: Path) -> Any:
-    """DCP's ``Metadata`` of a folder, read safely, with every shard file checked for presence and size."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    file = path / METADATA
-    raw = read_small(file, MAX_METADATA_BYTES, "torch.distributed.checkpoint metadata file")
-    try:
-        meta = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as err:  # any unpickling failure means: not DCP's metadata
-        raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file: {err}") from None
-    if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
-        raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file (no Metadata with storage)")
-    if not isinstance(meta.planner_data, dict):
-        raise InputError(f"{file} has no key paths (planner_data): save with DCP's default planner")
-    sizes: dict[str, int] = {}
-    for index, info in meta.storage_data.items():
-        rel = str(info.relative_path)
-        if rel not in sizes:
-            shard = path / rel
-            if os.path.basename(rel) != rel or not shard.is_file():
-                raise InputError(f"shard file {rel} is missing from {path}: {METADATA} lists it")
-            sizes[rel] = shard.stat().st_size
-        if info.transform_descriptors:
-            raise InputError(
-                f"{path}/{rel} is stored with transforms {info.transform_descriptors}; ucp reads plain DCP"
-            )
-        if info.offset + info.length > sizes[rel]:
-            raise CorruptFileError(
-                f"shard file {rel} in {path} is truncated: {index.fqn} needs bytes up to "
-                f"{info.offset + info.length}, the file has {sizes[rel]}"
-            )
-    return meta
-
-
-def _load(path: Path, meta: Any, template: dict[str, Any]) -> None:
-    """Fill ``template`` (nested, any subset of the checkpoint's keys) with DCP's own loader, in this
-    process only; byte items are unpickled with ``weights_only=True``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class Reader_(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return meta
-
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-
-    try:
-        with warnings.catch_warnings():  # no_dist is what we ask for; torch warns about it on every call
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, storage_reader=Reader_(path), planner=Planner(), no_dist=True)
-    except Exception as err:
-        raise CorruptFileError(f"reading {path} with torch.distributed.checkpoint failed: {_cause(err)}") from None
-
-
-def _cause(err: BaseException) -> str:
-    """DCP wraps each rank's failure; the first one is what went wrong."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, Mapping) and failures:
-        first = next(iter(failures.values()))
-        err = first[0] if isinstance(first, tuple) else first
-    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
 def _nest(items: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
@@ -258,7 +140,7 @@ class DcpSource(Reader):
                 torch.empty(tuple(tensor.size), dtype=tensor.properties.dtype) if tensor is not None else None
             )
         nested = _nest(template)
-        _load(self.path, self.meta, nested)
+        load_items(self.path, self.meta, nested)
         return nested
 
     def _groups(self, small: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -406,7 +288,7 @@ class DcpSource(Reader):
     def _model_tensor(self, name: str) -> torch.Tensor:
         storage = self._model[name]
         tensor = torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
-        _load(self.path, self.meta, {MODEL: {name: tensor}})
+        load_items(self.path, self.meta, {MODEL: {name: tensor}})
         return tensor
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
@@ -420,7 +302,7 @@ class DcpSource(Reader):
         template: dict[str, Any] = {MODEL: {name: fp32}}
         if optim:
             template[OPTIM] = {"state": {name: optim}}
-        _load(self.path, self.meta, template)
+        load_items(self.path, self.meta, template)
         step = self.facts.groups[meta.group].step if meta.group is not None else None
         if not keys:
             return ParamState(fp32=fp32.float(), step=step)

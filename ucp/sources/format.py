@@ -21,8 +21,8 @@ from ucp.errors import InputError
 from ucp.model.records import Facts, Reader
 
 if TYPE_CHECKING:
+    from ucp.frameworks.hf import HfFolder
     from ucp.model.tp import TpRule
-    from ucp.sources.hf import HfFolder
 
 __all__ = ["How", "Probe", "SourceFormat", "OPEN_OPTIONS"]
 
@@ -82,7 +82,7 @@ class Probe:
     @cached_property
     def hf(self) -> HfFolder | None:
         """The Trainer or Accelerate folder PATH is (never when a tag is named: then its DeepSpeed checkpoint is)."""
-        from ucp.sources.hf import find_hf_folder
+        from ucp.frameworks.hf import find_hf_folder
 
         return None if self.tag is not None or not self.path.is_dir() else find_hf_folder(self.path)
 

@@ -40,6 +40,7 @@ import torch
 
 from ucp.deepspeed import states as ds_states
 from ucp.errors import ConfigError, InputError
+from ucp.frameworks.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
 from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
 from ucp.io.timing import phase
 from ucp.model import flavours
@@ -47,7 +48,6 @@ from ucp.model.option_table import DCP_LAYOUTS, Option
 from ucp.model.options import StepPolicy, parse_step
 from ucp.model.records import Facts, ParamState, Reader
 from ucp.sources import opened
-from ucp.sources.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY, read_metadata
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
+from ucp.frameworks.hf import config_in_dtype, model_files
 from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree
 from ucp.io.guard import Inputs, OutputPolicy, guarded, guarded_output, weight_bytes
 from ucp.io.pool import default_workers, parallel_map
@@ -40,7 +41,6 @@ from ucp.model.cast import narrowed
 from ucp.model.names import WRAPPER_PATTERN, has_wrapper
 from ucp.model.records import DTYPES, Facts, Reader, torch_dtype
 from ucp.sources import opened
-from ucp.sources.hf import config_in_dtype, model_files
 from ucp.sources.registry import run_folder
 from ucp.transforms import Rename, TransformedReader, plan_transforms
 

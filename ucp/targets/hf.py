@@ -1,6 +1,6 @@
 """A Hugging Face run folder for a new world size: the same kind of folder, ready to resume from.
 
-Call order: :func:`write_hf` finds the source's layout (:func:`ucp.sources.hf.find_hf_folder`),
+Call order: :func:`write_hf` finds the source's layout (:func:`ucp.frameworks.hf.find_hf_folder`),
 plans the native write for the new size (:func:`ucp.targets.native.plan_native`), and inside one
 staged output writes the DeepSpeed tag under the name the framework loads plus ``latest``, copies
 every other file of the source unchanged (as bytes: nothing is unpickled), and gives each new
@@ -18,11 +18,11 @@ from typing import Any
 
 from ucp.deepspeed.layout import LATEST
 from ucp.errors import InputError
+from ucp.frameworks.hf import HfFolder, batch_advice, rng_plan
 from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
 from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.records import Facts, Reader
 from ucp.sources import opened
-from ucp.sources.hf import HfFolder, batch_advice, rng_plan
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.targets.native import NativePlan, mark_reset, plan_native, write_plan
 
