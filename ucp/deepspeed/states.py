@@ -12,7 +12,10 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ucp.model.options import Decided
 
 import torch
 
@@ -25,6 +28,8 @@ from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, torch_dtype
 
 __all__ = [
+    "stage0_note",
+    "unknown_clipping_note",
     "WRITTEN_DS_VERSION",
     "scaler_object",
     "loss_scale_of",
@@ -382,3 +387,27 @@ def universal_model_states(
         "ds_version": info.ds_version or WRITTEN_DS_VERSION,
         **dict(extras.get("client_state") or {}),
     }
+
+
+def stage0_note(decided: Decided) -> str | None:
+    """Without ZeRO every rank loads one model-states file (its TP rank's)."""
+    if decided.options.stage != 0:
+        return None
+    files = (
+        "the one mp_rank_00_model_states.pt" if decided.options.tp == 1 else "its TP rank's mp_rank_XX_model_states.pt"
+    )
+    return (
+        f"without ZeRO every rank loads {files}: the checkpoint serves any DP size, and the new run's optimizer "
+        "must hold the trained parameters in the source's group order"
+    )
+
+
+def unknown_clipping_note(decided: Decided) -> str | None:
+    """A DCP source records no clipping; the ZeRO-1/2 files then say DeepSpeed 0.19's default, which its load takes
+    over the new run's config."""
+    if decided.options.stage not in (1, 2) or decided.facts.info.format != "dcp":
+        return None
+    return (
+        "the source records no gradient clipping: the ZeRO-1/2 files say 1.0 (DeepSpeed 0.19's default), which "
+        "DeepSpeed's load takes over the new run's gradient_clipping"
+    )

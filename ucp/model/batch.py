@@ -8,8 +8,12 @@ batch; DeepSpeed refuses ``train_batch_size`` that does not factor. Pure arithme
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-__all__ = ["global_batch_advice"]
+if TYPE_CHECKING:
+    from ucp.model.options import Decided
+
+__all__ = ["global_batch_note", "global_batch_advice"]
 
 
 def _procs(n: int) -> str:
@@ -37,3 +41,19 @@ def global_batch_advice(
         return f"{head}, and no setting keeps {total} at {_procs(new_dp)} (it is not a multiple of {new_dp})"
     options = sorted(_pairs(total // new_dp), key=lambda p: (abs(p[0] - micro), -p[0]))
     return f"{head}; to keep {total} {verb} " + ", or ".join(spell(b, a) for b, a in options[:2])
+
+
+def global_batch_note(decided: Decided) -> str | None:
+    """The DeepSpeed settings that keep the source's global batch at the new DP size (from its saved config)."""
+    facts = decided.facts
+    config = facts.info.ds_config or {}
+    micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    if not isinstance(micro, int) or not isinstance(accum, int) or isinstance(micro, bool) or micro < 1 or accum < 1:
+        return None
+    return global_batch_advice(
+        micro,
+        accum,
+        facts.info.batch_ranks,
+        decided.options.dp,
+        spell=lambda b, a: f"train_micro_batch_size_per_gpu={b}, gradient_accumulation_steps={a}",
+    )

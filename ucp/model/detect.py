@@ -6,14 +6,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ucp.errors import InputError
 from ucp.model.flavours import FLAVOURS, Flavour, check_keys, get
 
+if TYPE_CHECKING:
+    from ucp.model.options import Decided
+
 __all__ = [
+    "wide_state_note",
+    "nvme_note",
     "Detection",
     "detect",
     "detect_live",
@@ -294,4 +299,28 @@ def detect_live(optimizer: Any) -> Flavour:
     raise InputError(
         f"cannot tell where {cls.__module__}.{cls.__name__} keeps its step; pass optimizer= one of "
         f"{', '.join(FLAVOURS)}"
+    )
+
+
+def wide_state_note(decided: Decided) -> str | None:
+    """Low-precision masters with fp32 moments: DeepSpeed's own load casts the moments; ucp's live restore keeps
+    them."""
+    low = low_precision_masters(decided.facts.info.ds_config)
+    if low is None or not low.wide_state or decided.options.stage == 0 or decided.options.reset:
+        return None
+    return (
+        f"the source kept {low.masters} masters with fp32 moments ({low.option}): if the new run keeps "
+        f"{low.masters} masters too, DeepSpeed 0.19.8's load_checkpoint casts the moments to {low.masters}; "
+        "ucp.restore(engine, ...) keeps them fp32"
+    )
+
+
+def nvme_note(decided: Decided) -> str | None:
+    """A source that swapped its optimizer to NVMe: the files written hold every state themselves."""
+    if not offloads_to_nvme(decided.facts.info.ds_config) or decided.options.stage == 0:
+        return None
+    return (
+        "the source swapped its optimizer to NVMe; these files hold every state themselves: load them in a "
+        "run that offloads the optimizer to CPU memory or keeps it on the accelerator (an NVMe-offload run loads "
+        "only its own saves' offloaded_tensors/, and DeepSpeed 0.19.8 resumes those wrong: docs/format.md)"
     )

@@ -45,7 +45,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ucp.model.options import Decided
 
 import torch
 
@@ -54,6 +57,9 @@ from ucp.model.hyper import TORCH_KEYS, Hyper, group_value
 from ucp.model.pieces import Pieces
 
 __all__ = [
+    "muon_layout_note",
+    "factored_note",
+    "conversion_note",
     "Flavour",
     "FLAVOURS",
     "check_family",
@@ -389,3 +395,41 @@ def get(name: str) -> Flavour:
         return FLAVOURS[name]
     except KeyError:
         raise InputError(f"unknown optimizer flavour {name!r}; choose one of {', '.join(FLAVOURS)}") from None
+
+
+def muon_layout_note(decided: Decided) -> str | None:
+    """DeepSpeed Muon keeps its ZeRO-1/2 momentum whole per parameter unless the optimizer is offloaded: which one
+    the files hold, and that the new run must match it."""
+    facts, options = decided.facts, decided.options
+    muon = any(decided.flavour.zero12_whole_keys(g.raw, offload=False) for g in facts.groups)
+    if options.stage not in (1, 2) or options.reset or not muon:
+        return None
+    return (
+        "DeepSpeed Muon's momentum is laid out "
+        + ("as each rank's flat partition" if decided.offload else "whole per parameter")
+        + f", as a run {'with' if decided.offload else 'without'} optimizer offload reads it "
+        "(DeepSpeed would start the other from zero: set offload to match the new run)"
+    )
+
+
+def factored_note(decided: Decided) -> str | None:
+    """Adafactor scales each update by its partition's RMS: a new DP size or stage steps differently."""
+    from ucp.model.options import zero_label
+
+    facts, options = decided.facts, decided.options
+    source = FLAVOURS.get(facts.flavour or "")
+    moved = (options.dp, options.stage) != (facts.info.dp_world_size, facts.info.zero_stage)
+    if source is None or not source.factored or not decided.has_state or not moved:
+        return None
+    return (
+        f"{source.name} scales each update by the RMS of the tensor it steps, under ZeRO a rank's flat "
+        f"partition: the state is carried exactly, but at dp={options.dp} {zero_label(options.stage)} the "
+        "partitions differ, so the steps differ from the source run's as they would for any run of that size"
+    )
+
+
+def conversion_note(decided: Decided) -> str | None:
+    source = decided.facts.flavour
+    if source is None or decided.flavour.name == source:
+        return None
+    return f"optimizer state converted from {source} to {decided.flavour.name}"

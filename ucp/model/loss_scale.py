@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LossScale", "fresh_fp16_scale", "scale_from_wrapper"]
+if TYPE_CHECKING:
+    from ucp.model.options import Decided
+
+__all__ = ["fp16_hysteresis_note", "fp16_start_note", "LossScale", "fresh_fp16_scale", "scale_from_wrapper"]
 
 #: DeepSpeed 0.19.8's ``fp16`` defaults (``DeepSpeedFP16Config``)
 _DEFAULTS = {
@@ -151,4 +154,26 @@ def scale_from_wrapper(fields: Mapping[str, Any], ds_config: Mapping[str, Any] |
         last_overflow_iter=fields["last_overflow_iter"],
         scale_factor=fields["scale_factor"],
         scale_window=fields["scale_window"],
+    )
+
+
+def fp16_hysteresis_note(decided: Decided) -> str | None:
+    """An fp16 ZeRO run written without ZeRO: DeepSpeed's wrappers there keep no loss-scale hysteresis."""
+    facts = decided.facts
+    if decided.options.stage != 0 or decided.dtype != "fp16" or facts.info.dtype != "fp16" or not facts.info.zero_stage:
+        return None
+    return (
+        "DeepSpeed's FP16 optimizer wrappers without ZeRO keep no loss-scale hysteresis: the scale, its "
+        "counters and window are carried, and an overflow halves the scale at once from here on"
+    )
+
+
+def fp16_start_note(decided: Decided) -> str | None:
+    """A run that becomes fp16 gets the scaler its config starts (DeepSpeed's load puts the checkpoint's in place)."""
+    if decided.dtype != "fp16" or decided.facts.info.dtype == "fp16":
+        return None
+    return (
+        f"the run becomes fp16: its loss scaler starts {fresh_fp16_scale(decided.facts.info.ds_config).describe()}, "
+        "from the source config's fp16 block or DeepSpeed's defaults (DeepSpeed's load puts the checkpoint's "
+        "scaler in place of the one the new run's config makes; ucp.restore(engine, ...) keeps the engine's)"
     )

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-__all__ = ["WRAPPER_PATTERN", "has_wrapper", "without_wrapper", "wrapper_renames"]
+if TYPE_CHECKING:
+    from ucp.model.options import Decided
+
+__all__ = ["compiled_names_note", "WRAPPER_PATTERN", "has_wrapper", "without_wrapper", "wrapper_renames"]
 
 #: a ``_orig_mod.`` name segment (``re.sub`` with ``\1`` removes it)
 WRAPPER_PATTERN = r"(^|\.)_orig_mod\."
@@ -45,3 +49,15 @@ def wrapper_renames(saved: Iterable[str], live: Iterable[str]) -> dict[str, str]
     if len(set(renames.values())) != len(renames):
         return {}
     return renames
+
+
+def compiled_names_note(decided: Decided) -> str | None:
+    """Names under torch.compile's wrapper load only into a run compiled the same way: how to rename them."""
+    if not has_wrapper(m.name for m in decided.facts.params):
+        return None
+    return (
+        "the names carry torch.compile's _orig_mod. wrapper (the source compiled its model before "
+        "deepspeed.initialize): a run that does so too loads these files; for one that does not, rename them "
+        "in a migration (rename: {pattern: '(^|\\.)_orig_mod\\.', replace: '\\1'}), or restore live with "
+        "ucp.restore(engine, ...), which matches them itself"
+    )

@@ -10,10 +10,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ucp.errors import ConfigError
-from ucp.model.flavours import FLAVOURS
-from ucp.model.records import DTYPES
+from ucp.model.flavours import FLAVOURS, Flavour
+from ucp.model.records import DTYPES, Facts
 
-__all__ = ["RestoreOptions", "StepPolicy", "STAGES", "parse_step", "options_with", "zero_label"]
+__all__ = ["Decided", "RestoreOptions", "StepPolicy", "STAGES", "parse_step", "options_with", "zero_label"]
 
 #: ZeRO stages a restore can write (0: DeepSpeed without ZeRO, its default).
 STAGES = (0, 1, 2, 3)
@@ -130,3 +130,18 @@ def options_with(options: RestoreOptions | None, **changes: Any) -> RestoreOptio
     if options is None:
         return RestoreOptions(**changes)
     return replace(options, **changes) if changes else options
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What a native write settled, for the notes each feature says about it (``ucp.targets.native.plan`` asks every
+    feature's note function in turn): the source's facts, the options, and the plan's choices."""
+
+    facts: Facts
+    options: RestoreOptions
+    flavour: Flavour
+    dtype: str
+    offload: bool
+    #: optimizer state is carried (not reset, and the source holds some)
+    has_state: bool
+    sub_group_size: int

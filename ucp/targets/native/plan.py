@@ -5,23 +5,19 @@ What ``ucp restore --dry-run`` and ``ucp migrate --dry-run`` show; the writers o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ucp.deepspeed.states import stage0_note, unknown_clipping_note
 from ucp.errors import ConfigError
 from ucp.model import flavours
-from ucp.model.batch import global_batch_advice
-from ucp.model.detect import (
-    low_precision_masters,
-    offloads_optimizer,
-    offloads_to_nvme,
-    round_robin_gradients,
-    unsaved_state_reason,
-)
-from ucp.model.loss_scale import fresh_fp16_scale
-from ucp.model.names import has_wrapper
-from ucp.model.options import RestoreOptions, zero_label
+from ucp.model.batch import global_batch_note
+from ucp.model.detect import nvme_note, offloads_optimizer, round_robin_gradients, unsaved_state_reason, wide_state_note
+from ucp.model.flavours import conversion_note, factored_note, muon_layout_note
+from ucp.model.loss_scale import fp16_hysteresis_note, fp16_start_note
+from ucp.model.names import compiled_names_note
+from ucp.model.options import Decided, RestoreOptions, zero_label
 from ucp.model.partition import Zero3Layout, zero3_layout
 from ucp.model.records import Facts, ParamState, PieceState
 from ucp.model.zenflow import zenflow_config
@@ -116,22 +112,9 @@ def plan_native(
 ) -> NativePlan:
     """Check the options against the checkpoint and fix every choice of the write; ``batch_note``: say
     which DeepSpeed batch settings keep the global batch at the new DP size (a Hugging Face folder's
-    writer says it in Trainer's flags instead); ``sets``: param groups whose ranks hold different members."""
-    problems = options.problems()
-    trained = any(not p.frozen for p in facts.params)
-    if trained and not options.reset and not any(g.state_keys for g in facts.groups):
-        problems.append(
-            f"the source holds no optimizer state ({unsaved_state_reason(facts.info.ds_config)}): restore with "
-            "--step reset to start every moment at zero"
-        )
-    name = options.optimizer or facts.flavour
-    if name is None:
-        problems.append(
-            f"the source's optimizer flavour is unknown; name it with --optimizer ({', '.join(flavours.FLAVOURS)})"
-        )
-    if problems:
-        raise ConfigError("; ".join(problems))
-    assert name is not None  # for mypy: checked just above
+    writer says it in Trainer's flags instead); ``sets``: param groups whose ranks hold different members.
+    Decisions only: what each feature has to say about them comes from its own module (:data:`_FEATURE_NOTES`)."""
+    name = _flavour_name(facts, options)
     size = options.sub_group_size or facts.info.sub_group_size or DS_DEFAULT_SUB_GROUP_SIZE
     group_names = [list(g.params) for g in facts.groups]
     tag = options.tag or f"global_step{facts.info.global_steps}"
@@ -177,83 +160,72 @@ def plan_native(
     flavours.check_family(facts.flavour, plan.flavour, has_state, whole=options.stage == 0)
     if options.stage == 0:
         _check_zero0(sets)
-        if plan.dtype == "fp16" and facts.info.dtype == "fp16" and facts.info.zero_stage:
-            plan.notes.append(
-                "DeepSpeed's FP16 optimizer wrappers without ZeRO keep no loss-scale hysteresis: the scale, its "
-                "counters and window are carried, and an overflow halves the scale at once from here on"
-            )
-        files = "the one mp_rank_00_model_states.pt" if options.tp == 1 else "its TP rank's mp_rank_XX_model_states.pt"
-        plan.notes.append(
-            f"without ZeRO every rank loads {files}: the checkpoint serves any DP size, and the new run's optimizer "
-            "must hold the trained parameters in the source's group order"
-        )
     plan.zero12_sets = dict(sets or {})
-    if options.stage == 3 and options.sub_group_size is None and facts.info.sub_group_size is None:
-        plan.notes.append(
-            f"the source records no sub_group_size: the ZeRO-3 files are cut for DeepSpeed's default ({size:,}); a "
-            "new run configured with another zero_optimization.sub_group_size refuses them at load: give it with "
-            "--sub-group-size N (migration YAML: target.sub_group_size)"
-        )
     if options.stage == 3:
-        numels = [[facts.param(n).numel for n in names] for names in group_names]
-        counts = [options.dp] * len(numels)
-        for g, cut in plan.zero12_sets.items():
-            if options.dp % cut.count:
-                raise ConfigError(f"param group {g} is cut in {cut.count} sets, which do not divide dp={options.dp}")
-            numels[g], counts[g] = _set_numels(facts, g, cut), options.dp // cut.count
-        plan.layout = zero3_layout(numels, options.dp, size, counts if plan.zero12_sets else None)
-    muon = any(plan.flavour.zero12_whole_keys(g.raw, offload=False) for g in facts.groups)
-    if options.stage in (1, 2) and not options.reset and muon:
-        plan.notes.append(
-            "DeepSpeed Muon's momentum is laid out "
-            + ("as each rank's flat partition" if plan.offload else "whole per parameter")
-            + f", as a run {'with' if plan.offload else 'without'} optimizer offload reads it "
-            "(DeepSpeed would start the other from zero: set offload to match the new run)"
-        )
-    if has_wrapper(m.name for m in facts.params):
-        plan.notes.append(
-            "the names carry torch.compile's _orig_mod. wrapper (the source compiled its model before "
-            "deepspeed.initialize): a run that does so too loads these files; for one that does not, rename them "
-            "in a migration (rename: {pattern: '(^|\\.)_orig_mod\\.', replace: '\\1'}), or restore live with "
-            "ucp.restore(engine, ...), which matches them itself"
-        )
-    source = flavours.FLAVOURS.get(facts.flavour or "")
-    moved = (options.dp, options.stage) != (facts.info.dp_world_size, facts.info.zero_stage)
-    if source is not None and source.factored and has_state and moved:
-        plan.notes.append(
-            f"{source.name} scales each update by the RMS of the tensor it steps, under ZeRO a rank's flat "
-            f"partition: the state is carried exactly, but at dp={options.dp} {zero_label(options.stage)} the "
-            "partitions differ, so the steps differ from the source run's as they would for any run of that size"
-        )
-    low = low_precision_masters(facts.info.ds_config)
-    if low is not None and low.wide_state and options.stage > 0 and not options.reset:
-        plan.notes.append(
-            f"the source kept {low.masters} masters with fp32 moments ({low.option}): if the new run keeps "
-            f"{low.masters} masters too, DeepSpeed 0.19.8's load_checkpoint casts the moments to {low.masters}; "
-            "ucp.restore(engine, ...) keeps them fp32"
-        )
-    if options.stage in (1, 2) and facts.info.format == "dcp":
-        plan.notes.append(
-            "the source records no gradient clipping: the ZeRO-1/2 files say 1.0 (DeepSpeed 0.19's default), which "
-            "DeepSpeed's load takes over the new run's gradient_clipping"
-        )
-    if plan.dtype == "fp16" and facts.info.dtype != "fp16":
-        plan.notes.append(
-            f"the run becomes fp16: its loss scaler starts {fresh_fp16_scale(facts.info.ds_config).describe()}, "
-            "from the source config's fp16 block or DeepSpeed's defaults (DeepSpeed's load puts the checkpoint's "
-            "scaler in place of the one the new run's config makes; ucp.restore(engine, ...) keeps the engine's)"
-        )
-    if offloads_to_nvme(facts.info.ds_config) and options.stage > 0:
-        plan.notes.append(
-            "the source swapped its optimizer to NVMe; these files hold every state themselves: load them in a "
-            "run that offloads the optimizer to CPU memory or keeps it on the accelerator (an NVMe-offload run loads "
-            "only its own saves' offloaded_tensors/, and DeepSpeed 0.19.8 resumes those wrong: docs/format.md)"
-        )
-    if batch_note:
-        plan.notes += _batch_notes(facts, options.dp)
-    if name != facts.flavour and facts.flavour is not None:
-        plan.notes.append(f"optimizer state converted from {facts.flavour} to {name}")
+        plan.layout = _zero3_layout(facts, plan)
+    decided = Decided(facts, options, plan.flavour, plan.dtype, plan.offload, has_state, size)
+    say = _FEATURE_NOTES + ((global_batch_note,) if batch_note else ()) + (conversion_note,)
+    plan.notes += [note for note in (each(decided) for each in say) if note]
     return plan
+
+
+def _flavour_name(facts: Facts, options: RestoreOptions) -> str:
+    """The new run's optimizer flavour, after every problem of the options against the source is refused together."""
+    problems = options.problems()
+    trained = any(not p.frozen for p in facts.params)
+    if trained and not options.reset and not any(g.state_keys for g in facts.groups):
+        problems.append(
+            f"the source holds no optimizer state ({unsaved_state_reason(facts.info.ds_config)}): restore with "
+            "--step reset to start every moment at zero"
+        )
+    name = options.optimizer or facts.flavour
+    if name is None:
+        problems.append(
+            f"the source's optimizer flavour is unknown; name it with --optimizer ({', '.join(flavours.FLAVOURS)})"
+        )
+    if problems or name is None:
+        raise ConfigError("; ".join(problems))
+    return name
+
+
+def _zero3_layout(facts: Facts, plan: NativePlan) -> Zero3Layout:
+    """The new run's ZeRO-3 sub-groups and partitions: each param group over every rank, or a group cut in sets
+    (experts) over the ranks of each set."""
+    numels = [[facts.param(n).numel for n in names] for names in plan.group_names]
+    counts = [plan.dp] * len(numels)
+    for g, cut in plan.zero12_sets.items():
+        if plan.dp % cut.count:
+            raise ConfigError(f"param group {g} is cut in {cut.count} sets, which do not divide dp={plan.dp}")
+        numels[g], counts[g] = _set_numels(facts, g, cut), plan.dp // cut.count
+    return zero3_layout(numels, plan.dp, plan.sub_group_size, counts if plan.zero12_sets else None)
+
+
+def _default_sub_group_note(decided: Decided) -> str | None:
+    """A ZeRO-3 write for a source that records no sub_group_size (a DCP folder) assumed DeepSpeed's default."""
+    facts, options = decided.facts, decided.options
+    if options.stage != 3 or options.sub_group_size is not None or facts.info.sub_group_size is not None:
+        return None
+    return (
+        f"the source records no sub_group_size: the ZeRO-3 files are cut for DeepSpeed's default "
+        f"({decided.sub_group_size:,}); a new run configured with another zero_optimization.sub_group_size refuses "
+        "them at load: give it with --sub-group-size N (migration YAML: target.sub_group_size)"
+    )
+
+
+#: what each feature says about a native write, from its own module, in the order a user reads them (batch advice
+#: and the optimizer conversion follow)
+_FEATURE_NOTES: tuple[Callable[[Decided], str | None], ...] = (
+    fp16_hysteresis_note,
+    stage0_note,
+    _default_sub_group_note,
+    muon_layout_note,
+    compiled_names_note,
+    factored_note,
+    wide_state_note,
+    unknown_clipping_note,
+    fp16_start_note,
+    nvme_note,
+)
 
 
 def _layout_setting(plan: NativePlan, asked: bool | None, source: bool, note: str, off_flag: str) -> bool:
@@ -277,22 +249,6 @@ def _set_numels(facts: Facts, g: int, sets: Zero12Sets) -> list[int]:
     if len(sizes) != 1 or facts.groups[g].params != [n for names in sets.names for n in names]:
         raise ConfigError(f"the sets of param group {g} do not hold members of the same sizes, set by set")
     return list(sizes.pop())
-
-
-def _batch_notes(facts: Facts, new_dp: int) -> list[str]:
-    """The DeepSpeed settings that keep the source's global batch at ``new_dp`` (from its saved config)."""
-    config = facts.info.ds_config or {}
-    micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
-    if not isinstance(micro, int) or not isinstance(accum, int) or isinstance(micro, bool) or micro < 1 or accum < 1:
-        return []
-    advice = global_batch_advice(
-        micro,
-        accum,
-        facts.info.batch_ranks,
-        new_dp,
-        spell=lambda b, a: f"train_micro_batch_size_per_gpu={b}, gradient_accumulation_steps={a}",
-    )
-    return [advice] if advice else []
 
 
 def param_step(plan: NativePlan, state: ParamState | PieceState) -> int:
