@@ -16,6 +16,7 @@ os.environ.setdefault("UCP_HARNESS_FORK", "1")  # CPU ranks fork from a parent h
 
 from tests.support.fixtures import Built, build, resume, universals_of  # noqa: E402
 from ucp.harness import LoadSpec, ModelSpec  # noqa: E402
+from ucp.harness.launch import NO_RANKS  # noqa: E402
 
 #: The source checkpoints of the suite: ZeRO-3 across DP 1-4, fp32/bf16, three optimizers,
 #: one to three param groups, several sub-groups, frozen + tied params and buffers in every one;
@@ -119,3 +120,10 @@ def z3_bf16_dp2(source: Callable[[str], Built]) -> Built:
 @pytest.fixture(scope="session")
 def z3_fp32_dp3(source: Callable[[str], Built]) -> Built:
     return source("z3-fp32-dp3-adamw")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``-m "not slow"`` is the fast tier: real runs are refused (a test that needs one is marked slow), so the tier
+    proves it trains nothing and reads only what tests/data keeps."""
+    if "not slow" in (config.option.markexpr or ""):
+        os.environ[NO_RANKS] = "1"

@@ -78,6 +78,7 @@ def _outs(inp: Path, box: Path) -> dict[str, Path]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_every_api_writer_refuses_an_output_overlapping_its_input(
     z3_bf16_dp2: Built, universal: Path, tmp_path: Path, name: str
@@ -97,6 +98,7 @@ def test_every_api_writer_refuses_an_output_overlapping_its_input(
         assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cfg") == ["box"], relation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["to_universal", "write_native", "export"])
 def test_an_api_writer_sees_another_name_of_the_same_folder(
     z3_bf16_dp2: Built, universal: Path, tmp_path: Path, name: str
@@ -119,6 +121,7 @@ def test_an_api_writer_sees_another_name_of_the_same_folder(
         subprocess.run(["umount", str(alias)], check=True)
 
 
+@pytest.mark.slow
 def test_the_examples_of_the_report_are_refused(z3_bf16_dp2: Built, universal: Path, tmp_path: Path) -> None:
     """``to_universal("ck/global_step3", "ck", overwrite=True)`` and ``write_native(U, U, overwrite=True)``."""
     ck = Path(shutil.copytree(z3_bf16_dp2.path, tmp_path / "ck"))
@@ -148,6 +151,7 @@ def test_the_examples_of_the_report_are_refused(z3_bf16_dp2: Built, universal: P
         ("write_autoep", lambda s, o, **kw: write_autoep(s, o, dp=4, ep=2, stage=2, **kw)),
     ],
 )
+@pytest.mark.slow
 def test_the_layout_writers_refuse_an_output_overlapping_their_input(
     tmp_path: Path, name: str, call: Writer, request: pytest.FixtureRequest
 ) -> None:
@@ -182,6 +186,7 @@ def write_autoep_source() -> Path:
     return build_autoep(world=4, ep=2, stage=2, global_batch=8).path
 
 
+@pytest.mark.slow
 def test_api_overwrite_replaces_only_what_ucp_wrote(universal: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -80,6 +80,7 @@ def test_the_cli_starts_without_importing_torch():
     subprocess.run([sys.executable, "-c", code], env=ENV, check=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_a_pipe_closed_early_ends_without_a_traceback(z3_bf16_dp2):
     proc = _ucp("inspect", str(z3_bf16_dp2.path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # `| head -0`: gone before ucp writes (a reader leaving later may find it all written)
@@ -87,6 +88,7 @@ def test_a_pipe_closed_early_ends_without_a_traceback(z3_bf16_dp2):
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and err == "", err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.05, 0.3, 1.0])
 def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path, delay):
     """While Python starts the CLI, while torch is imported (a signal there once broke numpy's import and
@@ -107,6 +109,7 @@ def test_an_early_ctrl_c_is_one_line_without_a_traceback(z3_bf16_dp2, tmp_path, 
     assert not (tmp_path / "u").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["text", "json", "quiet"])
 def test_results_go_to_stdout_as_one_line_one_json_object_or_nothing(z3_bf16_dp2, tmp_path, capsys, mode):
     flags = {"text": [], "json": ["--json"], "quiet": []}[mode]
@@ -139,6 +142,7 @@ def test_results_go_to_stdout_as_one_line_one_json_object_or_nothing(z3_bf16_dp2
         (5, "no setting keeps 12 at 5 processes"),
     ],
 )
+@pytest.mark.slow
 def test_a_restore_at_another_dp_says_which_batch_settings_keep_the_global_batch(
     z3_bf16_dp2, tmp_path, capsys, dp, advice
 ):

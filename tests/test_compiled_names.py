@@ -30,11 +30,13 @@ def _plain_names(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_a_compiled_runs_checkpoint_names_everything_under_the_wrapper():
     record = build(**COMPILED).record
     assert record["params"] and all(n.startswith("_orig_mod.") for n in record["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("source", "into_compiled"), [(COMPILED, False), (PLAIN, True)])
 def test_a_live_restore_matches_names_across_the_wrapper(source, into_compiled, tmp_path):
     built = build(**source)
@@ -49,6 +51,7 @@ def test_a_live_restore_matches_names_across_the_wrapper(source, into_compiled, 
     )
 
 
+@pytest.mark.slow
 def test_restore_torch_takes_a_compiled_runs_state_into_a_plain_model():
     built = build(**COMPILED)
     model = TinyLM(built.spec.model)
@@ -61,6 +64,7 @@ def test_restore_torch_takes_a_compiled_runs_state_into_a_plain_model():
             assert torch.equal(optimizer.state[param]["exp_avg"], record["state"]["exp_avg"][name]), name
 
 
+@pytest.mark.slow
 def test_an_export_writes_the_names_a_plain_model_has(tmp_path, capsys):
     from safetensors.torch import load_file
 
@@ -75,6 +79,7 @@ def test_an_export_writes_the_names_a_plain_model_has(tmp_path, capsys):
         assert want is None or torch.equal(param.detach(), want), name
 
 
+@pytest.mark.slow
 def test_a_native_restore_keeps_the_names_and_a_compiled_run_loads_them(tmp_path, capsys):
     built = build(**COMPILED)
     out = tmp_path / "n"

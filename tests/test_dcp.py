@@ -23,7 +23,7 @@ import torch
 
 import ucp
 from tests.support.checks import assert_every_state_equals_record, assert_same_training, assert_state_equals_record
-from tests.support.fixtures import Built, cache_root
+from tests.support.fixtures import Built, cache_root, refuse_in_fast_tier
 from ucp.cli import main as cli
 from ucp.errors import InputError, UcpError
 from ucp.harness import LoadSpec, RunSpec, run_ranks
@@ -43,6 +43,7 @@ def _cached(name: str, spec: RunSpec, run: Callable[[RunSpec], None]) -> Path:
         {"v": _VERSION, "name": name, **asdict(replace(spec, record=None, save_dir=None, port=0))}, sort_keys=True
     )
     folder = cache_root() / f"dcp-{name}-{hashlib.sha1(raw.encode()).hexdigest()[:12]}"
+    refuse_in_fast_tier(folder)
     if not (folder / "DONE").exists():
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -118,6 +119,7 @@ def fsdp_own_resume(fsdp_source: Path) -> dict[str, Any]:
 
 
 # -- DeepSpeed -> DCP -> FSDP2 -------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fsdp2_resumes_a_zero3_run_from_dcp_like_deepspeed_itself(z3_fp32, dcp_of, fsdp_resume, native_3_more, world):
     loaded, after = fsdp_resume(z3_fp32, dcp_of("z3-fp32-dp3-adamw"), world)
@@ -129,6 +131,7 @@ def test_fsdp2_resumes_a_zero3_run_from_dcp_like_deepspeed_itself(z3_fp32, dcp_o
     assert set(after["state_steps"]) == {6.0}
 
 
+@pytest.mark.slow
 def test_bf16_zero3_state_loads_into_fsdp2_bit_exact_and_trains_on_within_bf16_noise(
     source, dcp_of, fsdp_resume, native_resume
 ):
@@ -154,6 +157,7 @@ def test_bf16_zero3_state_loads_into_fsdp2_bit_exact_and_trains_on_within_bf16_n
     assert set(after["state_steps"]) == {6.0} and after["lrs"] == native["lrs"]
 
 
+@pytest.mark.slow
 def test_dcp_output_holds_exactly_the_keys_an_fsdp2_save_holds(dcp_of, fsdp_source):
     ours = read_metadata(dcp_of("z3-fp32-dp3-adamw")).state_dict_metadata
     theirs = read_metadata(fsdp_source / "dcp").state_dict_metadata
@@ -165,6 +169,7 @@ def test_dcp_output_holds_exactly_the_keys_an_fsdp2_save_holds(dcp_of, fsdp_sour
 
 
 # -- FSDP2 -> DCP -> universal -> DeepSpeed ------------------------------------------------------
+@pytest.mark.slow
 def test_dcp_source_reads_what_the_fsdp2_run_held(fsdp_source):
     record = _record(fsdp_source / "record.pt")
     with DcpSource(fsdp_source / "dcp") as reader:
@@ -182,6 +187,7 @@ def test_dcp_source_reads_what_the_fsdp2_run_held(fsdp_source):
         assert reader.extras()["lr_scheduler"] == record["lr_scheduler"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 2])
 def test_fsdp2_run_moves_to_deepspeed_zero_at_dp3(fsdp_source, fsdp_own_resume, stage, tmp_path, capsys):
     """At ZeRO-3 (a DCP source's default) and ZeRO-2, whose load asserts a ds_version the source cannot name and
@@ -197,6 +203,7 @@ def test_fsdp2_run_moves_to_deepspeed_zero_at_dp3(fsdp_source, fsdp_own_resume, 
 
 
 # -- round trip and inspection, no run -----------------------------------------------------------
+@pytest.mark.slow
 def test_dcp_written_by_ucp_reads_back_bit_exact(universals, dcp_of):
     with open_reader(universals("z3-bf16-dp2-adamw")) as u, open_reader(dcp_of("z3-bf16-dp2-adamw")) as d:
         assert [(p.name, p.shape, p.group, p.frozen, p.dtype) for p in d.facts.params] == [
@@ -215,6 +222,7 @@ def test_dcp_written_by_ucp_reads_back_bit_exact(universals, dcp_of):
         )
 
 
+@pytest.mark.slow
 def test_inspect_recognises_a_dcp_folder(dcp_of, capsys):
     assert cli(["inspect", str(dcp_of("z3-fp32-dp3-adamw")), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -227,6 +235,7 @@ def dcp_folders(fsdp_source: Path, dcp_of: Callable[[str], Path]) -> dict[str, P
     return {"fsdp2": fsdp_source / "dcp", "ucp": dcp_of("z3-fp32-dp3-adamw")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fsdp2", "ucp"])
 def test_verify_and_export_work_on_a_dcp_folder(which, dcp_folders, universals, tmp_path, capsys):
     from safetensors.torch import load_file
@@ -249,6 +258,7 @@ def test_verify_and_export_work_on_a_dcp_folder(which, dcp_folders, universals, 
         assert torch.equal(weights["calls"], reader.buffers()["calls"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fsdp2", "ucp"])
 def test_inspect_describes_a_dcp_folder_in_text_and_json(which, dcp_folders, capsys):
     folder = dcp_folders[which]
@@ -272,6 +282,7 @@ def fsdp_one_rank() -> Path:
     return _cached("fsdp-one-rank", replace(FSDP_SOURCE, dp=1, save_dir="yes"), run_fsdp)
 
 
+@pytest.mark.slow
 def test_one_rank_fsdp2_save_keeps_the_frozen_parameters_the_user_names(fsdp_one_rank, tmp_path, capsys):
     folder, record = fsdp_one_rank / "dcp", _record(fsdp_one_rank / "record.pt")
     with DcpSource(folder) as guessed:  # unnamed, they are read as buffers, with a warning: never dropped
@@ -307,12 +318,14 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / "in"))
 
 
+@pytest.mark.slow
 def test_missing_shard_file_is_one_line(fsdp_source, tmp_path, capsys):
     broken = _copy(fsdp_source / "dcp", tmp_path)
     (broken / "__1_0.distcp").unlink()
     _fails(["to-universal", str(broken), str(tmp_path / "u")], tmp_path / "u", capsys, "__1_0.distcp is missing")
 
 
+@pytest.mark.slow
 def test_truncated_shard_file_is_one_line(fsdp_source, tmp_path, capsys):
     broken = _copy(fsdp_source / "dcp", tmp_path)
     shard = broken / "__0_0.distcp"
@@ -320,6 +333,7 @@ def test_truncated_shard_file_is_one_line(fsdp_source, tmp_path, capsys):
     _fails(["restore", str(broken), str(tmp_path / "o"), "--format", "dcp"], tmp_path / "o", capsys, "truncated")
 
 
+@pytest.mark.slow
 def test_metadata_that_is_not_dcps_is_refused_unexecuted(fsdp_source, tmp_path, capsys):
     broken = _copy(fsdp_source / "dcp", tmp_path)
     marker = tmp_path / "pwned"
@@ -375,12 +389,14 @@ def test_a_group_whose_members_keep_different_state_keys_is_refused(tmp_path, ca
     _fails(["to-universal", str(tmp_path / "bad"), str(tmp_path / "u")], tmp_path / "u", capsys, "b.weight keeps")
 
 
+@pytest.mark.slow
 def test_restore_dcp_refuses_another_optimizer_family(universals, tmp_path, capsys):
     out = tmp_path / "o"
     argv = ["restore", str(universals("z3-fp32-dp3-adamw")), str(out), "--format", "dcp", "--optimizer", "torch-sgd"]
     _fails(argv, out, capsys, "adam family")
 
 
+@pytest.mark.slow
 def test_write_dcp_keeps_an_existing_output_whole(universals, dcp_of, tmp_path):
     out = Path(shutil.copytree(dcp_of("z3-fp32-dp3-adamw"), tmp_path / "o"))
     before = sorted(p.name for p in out.iterdir())
@@ -474,6 +490,7 @@ def _train_on(base: Built, model: Any, optimizers: Any, schedulers: Any) -> dict
     importlib.util.find_spec("torchtitan") is None,
     reason="torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 tyro docstring_parser spmd_types==0.2.3)",
 )
+@pytest.mark.slow
 def test_torchtitan_checkpoint_manager_resumes_the_torchtitan_layout(z3_fp32, universals, native_3_more, tmp_path):
     universal = universals("z3-fp32-dp3-adamw")
     out = tmp_path / "tt"
@@ -506,6 +523,7 @@ def test_torchtitan_checkpoint_manager_resumes_the_torchtitan_layout(z3_fp32, un
         assert torch.allclose(after["params"][name], value, rtol=0, atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
     """The model entry and the optimizer state of a parameter are written together: one read each."""
     from ucp.universal import open_universal
@@ -523,6 +541,7 @@ def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
         assert sorted(reads) == sorted(m.name for m in reader.facts.params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["torch-nadam", "torch-sgd", "torch-asgd"])
 def test_an_fsdp2_run_beyond_adam_moves_to_deepspeed_with_its_state(optimizer, tmp_path):
     """The way back beyond Adam: an FSDP2 run of NAdam (0-dim mu_product), SGD (no step) or ASGD (0-dim eta and
@@ -548,6 +567,7 @@ def test_an_fsdp2_run_beyond_adam_moves_to_deepspeed_with_its_state(optimizer, t
     assert_same_training(own, _record(tmp_path / "r3.pt"), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "named"),
     [(["--dtype", "bf16"], "--dtype describes"), (["--stage", "2", "--tp", "2"], "--stage, --tp describe")],
@@ -561,6 +581,7 @@ def test_flags_of_a_deepspeed_output_are_refused_for_a_dcp_folder(universals, tm
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["reset", "7"])
 def test_a_dcp_folder_takes_the_step_policy_and_fsdp2_loads_it(z3_fp32, universals, step, tmp_path, capsys):
     """--step was ignored for a DCP output; now reset zeroes the state (step 0) and an integer sets every step,
@@ -581,6 +602,7 @@ def test_a_dcp_folder_takes_the_step_policy_and_fsdp2_loads_it(z3_fp32, universa
             assert torch.equal(loaded[key][name], want), (key, name)
 
 
+@pytest.mark.slow
 def test_a_folder_holding_both_a_deepspeed_and_a_dcp_checkpoint_is_refused(z3_fp32, dcp_of, tmp_path, capsys):
     """A DCP save into a DeepSpeed checkpoint's folder (an FSDP2 run pointed at it) was read as the DCP folder."""
     both = tmp_path / "both"

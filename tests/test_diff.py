@@ -24,6 +24,7 @@ def restored(z3_bf16_dp2, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_checkpoint_equals_its_universal_directory_and_its_restore_at_another_dp(
     z3_bf16_dp2, universals, restored, capsys
 ):
@@ -47,6 +48,7 @@ def norm_reset(z3_bf16_dp2, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "u"
 
 
+@pytest.mark.slow
 def test_one_parameter_reset_by_a_migration_is_the_only_difference(z3_bf16_dp2, norm_reset, capsys):
     report = diff(z3_bf16_dp2.path, norm_reset)
     assert not report.equal
@@ -58,6 +60,7 @@ def test_one_parameter_reset_by_a_migration_is_the_only_difference(z3_bf16_dp2, 
     assert out.splitlines()[0].startswith("norm.weight: exp_avg max abs") and "differ" in out.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_steps_settings_and_names_that_differ_are_each_named(z3_bf16_dp2, z3_fp32_dp3, source, tmp_path):
     stepped = tmp_path / "step7"
     ucp.write_native(z3_bf16_dp2.path, stepped, dp=2, step=7)
@@ -74,6 +77,7 @@ def test_steps_settings_and_names_that_differ_are_each_named(z3_bf16_dp2, z3_fp3
     assert glu.counters["global_samples"] == (36, 72)  # engine counters too
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_with_exit_2(z3_bf16_dp2, tmp_path, capsys):
     assert cli(["diff", str(z3_bf16_dp2.path), str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()
@@ -84,6 +88,7 @@ def test_bad_input_is_one_line_with_exit_2(z3_bf16_dp2, tmp_path, capsys):
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_plot_draws_every_parameter_and_json_still_parses(z3_bf16_dp2, norm_reset, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
@@ -112,6 +117,7 @@ def test_plot_draws_every_parameter_and_json_still_parses(z3_bf16_dp2, norm_rese
         ("A/diff.png", "overlaps the A"),
     ],
 )
+@pytest.mark.slow
 def test_plot_refuses_a_file_it_cannot_write_before_reading_anything(z3_bf16_dp2, tmp_path, capsys, name, message):
     a = tmp_path / "A"
     a.mkdir()

@@ -25,6 +25,7 @@ def test_assign_balances_by_size_and_covers_every_parameter_once():
     assert assign(metas, 3) == shares  # deterministic: every rank computes the same split
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_write_the_same_files_as_one_process(z3_bf16_dp2, tmp_path):
     single = tmp_path / "single"
     ucp.to_universal(z3_bf16_dp2.path, single)
@@ -60,6 +61,7 @@ def test_two_gloo_ranks_write_the_same_files_as_one_process(z3_bf16_dp2, tmp_pat
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+@pytest.mark.slow
 def test_distributed_without_torchrun_is_one_clear_error(z3_bf16_dp2, tmp_path, capsys, monkeypatch):
     from ucp.cli import main
 

@@ -232,6 +232,7 @@ def _shown(expected: list[str], out: str) -> list[str]:
 
 
 # -- the tests ----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("where", list(BLOCKS))
 def test_every_shell_example_of_the_docs_runs(where, world_sources, tmp_path, monkeypatch, capsys):
     lines = [line for line in BLOCKS[where] if line.text not in SKIP]
@@ -258,6 +259,7 @@ def test_every_shell_example_of_the_docs_runs(where, world_sources, tmp_path, mo
             sys.modules.pop(module, None)
 
 
+@pytest.mark.slow
 def test_the_skip_list_names_only_lines_the_docs_have_and_the_docs_have_examples():
     written = {line.text for lines in BLOCKS.values() for line in lines}
     assert not set(SKIP) - written, f"SKIP names lines no doc has any more: {set(SKIP) - written}"

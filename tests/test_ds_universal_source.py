@@ -70,6 +70,7 @@ def _only_tag(root):
     return root / (root / "latest_universal").read_text().strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_ds_universal_folder_reads_bit_exact_against_the_live_engine(source, ds_universal, name):
     built = source(name)
@@ -86,6 +87,7 @@ def test_ds_universal_folder_reads_bit_exact_against_the_live_engine(source, ds_
         reader.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_groups_keep_their_own_lr_and_members(source, ds_universal, name):
     built = source(name)
@@ -104,6 +106,7 @@ def test_groups_keep_their_own_lr_and_members(source, ds_universal, name):
         ours.close()
 
 
+@pytest.mark.slow
 def test_folder_with_latest_and_latest_universal_reads_native_unless_tag_says(source, ds_universal, tmp_path):
     built = source("z3-bf16-dp2-adamw")
     shutil.copytree(built.path, tmp_path / "ck")
@@ -164,6 +167,7 @@ def _drop_rank1_model_states(root):
         ),
     ],
 )
+@pytest.mark.slow
 def test_incomplete_folder_is_refused_in_one_line(ds_universal, name, damage, message, tmp_path, capsys):
     shutil.copytree(ds_universal(name), tmp_path / "d")
     damage(_only_tag(tmp_path / "d"))

@@ -25,6 +25,7 @@ def excluded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return built, universal
 
 
+@pytest.mark.slow
 def test_the_universal_directory_says_the_frozen_weights_were_excluded(excluded):
     built, universal = excluded
     frozen = set(built.record["module"]) - set(built.record["params"]) - set(built.record["tied"])
@@ -34,6 +35,7 @@ def test_the_universal_directory_says_the_frozen_weights_were_excluded(excluded)
         assert any("exclude_frozen_parameters" in w for w in reader.facts.warnings), reader.facts.warnings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["native", "live"])
 def test_a_new_dp_run_keeps_its_base_weights_and_takes_the_trained_state(excluded, route, tmp_path):
     built, universal = excluded

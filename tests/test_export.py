@@ -50,6 +50,7 @@ def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_export_safetensors_equals_the_live_engines_bf16_weights(z3_bf16_dp2, tmp_path):
     record = z3_bf16_dp2.record
     written = export(z3_bf16_dp2.path, tmp_path / "out")
@@ -64,6 +65,7 @@ def test_export_safetensors_equals_the_live_engines_bf16_weights(z3_bf16_dp2, tm
     assert metadata["format"] == "pt" and json.loads(metadata["ucp_tied"]) == record["tied"]
 
 
+@pytest.mark.slow
 def test_export_from_universal_equals_export_from_the_checkpoint(z3_bf16_dp2, bf16_universal, tmp_path):
     a = export(z3_bf16_dp2.path, tmp_path / "a.safetensors")
     b = export(bf16_universal, tmp_path / "b.safetensors")
@@ -72,6 +74,7 @@ def test_export_from_universal_equals_export_from_the_checkpoint(z3_bf16_dp2, bf
     assert set(ours) == set(theirs) and all(_bits_equal(ours[k], theirs[k]) for k in ours)
 
 
+@pytest.mark.slow
 def test_export_casts_fp32_masters_to_the_requested_dtype(z3_bf16_dp2, bf16_universal, tmp_path):
     record = z3_bf16_dp2.record
     fp32 = load_file(export(bf16_universal, tmp_path / "fp32", dtype="fp32")[0])
@@ -84,6 +87,7 @@ def test_export_casts_fp32_masters_to_the_requested_dtype(z3_bf16_dp2, bf16_univ
     assert fp32["calls"].dtype == torch.float32 and fp16["calls"].dtype == torch.float16  # floating buffers follow
 
 
+@pytest.mark.slow
 def test_export_fp32_run_keeps_fp32_weights(z3_fp32_dp3, tmp_path):
     record = z3_fp32_dp3.record
     weights = load_file(export(z3_fp32_dp3.path, tmp_path / "out")[0])
@@ -93,6 +97,7 @@ def test_export_fp32_run_keeps_fp32_weights(z3_fp32_dp3, tmp_path):
         assert _bits_equal(weights[name], master), name
 
 
+@pytest.mark.slow
 def test_export_shards_by_max_shard_size_with_an_hf_index(z3_bf16_dp2, bf16_universal, tmp_path):
     record = z3_bf16_dp2.record
     out = tmp_path / "sharded"
@@ -117,6 +122,7 @@ def test_export_shards_by_max_shard_size_with_an_hf_index(z3_bf16_dp2, bf16_univ
         assert _bits_equal(weights[name], live), name
 
 
+@pytest.mark.slow
 def test_export_torch_format_stores_a_tied_alias_as_the_same_tensor(z3_bf16_dp2, tmp_path):
     record = z3_bf16_dp2.record
     state = torch.load(export(z3_bf16_dp2.path, tmp_path / "model.bin", format="torch")[0], weights_only=True)
@@ -132,6 +138,7 @@ def test_export_torch_format_stores_a_tied_alias_as_the_same_tensor(z3_bf16_dp2,
     assert shard["head.weight"] is shard["embed.weight"]
 
 
+@pytest.mark.slow
 def test_export_never_touches_an_existing_output_without_overwrite(z3_bf16_dp2, tmp_path):
     target = tmp_path / "model.safetensors"
     target.write_text("keep me")
@@ -143,6 +150,7 @@ def test_export_never_touches_an_existing_output_without_overwrite(z3_bf16_dp2, 
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no staging left behind
 
 
+@pytest.mark.slow
 def test_export_failure_leaves_no_output(z3_bf16_dp2, tmp_path, monkeypatch):
     calls = []
 
@@ -158,6 +166,7 @@ def test_export_failure_leaves_no_output(z3_bf16_dp2, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_export_to_one_file_refuses_to_shard(z3_bf16_dp2, tmp_path):
     with pytest.raises(ConfigError, match="give a folder"):
         export(z3_bf16_dp2.path, tmp_path / "model.safetensors", max_shard_size="1KB")
@@ -166,6 +175,7 @@ def test_export_to_one_file_refuses_to_shard(z3_bf16_dp2, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_export_without_safetensors_says_how_to_install_it(z3_bf16_dp2, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
@@ -210,6 +220,7 @@ def test_plan_shards_fills_in_order_and_isolates_oversized_tensors(sizes, limit,
     assert plan_shards(sizes, limit) == shards
 
 
+@pytest.mark.slow
 def test_export_cli_exit_codes(z3_bf16_dp2, bf16_universal, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", str(bf16_universal), str(out), "--dtype", "fp32", "--max-shard-size", "2KB"]) == 0
@@ -224,6 +235,7 @@ def test_export_cli_exit_codes(z3_bf16_dp2, bf16_universal, tmp_path, capsys):
     assert "is not a size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_cli_in_a_subprocess(z3_bf16_dp2, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "ucp", "export", str(z3_bf16_dp2.path), str(tmp_path / "m.bin"), "--format", "torch"],
@@ -240,6 +252,7 @@ def test_export_cli_in_a_subprocess(z3_bf16_dp2, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_exported_files_follow_the_umask_and_a_foreign_suffix_is_refused(bf16_universal, tmp_path, capsys):
     mask = os.umask(0o022)
     os.umask(mask)

@@ -172,6 +172,7 @@ def universal(z3_bf16_dp2: Built, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_quiet_works_anywhere_on_the_line_and_diff_then_prints_nothing(
     z3_bf16_dp2: Built, universal: Path, capsys: pytest.CaptureFixture[str], where: str
@@ -184,6 +185,7 @@ def test_quiet_works_anywhere_on_the_line_and_diff_then_prints_nothing(
     assert code == 0 and "equal: " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_verbose_after_the_verb_times_each_phase(z3_bf16_dp2: Built, tmp_path: Path) -> None:
     proc = _python("-m", "ucp", "to-universal", str(z3_bf16_dp2.path), str(tmp_path / "u"), "-v")
     err = proc.stderr
@@ -193,6 +195,7 @@ def test_verbose_after_the_verb_times_each_phase(z3_bf16_dp2: Built, tmp_path: P
     assert any(t.startswith("publish") for t in timings) and "ucp to-universal in all" in timings, err
 
 
+@pytest.mark.slow
 def test_verify_json_is_one_object(z3_bf16_dp2: Built, universal: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(z3_bf16_dp2.path), str(universal), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -200,6 +203,7 @@ def test_verify_json_is_one_object(z3_bf16_dp2: Built, universal: Path, capsys: 
     assert data["compared"]["parameters"] == 13 and data["compared"]["buffers"] == 1
 
 
+@pytest.mark.slow
 def test_diff_of_identical_checkpoints_takes_the_fast_path_and_is_still_exact(
     z3_bf16_dp2: Built, universal: Path, tmp_path: Path
 ) -> None:
@@ -219,6 +223,7 @@ def test_diff_of_identical_checkpoints_takes_the_fast_path_and_is_still_exact(
     assert _tensor_diff("x", nan, nan.clone()).within(0)  # NaNs in the same places are equal
 
 
+@pytest.mark.slow
 def test_inspect_reads_a_step_reset_output_as_a_reset_optimizer(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

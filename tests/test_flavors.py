@@ -32,6 +32,7 @@ def _zero3_optim(path):
         ("apex-fused-adam", False, None),
     ],
 )
+@pytest.mark.slow
 def test_native_files_put_the_step_where_each_flavour_reads_it(universals, tmp_path, flavour, step_in_state, step_type):
     ucp.write_native(universals("z3-bf16-dp2-adamw"), tmp_path / "n", dp=3, optimizer=flavour)
     files = _zero3_optim(tmp_path / "n" / "global_step3")
@@ -49,6 +50,7 @@ def test_native_files_put_the_step_where_each_flavour_reads_it(universals, tmp_p
         assert ("bias_correction" in group) == (flavour != "torch-adam")
 
 
+@pytest.mark.slow
 def test_apex_layout_reads_back_bit_exact_with_its_group_step(source, universals, tmp_path):
     built = source("z3-bf16-dp2-adamw")
     ucp.write_native(universals("z3-bf16-dp2-adamw"), tmp_path / "apex", dp=2, optimizer="apex-fused-adam")
@@ -61,6 +63,7 @@ def test_apex_layout_reads_back_bit_exact_with_its_group_step(source, universals
         assert state.step == 3
 
 
+@pytest.mark.slow
 def test_detection_tells_every_flavour_apart_on_a_real_state_dict(source):
     built = source("z3-bf16-dp2-adamw")
     base = load(_zero3_optim(built.tag_dir)[0])["optimizer_state_dict"]["optimizer_state_dict"]
@@ -94,6 +97,7 @@ def test_detection_tells_every_flavour_apart_on_a_real_state_dict(source):
         detect(damaged)
 
 
+@pytest.mark.slow
 def test_converting_an_apex_checkpoint_keeps_its_step_and_moments(source, tmp_path):
     built = source("z3-bf16-dp2-adamw")
     ckpt = tmp_path / "ckpt"

@@ -49,6 +49,7 @@ def universal(tmp_path_factory):
     return universals_of({**SOURCES, **STAGE0}, tmp_path_factory.mktemp("fp16"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SOURCES)
 def test_an_fp16_run_reaches_the_universal_directory_bit_exact(universal, name):
     built = build(**SOURCES[name])
@@ -57,6 +58,7 @@ def test_an_fp16_run_reaches_the_universal_directory_bit_exact(universal, name):
     assert_adam_universal_matches_record(universal(name), record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["native", "ucp"])
 @pytest.mark.parametrize("name", SOURCES)
 def test_restore_at_a_new_dp_keeps_every_state_and_the_loss_scale(universal, name, kind, tmp_path):
@@ -72,6 +74,7 @@ def test_restore_at_a_new_dp_keeps_every_state_and_the_loss_scale(universal, nam
     assert record["loss_scaler"]["cur_scale"] < 2.0 ** _FP16["loss_scale_power"]  # the scale the run came down to
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SOURCES)
 def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(universal, name, tmp_path):
     built = build(**SOURCES[name])
@@ -82,6 +85,7 @@ def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(univer
     assert_same_training(reference, resume(built, live, name="live", work=tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STAGE0)
 def test_a_run_without_zero_is_read_and_resumed_bit_identically(universal, name, tmp_path):
     built = build(**STAGE0[name])
@@ -93,6 +97,7 @@ def test_a_run_without_zero_is_read_and_resumed_bit_identically(universal, name,
         assert_same_training(reference, resume(built, LoadSpec(str(path), kind=kind), name=kind, work=tmp_path))
 
 
+@pytest.mark.slow
 def test_a_run_without_zero_moves_to_zero_with_its_scale(universal, tmp_path):
     built = build(**STAGE0["z0-unfused"])
     ucp.write_native(universal("z0-unfused"), tmp_path / "n", dp=3, stage=2)
@@ -105,6 +110,7 @@ def test_a_run_without_zero_moves_to_zero_with_its_scale(universal, tmp_path):
     assert (scaler["delayed_shift"], scaler["cur_hysteresis"], scaler["min_scale"]) == (1, 1, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["native", "ucp"])
 def test_a_zero_run_moves_to_stage_0_with_its_scale(universal, kind, tmp_path, capsys):
     built = build(**SOURCES["z2"])
@@ -119,6 +125,7 @@ def test_a_zero_run_moves_to_stage_0_with_its_scale(universal, kind, tmp_path, c
     assert scaler["dynamic_loss_scale"] and all(scaler[k] == source[k] for k in _WRAPPER[1:]), (scaler, source)
 
 
+@pytest.mark.slow
 def test_a_run_that_becomes_fp16_scales_its_loss(tmp_path, capsys):
     """A bf16 run saves a static scale of 1, which DeepSpeed's load puts in place of an fp16 run's own scaler:
     written for fp16, ucp gives it the dynamic scale an fp16 config starts (the source's fp16 block, or
@@ -145,6 +152,7 @@ def test_a_run_that_becomes_fp16_scales_its_loss(tmp_path, capsys):
     assert into_bf16["loss_scaler"] == {"cur_scale": 1.0, "dynamic": False}
 
 
+@pytest.mark.slow
 def test_the_loss_scale_crosses_a_dcp_folder_and_back(universal, tmp_path):
     """DCP keeps no loss scaler: ucp's DCP folder keeps it in train_state, says so, and reads it back."""
     built = build(**SOURCES["z2"])
@@ -156,6 +164,7 @@ def test_the_loss_scale_crosses_a_dcp_folder_and_back(universal, tmp_path):
     assert_every_state_equals_record(after, built.record)
 
 
+@pytest.mark.slow
 def test_inspect_shows_the_loss_scale(tmp_path, capsys):
     built = build(**SOURCES["z2"])
     assert cli(["inspect", str(built.path)]) == 0

@@ -114,6 +114,7 @@ def test_a_plain_fp16_model_is_refused_before_any_weight_changes(big) -> None:
     ucp.restore_torch(model.float(), None, big)  # fp32 takes it
 
 
+@pytest.mark.slow
 def test_a_live_deepspeed_fp16_engine_is_refused_in_one_line(big, tmp_path) -> None:
     spec = RunSpec(stage=2, dtype="fp16", dp=2, steps=3)
     with pytest.raises(RankFailure, match="norm.weight holds"):

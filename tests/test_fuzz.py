@@ -258,6 +258,7 @@ def _span(lay: Layout, region: str, pick: int) -> tuple[int, int]:
     length=st.integers(1, 64),
     bit=st.integers(0, 7),
 )
+@pytest.mark.slow
 def test_byte_damage_ends_in_a_result_or_a_clean_error(
     pristine: dict[str, Any], file_index: int, region: str, kind: str, pick: int, where: float, length: int, bit: int
 ) -> None:
@@ -409,6 +410,7 @@ HOWS = (
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(file_index=st.integers(0, 11), slot=st.integers(0, 10**6), how=st.sampled_from(HOWS))
 def test_structural_damage_ends_in_a_result_or_a_clean_error(

@@ -281,6 +281,7 @@ def test_a_zero_offload_run_resumes_at_3_processes(stage: int, tmp_path: Path) -
         assert abs(final["losses"][step] - native.final()["losses"][step]) <= LOSS_TOL, (step, final["losses"])
 
 
+@pytest.mark.slow
 def test_export_of_a_trainer_folder_loads_with_from_pretrained(hf_source: dict[str, Any], tmp_path: Path) -> None:
     """What zero_to_fp32.py plus copying the config does, in one command: the folder loads as the model, every
     weight the fp32 master DeepSpeed itself loads from the folder, in the run's dtype (bf16)."""

@@ -29,6 +29,7 @@ def _distinct(record: dict) -> list[str]:
     return [n for n in record["names"] if n not in record["tied"]]
 
 
+@pytest.mark.slow
 def test_inspect_reports_what_the_live_engine_held(z3_bf16_dp2):
     record = z3_bf16_dp2.record
     report = inspect_path(z3_bf16_dp2.path)
@@ -59,6 +60,7 @@ def test_inspect_reports_what_the_live_engine_held(z3_bf16_dp2):
     assert report["warnings"] == []
 
 
+@pytest.mark.slow
 def test_inspect_counts_three_groups_of_an_fp32_dp3_run(z3_fp32_dp3):
     record = z3_fp32_dp3.record
     report = inspect_path(z3_fp32_dp3.path)
@@ -68,6 +70,7 @@ def test_inspect_counts_three_groups_of_an_fp32_dp3_run(z3_fp32_dp3):
     assert sum(g["numel"] for g in report["param_groups"]) == sum(t.numel() for t in record["params"].values())
 
 
+@pytest.mark.slow
 def test_inspect_of_universal_dir_reports_the_same_facts_as_its_source(z3_bf16_dp2, bf16_universal):
     ours = inspect_path(z3_bf16_dp2.path)
     theirs = inspect_path(bf16_universal)
@@ -77,6 +80,7 @@ def test_inspect_of_universal_dir_reports_the_same_facts_as_its_source(z3_bf16_d
     assert {k: v for k, v in theirs.items() if k not in skip} == {k: v for k, v in ours.items() if k not in skip}
 
 
+@pytest.mark.slow
 def test_inspect_loads_no_tensor(z3_bf16_dp2, bf16_universal, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("inspect loaded tensors")
@@ -89,6 +93,7 @@ def test_inspect_loads_no_tensor(z3_bf16_dp2, bf16_universal, monkeypatch):
     assert inspect_path(bf16_universal)["num_params"] == 13
 
 
+@pytest.mark.slow
 def test_inspect_surfaces_fused_adam_stale_group_step(z3_bf16_dp2, tmp_path):
     """The same real checkpoint with its optimizer state laid out as DeepSpeed FusedAdam writes it."""
     ckpt = tmp_path / "ckpt"
@@ -117,10 +122,12 @@ def test_inspect_surfaces_fused_adam_stale_group_step(z3_bf16_dp2, tmp_path):
     assert "warning: group['step'] reads [0]" in format_report(report)
 
 
+@pytest.mark.slow
 def test_inspect_uses_the_optimizer_named_by_the_user(z3_bf16_dp2):
     assert inspect_path(z3_bf16_dp2.path, optimizer="ds-cpu-adam")["optimizer"] == "ds-cpu-adam"
 
 
+@pytest.mark.slow
 def test_inspect_cli_prints_a_table_and_json(z3_bf16_dp2, capsys):
     assert main(["inspect", str(z3_bf16_dp2.path)]) == 0
     text = capsys.readouterr().out
@@ -142,6 +149,7 @@ def test_inspect_cli_bad_path_is_one_line_exit_2(tmp_path, capsys):
     assert "holds no DeepSpeed checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_inspect_report_is_plain_json(z3_fp32_dp3):
     report = inspect_path(z3_fp32_dp3.path)
     assert json.loads(json.dumps(report)) == report

@@ -93,6 +93,7 @@ CASES: dict[str, tuple[Callable[[Built], nn.Module], int | None, str]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_restore_torch_refuses_in_one_line_and_changes_nothing(
     source: Callable[[str], Built], universals: Callable[[str], Path], case: str
@@ -107,6 +108,7 @@ def test_restore_torch_refuses_in_one_line_and_changes_nothing(
     assert _equal(_snapshot(model, optimizer, scheduler), before), f"{case}: the model or optimizer changed"
 
 
+@pytest.mark.slow
 def test_restore_torch_refuses_a_scheduler_that_cannot_take_the_state_and_changes_nothing(
     source: Callable[[str], Built], universals: Callable[[str], Path]
 ) -> None:
@@ -123,6 +125,7 @@ def test_restore_torch_refuses_a_scheduler_that_cannot_take_the_state_and_change
     assert _equal(_snapshot(model, optimizer, scheduler), before)
 
 
+@pytest.mark.slow
 def test_restore_torch_still_restores_what_it_checked(
     source: Callable[[str], Built], universals: Callable[[str], Path]
 ) -> None:

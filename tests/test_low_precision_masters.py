@@ -56,6 +56,7 @@ def _dtype(built: Built) -> torch.dtype:
     return torch.float16 if built.spec.dtype == "fp16" else torch.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SOURCES))
 def test_low_precision_masters_and_every_moment_reach_the_universal_directory_bit_exact(universal, name):
     built = build(**SOURCES[name])
@@ -68,6 +69,7 @@ def test_low_precision_masters_and_every_moment_reach_the_universal_directory_bi
         assert_reader_holds_every_state(reader, record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SOURCES))
 def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(universal, name, tmp_path):
     built = build(**SOURCES[name])
@@ -77,6 +79,7 @@ def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(univer
     assert_same_training(reference, ours)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("through", ["universal", "reshard"])
 @pytest.mark.parametrize("name", ["z2-cpu-adam", "z3-bf16-states", "z2-fp16-cpu-adam"])
 def test_a_new_dp_loads_what_deepspeeds_own_load_of_the_source_holds(universal, name, through, tmp_path):
@@ -90,6 +93,7 @@ def test_a_new_dp_loads_what_deepspeeds_own_load_of_the_source_holds(universal, 
     assert_every_state_equals_record(ours, native)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_ADAM)
 def test_live_restore_keeps_cpu_adams_fp32_moments_where_deepspeeds_load_cuts_them(universal, name, tmp_path):
     built = build(**SOURCES[name])
@@ -106,6 +110,7 @@ def test_live_restore_keeps_cpu_adams_fp32_moments_where_deepspeeds_load_cuts_th
     assert any(not torch.equal(v, record["state"]["exp_avg_sq"][p]) for p, v in cut.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_ADAM)
 def test_live_restore_resumes_like_the_uninterrupted_run_bit_for_bit(universal, name, tmp_path):
     built = build(**SOURCES[name])
@@ -118,6 +123,7 @@ def test_live_restore_resumes_like_the_uninterrupted_run_bit_for_bit(universal, 
     assert any(not torch.equal(v, native["params"][p]) for p, v in whole["params"].items())
 
 
+@pytest.mark.slow
 def test_inspect_and_restore_say_the_source_kept_bf16_masters(universal, tmp_path, capsys):
     built = build(**SOURCES["z2-cpu-adam"])
     assert cli(["inspect", str(built.path)]) == 0

@@ -133,6 +133,7 @@ def test_adamw_to_ds_fused_adam_example_trains_on_like_adamw(z3_bf16_dp2, native
     assert set(ours["state_steps"]) == {6}
 
 
+@pytest.mark.slow
 def test_hf_export_example_writes_the_trained_weights(z3_bf16_dp2, tmp_path):
     path = _example("hf_export", tmp_path, source=str(z3_bf16_dp2.path), path="hf-model")
     run_migration(path)
@@ -147,6 +148,7 @@ def test_hf_export_example_writes_the_trained_weights(z3_bf16_dp2, tmp_path):
         assert json.loads(handle.metadata()["ucp_tied"]) == {"head.weight": "embed.weight"}
 
 
+@pytest.mark.slow
 def test_drop_head_reset_example_drops_the_head_and_zeroes_the_norms_moments(z3_bf16_dp2, tmp_path):
     """Checked on the universal directory, not by training: TinyLM's head is tied to the embedding,
     so a model without it is not the harness model, and `^head\\.` finds only the tied alias (the
@@ -176,6 +178,7 @@ def test_drop_head_reset_example_drops_the_head_and_zeroes_the_norms_moments(z3_
 
 
 # -- transforms on a real checkpoint ----------------------------------------------------------
+@pytest.mark.slow
 def test_dropping_a_parameter_removes_its_state_its_group_slot_and_its_tied_aliases(z3_bf16_dp2, tmp_path):
     path = _config(
         tmp_path,
@@ -197,6 +200,7 @@ transforms:
     assert sorted(p.name for p in (tmp_path / "out" / "zero").iterdir() if p.is_dir()) == sorted(names)
 
 
+@pytest.mark.slow
 def test_renames_reach_params_aliases_buffers_and_exports(z3_bf16_dp2, tmp_path):
     path = _config(
         tmp_path,
@@ -230,6 +234,7 @@ target:
 """
 
 
+@pytest.mark.slow
 def test_a_reset_that_splits_a_zero3_sub_group_asks_how_to_step(z3_bf16_dp2, tmp_path):
     body = RESET_NORM.format(src=json.dumps(str(z3_bf16_dp2.path)), reset='["^norm\\\\."]')
     message = _problems(_config(tmp_path, body))
@@ -241,6 +246,7 @@ def test_a_reset_that_splits_a_zero3_sub_group_asks_how_to_step(z3_bf16_dp2, tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_zero2_target_holds_one_step_per_param_group(z3_bf16_dp2, tmp_path):
     body = RESET_NORM.format(src=json.dumps(str(z3_bf16_dp2.path)), reset='["^norm\\\\."]')
     message = _problems(_config(tmp_path, body.replace("  dp: 4\n", "  dp: 3\n  stage: 2\n")))
@@ -252,6 +258,7 @@ def test_a_zero2_target_holds_one_step_per_param_group(z3_bf16_dp2, tmp_path):
     [('["^norm\\\\."]', "  step: 3\n"), ('{params: ["^norm\\\\."], step: keep}', "")],
     ids=["target-step", "reset-keeps-step"],
 )
+@pytest.mark.slow
 def test_a_reset_that_keeps_the_step_zeroes_only_the_moments(reset, extra, z3_bf16_dp2, tmp_path):
     body = RESET_NORM.format(src=json.dumps(str(z3_bf16_dp2.path)), reset=reset) + extra
     text = run_migration(_config(tmp_path, body))
@@ -288,6 +295,7 @@ target: {{dp: 2, output: out}}
     assert not torch.equal(ours["params"]["embed.weight"], native["params"]["embed.weight"])
 
 
+@pytest.mark.slow
 def test_a_reset_matching_nothing_is_a_warning(z3_bf16_dp2, tmp_path):
     path = _config(
         tmp_path,
@@ -303,6 +311,7 @@ transforms:
 
 
 # -- planning, dry runs, re-runs --------------------------------------------------------------
+@pytest.mark.slow
 def test_dry_run_lists_the_plan_and_writes_nothing(z3_bf16_dp2, tmp_path):
     path = _config(
         tmp_path,
@@ -336,6 +345,7 @@ exports:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_rerun_without_overwrite_refuses_before_writing_anything(z3_bf16_dp2, tmp_path):
     path = _config(
         tmp_path,
@@ -354,6 +364,7 @@ target: {{dp: 1, output: out/native}}
     assert (tmp_path / "out/universal/ucp.json").is_file()
 
 
+@pytest.mark.slow
 def test_cli_exits_non_zero_with_every_problem(z3_bf16_dp2, tmp_path, capsys):
     path = _config(
         tmp_path,
@@ -373,6 +384,7 @@ target:
 
 
 # -- target.format: dcp -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_migration_to_dcp_writes_what_the_source_holds_bit_exact(z3_fp32_dp3, tmp_path):
     """Source -> rename -> reset (step kept) -> DCP, read back by the DCP source: every entry, bit for bit."""
     path = _config(
@@ -414,6 +426,7 @@ target: {{format: dcp, output: out/dcp}}
         assert out.facts.info.global_steps == src.facts.info.global_steps == 3
 
 
+@pytest.mark.slow
 def test_a_dcp_target_keeps_each_parameters_own_step_after_a_reset(z3_fp32_dp3, tmp_path):
     """torch keeps one step per parameter: a reset restarts only the parameters it names."""
     import torch.distributed.checkpoint as dcp
@@ -608,6 +621,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, body, expected", BAD, ids=[case for case, _, _ in BAD])
 def test_bad_config_is_refused_with_key_path_and_line(case, body, expected, z3_bf16_dp2, tmp_path):
     src = f"source: {json.dumps(str(z3_bf16_dp2.path))}"
@@ -619,6 +633,7 @@ def test_bad_config_is_refused_with_key_path_and_line(case, body, expected, z3_b
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_every_problem_is_reported_at_once(z3_bf16_dp2, tmp_path):
     """Config problems and what the checkpoint shows (a collision) come in one error, by line."""
     path = _config(
@@ -655,6 +670,7 @@ target:
     assert "m.yaml:7: target.dp: must be a positive integer" in text
 
 
+@pytest.mark.slow
 def test_relative_paths_resolve_against_the_config_folder(z3_bf16_dp2, tmp_path, monkeypatch):
     shutil.copytree(z3_bf16_dp2.path, tmp_path / "ckpt")
     (tmp_path / "configs").mkdir()

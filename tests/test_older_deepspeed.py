@@ -50,6 +50,7 @@ def test_an_older_release_is_read_bit_exact(version: str, case: str) -> None:
         assert_reader_holds_every_state(reader, record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version, case", PAIRS, ids=IDS)
 def test_written_for_dp3_the_current_release_loads_every_state_bit_exact(version: str, case: str, tmp_path) -> None:
     built = _built(version, case)
@@ -58,6 +59,7 @@ def test_written_for_dp3_the_current_release_loads_every_state_bit_exact(version
     assert_every_state_equals_record(after, built.record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version, case", NATIVE, ids=[f"ds{v}-{c}" for v, c in NATIVE])
 def test_at_the_same_dp_it_resumes_as_the_current_releases_own_load(version: str, case: str, tmp_path) -> None:
     built = _built(version, case)
@@ -77,6 +79,7 @@ def test_mics_is_read_from_its_first_shard_group_and_its_ranks_counted(tmp_path,
         assert "dp=2 (MiCS: 4 ranks)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 4])
 def test_mics_written_as_plain_zero3_loads_bit_exact_where_the_current_release_cannot_load_it(dp, tmp_path) -> None:
     built = _built("0.17.6", MICS)
@@ -90,6 +93,7 @@ def test_mics_written_as_plain_zero3_loads_bit_exact_where_the_current_release_c
     assert_every_state_equals_record(after, built.record)
 
 
+@pytest.mark.slow
 def test_mics_restored_live_trains_as_the_written_files(tmp_path) -> None:
     built = _built("0.17.6", MICS)
     ucp.reshard(built.path, tmp_path / "n", dp=3)

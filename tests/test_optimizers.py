@@ -38,6 +38,7 @@ from ucp.targets.native.plan import plan_native
 from ucp.universal import open_universal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZER_SOURCES))
 def test_every_state_key_and_scalar_reaches_the_universal_directory_bit_exact(source, universals, name):
     record = source(name).record
@@ -66,6 +67,7 @@ def _derived(name: str) -> tuple[str, ...]:
     return flavour.derived if flavour else ()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZER_SOURCES))
 def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, universals, name, tmp_path):
     built = source(name)
@@ -101,6 +103,7 @@ def test_state_right_after_restore_at_a_new_dp_equals_the_source(source, univers
         "z3-fp32-sf-sgd",
     ],
 )
+@pytest.mark.slow
 def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, universals, name, tmp_path):
     built = source(name)
     out = tmp_path / "n"
@@ -121,6 +124,7 @@ def test_new_dp_resume_matches_deepspeeds_native_resume_within_1e_5(source, univ
         "z2-bf16-sf-adamw",
     ],
 )
+@pytest.mark.slow
 def test_same_dp_resume_is_bit_identical_to_native_resume(source, universals, name, tmp_path):
     built = source(name)
     out = tmp_path / "n"
@@ -130,6 +134,7 @@ def test_same_dp_resume_is_bit_identical_to_native_resume(source, universals, na
     assert_same_training(reference, ours)
 
 
+@pytest.mark.slow
 def test_a_live_engine_at_a_new_dp_takes_sgd_momentum_from_ucp_restore(source, universals, tmp_path):
     built = source("z3-bf16-sgd")
     after = resume(
@@ -139,6 +144,7 @@ def test_a_live_engine_at_a_new_dp_takes_sgd_momentum_from_ucp_restore(source, u
         assert torch.equal(after["state"]["momentum_buffer"][param], value), param
 
 
+@pytest.mark.slow
 def test_restoring_one_familys_state_into_another_is_refused_in_one_line(universals, tmp_path, capsys):
     code = cli(
         ["restore", str(universals("z3-bf16-sgd")), str(tmp_path / "n"), "--dp", "2", "--optimizer", "torch-adam"]
@@ -149,6 +155,7 @@ def test_restoring_one_familys_state_into_another_is_refused_in_one_line(univers
     assert not (tmp_path / "n").exists()
 
 
+@pytest.mark.slow
 def test_inspect_lists_each_groups_state_keys(universals, capsys):
     assert cli(["inspect", str(universals("z2-fp32-rmsprop"))]) == 0
     out = capsys.readouterr().out
@@ -156,6 +163,7 @@ def test_inspect_lists_each_groups_state_keys(universals, capsys):
     assert out.count("state: square_avg, momentum_buffer, grad_avg") == 2
 
 
+@pytest.mark.slow
 def test_muon_zero_2_momentum_is_whole_per_parameter_and_ranks_agree_on_shared_matrices(source):
     """The layout is real here (not a flat partition), and a matrix cut by the partition boundary exists."""
     built = source("z2-fp32-muon")
@@ -184,6 +192,7 @@ def test_muon_zero_2_momentum_is_whole_per_parameter_and_ranks_agree_on_shared_m
         ("z2-fp32-muon", 1, True),
     ],
 )
+@pytest.mark.slow
 def test_muon_state_moves_between_zero_stages_and_layouts_bit_exact(source, universals, name, stage, offload, tmp_path):
     """ZeRO-3 -> ZeRO-2 (whole momentum per rank), ZeRO-2 -> ZeRO-3, offloaded -> not offloaded and back."""
     built = source(name)
@@ -196,6 +205,7 @@ def test_muon_state_moves_between_zero_stages_and_layouts_bit_exact(source, univ
             assert torch.equal(after["state"][key][param].float(), value.float()), (key, param)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("offload", "said"), [(None, "without"), (True, "with")])
 def test_the_plan_says_which_offload_setting_muon_momentum_is_written_for(universals, offload, said):
     """DeepSpeed silently zeroes a momentum laid out for the other setting: the plan says which run it fits
@@ -205,6 +215,7 @@ def test_the_plan_says_which_offload_setting_muon_momentum_is_written_for(univer
     assert any(f"as a run {said} optimizer offload" in note for note in plan.notes), plan.notes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z3-fp32-muon", "z2-fp32-muon"])
 def test_a_live_engine_at_a_new_dp_takes_muon_and_adam_state_from_ucp_restore(source, universals, name, tmp_path):
     built = source(name)
@@ -223,6 +234,7 @@ def test_a_live_engine_at_a_new_dp_takes_muon_and_adam_state_from_ucp_restore(so
     assert steps(after["state_scalars"]) == steps(record["state_scalars"]) == (True, {3})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z2-bf16-asgd", "z2-fp32-hf-adafactor", "z3-fp32-adafactor", "z2-bf16-sf-adamw"])
 def test_a_live_engine_at_a_new_dp_takes_the_state_from_ucp_restore(source, universals, name, tmp_path):
     built = source(name)
@@ -230,6 +242,7 @@ def test_a_live_engine_at_a_new_dp_takes_the_state_from_ucp_restore(source, univ
     assert_every_state_equals_record(after, built.record, derived=_derived(name))
 
 
+@pytest.mark.slow
 def test_asgd_scalars_are_carried_and_a_reset_starts_eta_at_the_groups_lr(universals):
     from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
 
@@ -243,6 +256,7 @@ def test_asgd_scalars_are_carried_and_a_reset_starts_eta_at_the_groups_lr(univer
     assert not any(v.any() for v in fresh.optim.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z3-fp32-adafactor", "z2-fp32-hf-adafactor"])
 def test_adafactor_restored_at_another_size_says_its_steps_follow_the_partitions(universals, name):
     with open_universal(universals(name)) as reader:
@@ -255,6 +269,7 @@ def test_adafactor_restored_at_another_size_says_its_steps_follow_the_partitions
 @pytest.mark.parametrize(
     "extra", [["--format", "dcp", "--optimizer", "torch-adafactor"], ["--dp", "2", "--stage", "0"]]
 )
+@pytest.mark.slow
 def test_adafactor_state_of_flat_partitions_is_refused_where_the_optimizer_sees_whole_matrices(
     universals, tmp_path, capsys, extra
 ):
@@ -265,6 +280,7 @@ def test_adafactor_state_of_flat_partitions_is_refused_where_the_optimizer_sees_
     assert not (tmp_path / "n").exists()
 
 
+@pytest.mark.slow
 def test_restore_torch_refuses_adafactor_partitions_and_another_familys_state(source, universals):
     built = source("z3-fp32-adafactor")
     model = TinyLM(built.spec.model)
@@ -279,6 +295,7 @@ def test_restore_torch_refuses_adafactor_partitions_and_another_familys_state(so
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "refused, yet weights were copied"
 
 
+@pytest.mark.slow
 def test_a_dcp_output_is_written_for_the_sources_own_torch_optimizer(universals, tmp_path, capsys):
     assert cli(["restore", str(universals("z3-bf16-sgd")), str(tmp_path / "d"), "--format", "dcp"]) == 0
     assert "(torch-sgd)" in capsys.readouterr().out
@@ -286,6 +303,7 @@ def test_a_dcp_output_is_written_for_the_sources_own_torch_optimizer(universals,
     assert any(k.endswith(".momentum_buffer") for k in keys) and not any("exp_avg" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_a_universal_directory_holding_state_its_flavour_does_not_keep_is_refused(universals, tmp_path, capsys):
     """What an older ucp wrote for an Adadelta run (read as torch Adam) no longer passes for Adam state."""
     import json
@@ -307,6 +325,7 @@ def test_a_universal_directory_holding_state_its_flavour_does_not_keep_is_refuse
     "name",
     ["z3-fp32-nadam", "z2-fp32-rmsprop", "z1-fp32-adadelta", "z3-bf16-sgd", "z2-bf16-asgd", "z1-fp32-sf-adamw"],
 )
+@pytest.mark.slow
 def test_fsdp2_takes_the_state_of_ucps_dcp_folder_and_trains_on_like_deepspeed(source, universals, name, tmp_path):
     """Out of DeepSpeed beyond Adam: ``--format dcp`` writes for the source's own torch optimizer (NAdam's and
     ASGD's 0-dim scalars, SGD without a step), and a real FSDP2 run of it loads every tensor bit for bit with
@@ -326,6 +345,7 @@ def test_fsdp2_takes_the_state_of_ucps_dcp_folder_and_trains_on_like_deepspeed(s
         assert_same_training(native, torch.load(record, weights_only=True), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_schedule_free_state_is_not_reset_to_zeros(universals, tmp_path, capsys):
     """A fresh schedule-free optimizer starts z at the weights and its weight sums at their own values: zeros
     would pull every weight towards 0 at the next step."""
@@ -335,6 +355,7 @@ def test_schedule_free_state_is_not_reset_to_zeros(universals, tmp_path, capsys)
     assert not (tmp_path / "n").exists()
 
 
+@pytest.mark.slow
 def test_zero_3_counts_a_schedule_free_step_per_sub_group_and_ucp_says_so(source, universals, capsys):
     """DeepSpeed 0.19.8's ZeRO-3 calls optimizer.step() once per sub-group; schedule-free counts each call in every
     group (k 6 after 3 steps here, and its weight_sum twice over). Carried as counted (a native ZeRO-3 resume goes

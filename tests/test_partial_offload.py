@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from tests.support.files import resave
 from ucp.cli import main as cli
 from ucp.io.torchfile import load
 
 
+@pytest.mark.slow
 def test_a_partial_offload_save_without_its_gpu_moments_is_refused_saying_why(source, tmp_path, capsys) -> None:
     built = source("z3-bf16-dp2-cpuadam")
     folder = tmp_path / "ckpt"

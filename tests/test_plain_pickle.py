@@ -170,6 +170,7 @@ def test_under_any_one_byte_damage_it_reads_what_weights_only_reads_or_steps_asi
     assert accepted > len(pickled) // 2  # damage to values, names and lengths still reads; those were compared
 
 
+@pytest.mark.slow
 def test_model_states_of_a_real_zero3_checkpoint_read_plain_and_match(z3_bf16_dp2: Built) -> None:
     files = sorted(z3_bf16_dp2.tag_dir.glob("*.pt"))
     plain = 0

@@ -32,6 +32,7 @@ def test_no_bar_when_stderr_is_not_a_terminal_or_ucp_is_quiet(capsys, monkeypatc
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_parameter_weighs_its_fp32_master_and_each_state_tensor(z3_bf16_dp2):
     import ucp
 

@@ -202,12 +202,14 @@ def _with_folder(universal: Path, dest: Path, folder: Any) -> Path:
         "a\x00b",
     ],
 )
+@pytest.mark.slow
 def test_universal_reader_refuses_a_folder_outside_zero(universal: Path, tmp_path: Path, folder: str) -> None:
     (tmp_path / "evil").mkdir()
     with pytest.raises(CorruptFileError, match="outside zero/"):
         UniversalReader(_with_folder(universal, tmp_path / "u", folder))
 
 
+@pytest.mark.slow
 def test_universal_reader_refuses_a_symlinked_folder_leading_out(universal: Path, tmp_path: Path) -> None:
     dest = _with_folder(universal, tmp_path / "u", "escape")
     (tmp_path / "elsewhere").mkdir()
@@ -360,6 +362,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_damaged_checkpoint_fails_with_one_line_and_no_output(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
@@ -375,6 +378,7 @@ def test_damaged_checkpoint_fails_with_one_line_and_no_output(
     assert not (ckpt / "ran").exists()
 
 
+@pytest.mark.slow
 def test_universal_checksum_failure_is_one_line_with_exit_1(
     universal: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -393,6 +397,7 @@ def test_universal_checksum_failure_is_one_line_with_exit_1(
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_existing_output_is_untouched_without_overwrite(
     z3_bf16_dp2: Built, universal: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -447,6 +452,7 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     _WATCH["hits"].append((event, args))
 
 
+@pytest.mark.slow
 def test_source_is_opened_read_only_and_left_unchanged(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -132,6 +132,7 @@ def _leftovers(folder: Path) -> list[str]:
 @pytest.mark.parametrize(
     "flags", [[], ["--overwrite"], ["--overwrite", "--overwrite-foreign"]], ids=["plain", "overwrite", "foreign"]
 )
+@pytest.mark.slow
 @pytest.mark.parametrize("relation", ["same", "inside", "parent"])
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_output_overlapping_an_input_is_refused_and_the_input_stays_byte_identical(
@@ -161,6 +162,7 @@ def test_output_overlapping_an_input_is_refused_and_the_input_stays_byte_identic
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["box"] + (["cfg"] if name == "migrate" else []))
 
 
+@pytest.mark.slow
 def test_a_tag_folder_converted_into_its_own_checkpoint_folder_is_refused(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -175,6 +177,7 @@ def test_a_tag_folder_converted_into_its_own_checkpoint_folder_is_refused(
     assert digests(ckpt) == before
 
 
+@pytest.mark.slow
 def test_overlap_is_seen_through_symlinks_and_bind_mounts(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -197,6 +200,7 @@ def test_overlap_is_seen_through_symlinks_and_bind_mounts(
     assert digests(ckpt) == before
 
 
+@pytest.mark.slow
 def test_output_holding_the_migration_config_is_refused(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -210,6 +214,7 @@ def test_output_holding_the_migration_config_is_refused(
 
 
 # -- --overwrite replaces only ucp's own outputs ------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in COMMANDS if n != "export-file"])
 def test_overwrite_replaces_only_a_folder_ucp_wrote(
     z3_bf16_dp2: Built,
@@ -240,6 +245,7 @@ def test_overwrite_replaces_only_a_folder_ucp_wrote(
     assert owner_kind(out) == "output" and _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_overwrite_may_replace_an_empty_folder(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -320,6 +326,7 @@ def _argv_on(name: str, inp: Path, out: Path, work: Path) -> list[str]:
     return COMMANDS[name].argv(inp, out, work)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SINGLE)
 def test_a_disk_too_small_is_refused_before_anything_is_written(
     z3_bf16_dp2: Built, universal: Path, small_fs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
@@ -332,6 +339,7 @@ def test_a_disk_too_small_is_refused_before_anything_is_written(
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"] and _free(small_fs) == free
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SINGLE)
 def test_running_out_of_space_while_writing_is_one_line_and_leaves_nothing(
     z3_bf16_dp2: Built, universal: Path, small_fs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
@@ -348,6 +356,7 @@ def test_running_out_of_space_while_writing_is_one_line_and_leaves_nothing(
     assert digests(inp) == before
 
 
+@pytest.mark.slow
 def test_a_read_only_file_system_is_one_line_for_every_command(
     z3_bf16_dp2: Built, universal: Path, small_fs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -391,6 +400,7 @@ def test_machine_faults_become_one_line_naming_the_output(tmp_path: Path, err: E
     assert fault_message(OSError(errno.ENOENT, "gone"), {out: 0}) is None
 
 
+@pytest.mark.slow
 def test_size_estimates_are_lower_bounds_of_real_outputs(z3_bf16_dp2: Built, universal: Path, tmp_path: Path) -> None:
     """The space check refuses only when the disk clearly lacks room: its estimates never exceed the output."""
 
@@ -475,6 +485,7 @@ SIGNAL_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,signals", SIGNAL_CASES, ids=["-".join([n, *s]) for n, s in SIGNAL_CASES])
 def test_a_signal_once_writing_has_begun_stops_cleanly_with_128_plus_its_number(
     z3_bf16_dp2: Built, universal: Path, tmp_path: Path, name: str, signals: tuple[str, ...]
@@ -523,6 +534,7 @@ def _reads_back(name: str, out: Path, ckpt: Built) -> None:
 RACE_CASES = list(SINGLE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RACE_CASES)
 def test_two_runs_racing_for_one_output_one_wins_and_the_other_says_so(
     z3_bf16_dp2: Built, universal: Path, tmp_path: Path, name: str
@@ -549,6 +561,7 @@ def test_two_runs_racing_for_one_output_one_wins_and_the_other_says_so(
     _reads_back(name, real_out, z3_bf16_dp2)
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_end_with_one_output_and_one_line(z3_bf16_dp2: Built, tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "ucp", "to-universal", str(z3_bf16_dp2.path), str(out), "--workers", "1"]
@@ -607,6 +620,7 @@ def _hold_rank_mid_write(argv: list[str], out: Path) -> list[subprocess.Popen[st
     pytest.fail("the ranks always finished before rank 1 could be stopped mid-write")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_one_rank_stopped_or_killed_stops_every_rank_and_leaves_no_output(
     z3_bf16_dp2: Built, tmp_path: Path, how: str
@@ -625,6 +639,7 @@ def test_one_rank_stopped_or_killed_stops_every_rank_and_leaves_no_output(
     assert list(tmp_path.iterdir()) == [], "an output or a staging folder was left"
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_one_rank_stops_every_rank_with_one_line(z3_bf16_dp2: Built, small_fs: Path) -> None:
     _fill(small_fs, 12 << 10)
     out = small_fs / "out"
@@ -676,6 +691,7 @@ def test_hostile_migration_yaml_is_refused_quickly_in_one_line(
     assert [p.name for p in tmp_path.iterdir()] == ["m.yaml"]
 
 
+@pytest.mark.slow
 def test_a_few_aliases_in_a_config_still_work(
     z3_bf16_dp2: Built, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -796,6 +812,7 @@ UNIVERSAL_READERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(UNIVERSAL_READERS))
 @pytest.mark.parametrize("case", list(MANIFEST_DAMAGE))
 def test_a_lying_universal_directory_is_refused_before_anything_is_written(
@@ -815,6 +832,7 @@ def test_a_lying_universal_directory_is_refused_before_anything_is_written(
     assert not out.exists() and _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_an_honest_universal_directory_still_reads_back_whole(universal: Path) -> None:
     assert assert_absent_or_whole(universal) == "whole"
     with open_reader(universal) as reader:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support.digest import tree
 from ucp.cli import main as cli
 
 
+@pytest.mark.slow
 def test_reshard_writes_what_to_universal_then_restore_writes(source, tmp_path, capsys):
     src = source("z2-bf16-dp3-adamw").path
     assert cli(["reshard", str(src), str(tmp_path / "direct"), "--dp", "2", "--json"]) == 0
@@ -22,12 +25,14 @@ def test_reshard_writes_what_to_universal_then_restore_writes(source, tmp_path, 
         assert direct[name].get("content", direct[name]["sha256"]) == entry.get("content", entry["sha256"]), name
 
 
+@pytest.mark.slow
 def test_reshard_needs_a_dp_size(source, tmp_path, capsys):
     assert cli(["reshard", str(source("z2-bf16-dp3-adamw").path), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "reshard needs --dp" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_the_python_api_reshards_as_the_cli_does(source, tmp_path):
     """ucp.reshard keeps the source's stage and writes the CLI's bytes."""
     import ucp

@@ -13,6 +13,7 @@ from ucp.harness.model import TinyLM, build_param_groups, spec_batch
 from ucp.harness.worker import lr_decay
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z3-fp32-dp3-adamw"])
 def test_restore_into_live_engine_at_same_dp_is_bit_identical_to_native_resume(
     source, native_resume, universals, name, tmp_path
@@ -22,6 +23,7 @@ def test_restore_into_live_engine_at_same_dp_is_bit_identical_to_native_resume(
     assert_same_training(native_resume(built), ours)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dp", [("z3-fp32-dp2-adamw", 3), ("z3-fp32-dp4-adam", 2), ("z3-fp32-dp1-adamw", 2)])
 def test_restore_into_live_engine_at_new_dp_matches_native_resume(
     source, native_resume, universals, name, dp, tmp_path
@@ -32,6 +34,7 @@ def test_restore_into_live_engine_at_new_dp_matches_native_resume(
     assert set(ours["state_steps"]) == {float(built.spec.steps + 3)}  # source + K, never + K x sub-groups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", [("z3-fp32-dp3-adamw", "fp32"), ("z2-bf16-dp3-adamw", "bf16")])
 def test_an_engine_without_zero_takes_the_state_and_trains_on(source, native_resume, universals, name, dtype, tmp_path):
     """Stage 0 (no ZeRO, DeepSpeed's default): fp32 runs the client optimizer, bf16 DeepSpeed's
@@ -52,6 +55,7 @@ def test_an_engine_without_zero_takes_the_state_and_trains_on(source, native_res
         assert_same_training(native_resume(built), ours, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_state_right_after_restore_equals_source_and_groups_keep_own_lr(source, universals, tmp_path):
     built = source("z3-fp32-dp3-adamw")  # three groups with their own lr and weight_decay
     after = resume(
@@ -70,6 +74,7 @@ def test_state_right_after_restore_equals_source_and_groups_keep_own_lr(source, 
     assert after["counters"] == record["counters"] and set(after["state_steps"]) == {3.0}
 
 
+@pytest.mark.slow
 def test_torch_adamw_checkpoint_into_deepspeed_fused_adam_engine_and_back(source, universals, tmp_path):
     built = source("z3-fp32-dp2-adamw")
     fused = resume(
@@ -99,6 +104,7 @@ def test_torch_adamw_checkpoint_into_deepspeed_fused_adam_engine_and_back(source
         assert torch.equal(back["params"][name], value), name
 
 
+@pytest.mark.slow
 def test_restore_torch_into_plain_model_matches_universal(source, universals):
     built = source("z3-fp32-dp3-adamw")
     spec = built.spec
@@ -122,6 +128,7 @@ def test_restore_torch_into_plain_model_matches_universal(source, universals):
     assert float(optimizer.state[params["embed.weight"]]["step"]) == spec.steps + 1
 
 
+@pytest.mark.slow
 def test_restore_refuses_a_model_with_different_parameters(source, universals):
     built = source("z3-fp32-dp3-adamw")
     spec = built.spec

@@ -24,6 +24,7 @@ def _restore(built, tmp_path, dp, **options):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z3-fp32-dp3-adamw"])
 def test_same_dp_resume_is_bit_identical_to_native_resume(source, native_resume, name, tmp_path):
     built = source(name)
@@ -35,6 +36,7 @@ def test_same_dp_resume_is_bit_identical_to_native_resume(source, native_resume,
 @pytest.mark.parametrize(
     "name, dp", [("z3-fp32-dp1-adamw", 4), ("z3-fp32-dp4-adam", 1), ("z3-fp32-dp2-adamw", 3), ("z3-fp32-dp3-adamw", 2)]
 )
+@pytest.mark.slow
 def test_new_dp_resume_matches_native_resume_within_1e_5(source, native_resume, name, dp, tmp_path):
     built = source(name)
     out = _restore(built, tmp_path, dp)
@@ -45,6 +47,7 @@ def test_new_dp_resume_matches_native_resume_within_1e_5(source, native_resume, 
     assert_same_training(native_resume(built), ours, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dp", [("z3-bf16-dp2-adamw", 3), ("z3-bf16-dp4-fused", 2), ("z3-bf16-dp2-cpuadam", 1)])
 def test_state_right_after_load_at_new_dp_equals_source(source, name, dp, tmp_path):
     built = source(name)
@@ -61,6 +64,7 @@ def test_state_right_after_load_at_new_dp_equals_source(source, name, dp, tmp_pa
     assert all(torch.equal(v, after["buffers"][k]) for k, v in record["buffers"].items())
 
 
+@pytest.mark.slow
 def test_sub_groups_each_take_their_own_step_and_advance_by_one_per_step(source, tmp_path):
     built = source("z3-fp32-dp2-adamw")  # sub_group_size=60: six sub-groups
     out = _restore(built, tmp_path, 3)
@@ -68,6 +72,7 @@ def test_sub_groups_each_take_their_own_step_and_advance_by_one_per_step(source,
     assert len(ours["state_steps"]) > 2 and set(ours["state_steps"]) == {6.0}  # never 3 + 3 x sub-groups
 
 
+@pytest.mark.slow
 def test_torch_adamw_checkpoint_resumes_under_deepspeed_fused_adam(source, native_resume, tmp_path):
     built = source("z3-fp32-dp2-adamw")
     out = _restore(built, tmp_path, 2, optimizer="ds-fused-adam")
@@ -80,6 +85,7 @@ def test_torch_adamw_checkpoint_resumes_under_deepspeed_fused_adam(source, nativ
         assert torch.allclose(ours["params"][name], value, rtol=0, atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_fp32_checkpoint_restores_into_a_bf16_run(source, tmp_path):
     built = source("z3-fp32-dp2-adamw")
     out = _restore(built, tmp_path, 2, dtype="bf16")
@@ -90,6 +96,7 @@ def test_fp32_checkpoint_restores_into_a_bf16_run(source, tmp_path):
         assert torch.equal(after["module"][name], value.to(torch.bfloat16)), name
 
 
+@pytest.mark.slow
 def test_restore_cli_writes_latest_and_tag_and_refuses_bad_options(z3_bf16_dp2, tmp_path, capsys):
     universal = tmp_path / "u"
     assert cli(["to-universal", str(z3_bf16_dp2.path), str(universal)]) == 0
@@ -104,6 +111,7 @@ def test_restore_cli_writes_latest_and_tag_and_refuses_bad_options(z3_bf16_dp2, 
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_a_zero3_source_keeps_its_gradient_clipping_at_zero2(z3_bf16_dp2, tmp_path):
     """ZeRO-3 records no clip_grad, and DeepSpeed's ZeRO-1/2 loader takes the optim file's over its config:
     a ZeRO-3 -> ZeRO-2 restore writes the clipping the source run had, its config's or (left out, as here)
@@ -120,6 +128,7 @@ def test_a_zero3_source_keeps_its_gradient_clipping_at_zero2(z3_bf16_dp2, tmp_pa
     assert default_clipping(None) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z2-bf16-dp3-adamw", "z1-fp32-dp2-adamw"])
 def test_restore_without_stage_writes_the_sources_stage_which_its_own_run_loads(source, name, tmp_path, capsys):
     """ucp restore once wrote ZeRO-3 unless told: a ZeRO-1/2 run then failed in DeepSpeed's loader with a bare

@@ -48,6 +48,7 @@ def test_round_robin_order_is_deepspeeds():
             assert [members[i] for i in round_robin_order(count, dp)] == theirs, (count, dp)
 
 
+@pytest.mark.slow
 def test_the_record_is_the_module_and_deepspeeds_own_mapping_is_not():
     """An fp32 run's module weights are its masters: the harness's record equals them, DeepSpeed's
     safe_get_full_fp32_param does not (0.19.8; pinned so the record's detour stays needed)."""
@@ -57,6 +58,7 @@ def test_the_record_is_the_module_and_deepspeeds_own_mapping_is_not():
     assert any(not torch.equal(value, record["module"][name]) for name, value in theirs.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SOURCES)
 def test_every_state_reaches_the_universal_directory_bit_exact(universal, name):
     record = build(**SOURCES[name]).record
@@ -75,6 +77,7 @@ CASES = [  # source, new dp, round_robin_gradients of the new run, how it is loa
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dp, round_robin, kind", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_restore_at_a_new_dp_loads_every_state_bit_exact(universal, tmp_path, name, dp, round_robin, kind):
     built = build(**SOURCES[name])
@@ -88,6 +91,7 @@ def test_restore_at_a_new_dp_loads_every_state_bit_exact(universal, tmp_path, na
     assert_state_equals_record(after, built.record, steps=3)
 
 
+@pytest.mark.slow
 def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(universal, tmp_path):
     built = build(**SOURCES["z2-bf16-dp2"])
     ucp.write_native(universal("z2-bf16-dp2"), tmp_path / "n", dp=2, stage=2)
@@ -97,6 +101,7 @@ def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(univer
     assert_same_training(reference, resume(built, live, name="live", work=tmp_path))
 
 
+@pytest.mark.slow
 def test_reshard_writes_the_new_dps_round_robin_order(tmp_path):
     built = build(**SOURCES["z2-bf16-dp2"])
     ucp.reshard(built.path, tmp_path / "n", dp=3)
@@ -104,6 +109,7 @@ def test_reshard_writes_the_new_dps_round_robin_order(tmp_path):
     assert_state_equals_record(after, built.record, steps=3)
 
 
+@pytest.mark.slow
 def test_a_plain_run_restores_into_a_round_robin_one(tmp_path):
     built = build(dp=2, stage=2, dtype="bf16")
     ucp.reshard(built.path, tmp_path / "n", dp=3, round_robin_gradients=True)
@@ -111,6 +117,7 @@ def test_a_plain_run_restores_into_a_round_robin_one(tmp_path):
     assert_state_equals_record(after, built.record, steps=3)
 
 
+@pytest.mark.slow
 def test_ucp_reads_its_own_round_robin_files(universal, tmp_path):
     """ucp writes the true param_slice_mappings (DeepSpeed's name other bytes); both read alike."""
     source = universal("z1-fp32-dp3")
@@ -123,6 +130,7 @@ def test_ucp_reads_its_own_round_robin_files(universal, tmp_path):
             assert all(torch.equal(a.optim[k], b.optim[k]) for k in a.optim), meta.name
 
 
+@pytest.mark.slow
 def test_deepspeeds_universal_folder_of_a_round_robin_run_is_refused(tmp_path):
     """ds_to_universal cuts such a run at its wrong mappings: parameters get other parameters' bytes."""
     built = build(**SOURCES["z2-bf16-dp2"])
@@ -138,12 +146,14 @@ def test_deepspeeds_universal_folder_of_a_round_robin_run_is_refused(tmp_path):
     assert not (tmp_path / "u").exists()
 
 
+@pytest.mark.slow
 def test_round_robin_is_refused_for_other_stages(universal, tmp_path):
     with pytest.raises(ConfigError, match="round_robin_gradients applies to ZeRO-1/2, not ZeRO-3"):
         ucp.write_native(universal("z2-bf16-dp2"), tmp_path / "n", dp=2, stage=3, round_robin_gradients=True)
     assert not (tmp_path / "n").exists()
 
 
+@pytest.mark.slow
 def test_the_cli_and_the_migration_yaml_say_and_set_it(universal, tmp_path, capsys):
     source = universal("z2-bf16-dp2")
     assert cli(["inspect", str(source), "--json"]) == 0

@@ -24,6 +24,7 @@ def universal(tmp_path_factory):
     return universals_of(SOURCES, tmp_path_factory.mktemp("universal"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SOURCES))
 def test_a_sequence_parallel_run_reaches_the_universal_directory_bit_exact(universal, name):
     record = build(**SOURCES[name]).record
@@ -33,6 +34,7 @@ def test_a_sequence_parallel_run_reaches_the_universal_directory_bit_exact(unive
         assert_reader_holds_every_state(reader, record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, sp", [(6, 3), (2, 1)], ids=["dp6-sp3", "dp2-no-sp"])
 @pytest.mark.parametrize("kind", ["ucp", "native"])
 @pytest.mark.parametrize("name", list(SOURCES))
@@ -47,6 +49,7 @@ def test_restore_at_another_sequence_parallel_size_loads_every_state_bit_exact(u
     assert_every_state_equals_record(after, built.record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SOURCES))
 def test_same_layout_restore_resumes_bit_identically_to_deepspeeds_own_resume(universal, name, tmp_path):
     built = build(**SOURCES[name])

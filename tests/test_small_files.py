@@ -23,6 +23,7 @@ def test_read_small_reads_within_the_limit_and_refuses_past_it(tmp_path: Path) -
         read_small(tmp_path / "missing", 99, "thing")
 
 
+@pytest.mark.slow
 def test_a_huge_latest_file_is_one_line(z3_bf16_dp2, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
@@ -43,6 +44,7 @@ def test_an_unreadable_trainer_state_is_one_input_error(tmp_path: Path, text: st
         _read_state(tmp_path)
 
 
+@pytest.mark.slow
 def test_an_oversized_dcp_metadata_file_is_refused_before_unpickling(tmp_path: Path, monkeypatch) -> None:
     from ucp.sources import dcp
 

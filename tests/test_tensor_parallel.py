@@ -156,6 +156,7 @@ def test_megatron_style_info_patterns():
 
 
 # -- real AutoTP checkpoints -----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TP_SOURCES))
 def test_tp_checkpoint_merges_bit_exact_into_full_parameters(name, source, universals):
     built = source(name)
@@ -215,6 +216,7 @@ def test_checkpoint_without_tp_restores_into_a_live_tp2_engine(source, universal
     assert_training_close(native_resume(built), ours, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tp_checkpoint_without_info_needs_rules(source, tmp_path):
     built = source("tp2-z2-fp32-dp1")
     copy = with_info(built, tmp_path, lambda info: None)
@@ -278,6 +280,7 @@ target: {{dp: 1, stage: 1, tp: 2, output: {tmp_path / "tp2"}}}
     assert_training_close(native_resume(built), ours, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tp_target_without_rules_is_refused_in_one_line(source, universals, tmp_path):
     with pytest.raises(InputError, match=r"^no tensor-parallel rule for 'embed\.weight'.*tensor_parallel\.rules"):
         ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=1, stage=1, tp=2)
@@ -286,6 +289,7 @@ def test_tp_target_without_rules_is_refused_in_one_line(source, universals, tmp_
         ucp.write_native(universals("z1-fp32-dp2-adamw"), tmp_path / "n", dp=1, stage=3, tp=2)
 
 
+@pytest.mark.slow
 def test_a_stray_pipeline_layer_file_in_a_tp_checkpoint_is_refused_in_one_line(source, tmp_path):
     """A layer file makes the folder a pipeline checkpoint (read with its TP ranks since pipeline x TP is read);
     one for TP rank 0 only, where the model-states files say tp_degree=2, is a mix of runs."""
@@ -308,6 +312,7 @@ def test_a_stray_pipeline_layer_file_in_a_tp_checkpoint_is_refused_in_one_line(s
         {"vocabulary_parameter_patterns": [r"^blocks\.0\.0\.weight$"]},  # no original_vocab_size
     ],
 )
+@pytest.mark.slow
 def test_damaged_universal_checkpoint_info_is_refused_in_one_line(source, tmp_path, damage):
     def edit(info: dict[str, Any]) -> dict[str, Any]:
         if "affine_map" not in damage:
@@ -320,6 +325,7 @@ def test_damaged_universal_checkpoint_info_is_refused_in_one_line(source, tmp_pa
     assert "universal_checkpoint_info" in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TP_SOURCES))
 def test_pattern_lists_alone_merge_like_the_affine_map(name, source, tmp_path):
     """Megatron-DeepSpeed writes only the pattern lists: without the affine map the merge is the same."""

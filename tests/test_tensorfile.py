@@ -111,6 +111,7 @@ class _WholeTensors(ReaderView):
     read_pieces = Reader.read_pieces
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z3-bf16-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"])
 def test_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(
     source, name: str, tmp_path: Path
@@ -129,6 +130,7 @@ def test_fast_path_writes_the_same_universal_directory_as_the_whole_tensor_path(
         assert (fast / rel).read_bytes() == (whole / rel).read_bytes(), rel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z3-fp32-dp3-adamw", "z2-bf16-dp3-adamw"])
 def test_pieces_match_read_bit_for_bit(source, name: str) -> None:
     reader = open_reader(source(name).path)
@@ -145,6 +147,7 @@ def test_pieces_match_read_bit_for_bit(source, name: str) -> None:
         reader.close()
 
 
+@pytest.mark.slow
 def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universals, tmp_path: Path) -> None:
     root = tmp_path / "u"
     shutil.copytree(universals("z3-bf16-dp2-adamw"), root)

@@ -15,6 +15,7 @@ from ucp.harness import LoadSpec
 from ucp.sources import open_reader
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SOURCES))
 def test_to_universal_equals_live_engine_bit_for_bit(source, name, tmp_path):
     built = source(name)
@@ -36,6 +37,7 @@ def test_to_universal_equals_live_engine_bit_for_bit(source, name, tmp_path):
         ("z3-bf16-dp2-cpuadam", "ds-cpu-adam"),
     ],
 )
+@pytest.mark.slow
 def test_manifest_records_source_facts_and_flavour(source, name, flavour, tmp_path):
     built = source(name)
     manifest = ucp.to_universal(built.path, tmp_path / "u")
@@ -61,6 +63,7 @@ def test_manifest_records_source_facts_and_flavour(source, name, flavour, tmp_pa
         assert any("stale" in w for w in manifest["warnings"]), manifest["warnings"]
 
 
+@pytest.mark.slow
 def test_per_parameter_files_follow_deepspeeds_universal_layout(z3_bf16_dp2, tmp_path):
     out = tmp_path / "u"
     ucp.to_universal(z3_bf16_dp2.path, out)
@@ -72,12 +75,14 @@ def test_per_parameter_files_follow_deepspeeds_universal_layout(z3_bf16_dp2, tmp
     assert not (out / "zero" / "head.weight").exists()
 
 
+@pytest.mark.slow
 def test_tag_folder_and_explicit_tag_read_the_same_checkpoint(z3_bf16_dp2, tmp_path):
     a = ucp.to_universal(z3_bf16_dp2.tag_dir, tmp_path / "a")
     b = ucp.to_universal(z3_bf16_dp2.path, tmp_path / "b", tag=z3_bf16_dp2.tag_dir.name)
     assert [p["files"] for p in a["params"]] == [p["files"] for p in b["params"]]
 
 
+@pytest.mark.slow
 def test_load_optimizer_moments_returns_full_states_straight_from_shards(z3_fp32_dp3):
     moments = ucp.load_optimizer_moments(z3_fp32_dp3.path)
     record = z3_fp32_dp3.record
@@ -89,6 +94,7 @@ def test_load_optimizer_moments_returns_full_states_straight_from_shards(z3_fp32
     assert set(moments["proj.weight"]) == {"fp32"}
 
 
+@pytest.mark.slow
 def test_deepspeeds_own_load_universal_loads_the_output(z3_bf16_dp2, tmp_path):
     out = tmp_path / "u"
     ucp.to_universal(z3_bf16_dp2.path, out)
@@ -100,6 +106,7 @@ def test_deepspeeds_own_load_universal_loads_the_output(z3_bf16_dp2, tmp_path):
         assert torch.equal(after["exp_avg"][name], record["exp_avg"][name]), name
 
 
+@pytest.mark.slow
 def test_reading_does_not_import_deepspeed(z3_bf16_dp2, tmp_path):
     import subprocess
     import sys

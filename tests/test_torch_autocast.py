@@ -18,6 +18,7 @@ from ucp.universal import open_universal
 AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_torch_autocast_run_moves_to_another_dp_and_resumes_like_deepspeed_itself(stage, tmp_path):
     built = build(dp=2, stage=stage, dtype="fp32", optimizer="torch-adamw", ds_config=AUTOCAST)

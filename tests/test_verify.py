@@ -56,17 +56,20 @@ def _nudge_one_exp_avg(root: Path, index: int) -> tuple[float, float]:
     return old, flat[index].item()
 
 
+@pytest.mark.slow
 def test_verify_passes_a_fresh_conversion_bf16_dp2(z3_bf16_dp2, bf16_universal):
     result = verify_universal(z3_bf16_dp2.path, bf16_universal)
     assert result.ok, result.message
     assert result.message.startswith("OK: 13 parameters")
 
 
+@pytest.mark.slow
 def test_verify_passes_a_fresh_conversion_fp32_dp3(z3_fp32_dp3, tmp_path):
     to_universal(z3_fp32_dp3.path, tmp_path / "u")
     assert verify_universal(z3_fp32_dp3.path, tmp_path / "u", tag="global_step3").ok
 
 
+@pytest.mark.slow
 def test_verify_catches_one_changed_exp_avg_value_with_its_checksum_fixed(z3_bf16_dp2, copy):
     old, new = _nudge_one_exp_avg(copy, 37)
     _fix_checksum(copy, PARAM, "exp_avg.pt")
@@ -78,6 +81,7 @@ def test_verify_catches_one_changed_exp_avg_value_with_its_checksum_fixed(z3_bf1
     assert f"source {old!r} (0x" in result.message and f"universal {new!r} (0x" in result.message
 
 
+@pytest.mark.slow
 def test_verify_catches_one_changed_exp_avg_value_with_a_stale_checksum(z3_bf16_dp2, copy):
     _nudge_one_exp_avg(copy, 0)
     result = verify_universal(z3_bf16_dp2.path, copy)
@@ -85,6 +89,7 @@ def test_verify_catches_one_changed_exp_avg_value_with_a_stale_checksum(z3_bf16_
     assert PARAM in result.message and "exp_avg.pt does not match its checksum" in result.message
 
 
+@pytest.mark.slow
 def test_verify_catches_a_changed_step_file(z3_bf16_dp2, copy):
     path = copy / "zero" / "norm.bias" / "step.pt"
     resave(torch.tensor(4.0), path)
@@ -95,6 +100,7 @@ def test_verify_catches_a_changed_step_file(z3_bf16_dp2, copy):
     assert "step.pt holds 4.0" in result.message
 
 
+@pytest.mark.slow
 def test_verify_catches_a_changed_frozen_weight_and_a_missing_file(z3_bf16_dp2, copy):
     path = copy / "zero" / "proj.bias" / "fp32.pt"
     obj = torchfile.load(path)
@@ -108,6 +114,7 @@ def test_verify_catches_a_changed_frozen_weight_and_a_missing_file(z3_bf16_dp2, 
     assert not result.ok and "blocks.1.0.bias" in result.message and "exp_avg_sq.pt is missing" in result.message
 
 
+@pytest.mark.slow
 def test_verify_catches_a_changed_buffer(z3_bf16_dp2, copy):
     state = torchfile.load(copy / "state.pt")
     state["buffers"]["calls"][1] += 1
@@ -120,6 +127,7 @@ def test_verify_catches_a_changed_buffer(z3_bf16_dp2, copy):
     assert result.message.startswith("MISMATCH: buffer calls: first of 1 differing elements at index [1]")
 
 
+@pytest.mark.slow
 def test_verify_fails_on_a_damaged_manifest(z3_bf16_dp2, copy):
     manifest = json.loads((copy / "ucp.json").read_text())
     del manifest["params"][0]["folder"]
@@ -137,6 +145,7 @@ def test_verify_compares_bits_not_values():
     assert first_difference(torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)).startswith("dtype")
 
 
+@pytest.mark.slow
 def test_verify_cli_exit_codes(z3_bf16_dp2, bf16_universal, copy, tmp_path, capsys):
     assert main(["verify", str(z3_bf16_dp2.path), str(bf16_universal)]) == 0
     assert capsys.readouterr().out.startswith("OK:")
@@ -150,6 +159,7 @@ def test_verify_cli_exit_codes(z3_bf16_dp2, bf16_universal, copy, tmp_path, caps
     assert "needs UNIVERSAL" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_verify_cli_in_a_subprocess(z3_bf16_dp2, bf16_universal, tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "ucp", "verify", str(z3_bf16_dp2.path), str(bf16_universal)],
@@ -204,6 +214,7 @@ def models(tmp_path, monkeypatch) -> str:
     return "ucp_test_models"
 
 
+@pytest.mark.slow
 def test_verify_model_accepts_the_model_that_wrote_the_checkpoint(z3_bf16_dp2, models, bf16_universal):
     result = verify_model(z3_bf16_dp2.path, f"{models}:build")
     assert result.ok and "13 parameters (2 frozen) in 2 groups, 1 tied" in result.message
@@ -227,11 +238,13 @@ def test_verify_model_accepts_the_model_that_wrote_the_checkpoint(z3_bf16_dp2, m
         ),
     ],
 )
+@pytest.mark.slow
 def test_verify_model_names_the_first_mismatch(z3_bf16_dp2, models, builder, expected):
     result = verify_model(z3_bf16_dp2.path, f"{models}:{builder}")
     assert not result.ok and result.message.startswith(expected), result.message
 
 
+@pytest.mark.slow
 def test_verify_model_bad_spec_is_an_input_error(z3_bf16_dp2, models, capsys):
     for spec, words in [
         ("nocolon", "MODULE:CALLABLE"),

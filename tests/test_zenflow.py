@@ -37,6 +37,7 @@ def _newer_weights(record) -> int:
     return sum(int((v.bfloat16() != record["module"][n]).sum()) for n, v in record["params"].items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_the_master_is_the_weight_where_zenflow_updated_the_weight_and_every_moment_is_kept(universal, stage, tmp_path):
     built = build(**{**RUN, "stage": stage})
@@ -62,6 +63,7 @@ def test_the_master_is_the_weight_where_zenflow_updated_the_weight_and_every_mom
                 assert torch.equal(state.optim[key], record["state"][key][name].float()), (name, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["live", "native"])
 def test_same_dp_restore_loads_deepspeeds_own_weights_and_moments_and_takes_its_first_step(universal, how, tmp_path):
     built = build(**RUN)
@@ -90,6 +92,7 @@ def test_same_dp_restore_loads_deepspeeds_own_weights_and_moments_and_takes_its_
     assert first == theirs == whole["losses"][-1:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 3])
 def test_a_new_dp_starts_from_the_runs_weights_and_moments(universal, dp, tmp_path):
     built = build(**RUN)

@@ -66,6 +66,7 @@ def _assert_facts_match_record(reader: Any, built: Built) -> None:
     assert reader.extras()["lr_scheduler"] == record["lr_scheduler"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_to_universal_of_stage0_run_equals_live_engine_bit_for_bit(universal, dtype):
     built = _run(dtype)
@@ -76,6 +77,7 @@ def test_to_universal_of_stage0_run_equals_live_engine_bit_for_bit(universal, dt
         _assert_facts_match_record(reader, built)
 
 
+@pytest.mark.slow
 def test_bf16_stage0_reads_without_names_and_keeps_the_optimizers_own_step(tmp_path):
     built = _run("bf16")
     assert cli(["to-universal", str(built.path), str(tmp_path / "u")]) == 0  # the fp32 masters name the params
@@ -89,6 +91,7 @@ def test_bf16_stage0_reads_without_names_and_keeps_the_optimizers_own_step(tmp_p
         assert (scaler.cur_scale, scaler.dynamic) == (1.0, False)
 
 
+@pytest.mark.slow
 def test_bf16_fused_adam_stage0_run_is_read_from_its_flat_groups_bit_for_bit(tmp_path):
     """DeepSpeed FusedAdam in bf16 without ZeRO runs inside DeepSpeed's fused FP16_Optimizer: one flat fp32 master
     and one flat state per param group, cut back per parameter by matching the module's weights in model order."""
@@ -103,6 +106,7 @@ def test_bf16_fused_adam_stage0_run_is_read_from_its_flat_groups_bit_for_bit(tmp
     assert_state_equals_record(after, built.record, steps=built.spec.steps + 1)
 
 
+@pytest.mark.slow
 def test_fp32_stage0_with_an_ambiguous_frozen_parameter_is_refused_in_one_line_until_named(tmp_path, capsys):
     built = _run("fp32")
     with pytest.raises(InputError, match="fit it in more than one way.*name the frozen parameters") as err:
@@ -226,6 +230,7 @@ def _reorder_group(tag: Path) -> None:
         ("bf16-fused", _short_flat, "fill 76 of the 83 elements of param group 1.s flat fp32 master"),
     ],
 )
+@pytest.mark.slow
 def test_damaged_or_odd_stage0_file_is_refused_in_one_line_and_nothing_written(dtype, damage, message, tmp_path):
     run = build(dp=2, stage=0, dtype="bf16", optimizer="ds-fused-adam") if dtype == "bf16-fused" else _run(dtype)
     shutil.copytree(run.path, tmp_path / "ck")
@@ -239,6 +244,7 @@ def test_damaged_or_odd_stage0_file_is_refused_in_one_line_and_nothing_written(d
     assert not (tmp_path / "u").exists()
 
 
+@pytest.mark.slow
 def test_stage0_folder_is_found_where_zero_files_were_required(tmp_path):
     built = _run("bf16")
     with open_reader(built.tag_dir) as reader:  # the tag folder itself, no `latest`

@@ -37,6 +37,7 @@ def _files(root: Path) -> list[dict[str, Any]]:
     return [load(root / tag / f"mp_rank_{r:02d}_model_states.pt") for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_tp_stage0_checkpoint_merges_bit_exact_into_full_parameters(dtype):
     built = _run(dtype)
@@ -57,6 +58,7 @@ def test_tp_stage0_checkpoint_merges_bit_exact_into_full_parameters(dtype):
             assert state.step == int(recs[0]["state_steps"][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_tp_stage0_source_written_back_is_deepspeeds_own_files_and_resumes_bit_identically(dtype, tmp_path):
     built = _run(dtype)
@@ -79,6 +81,7 @@ def test_tp_stage0_source_written_back_is_deepspeeds_own_files_and_resumes_bit_i
             assert all(torch.equal(v, got[key][n]) for n, v in ref[key].items()), key
 
 
+@pytest.mark.slow
 def test_zero2_tp_source_written_without_zero_trains_like_its_native_resume(source, universals, tmp_path):
     name = "tp2-z2-fp32-dp1"
     built = source(name)
@@ -93,6 +96,7 @@ def _resumed(built: Built, path: Path, work: Path, name: str, load_kind: str = "
     return work / f"{name}.pt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_live_restore_into_a_tp_stage0_engine_is_bit_identical_to_native_resume(dtype, tmp_path):
     built = _run(dtype)

@@ -50,6 +50,7 @@ def _model_states(root: Path) -> dict[str, Any]:
     # fp32: the client optimizer; bf16: FP16_UnfusedOptimizer, or FP16_Optimizer (flat groups) around FusedAdam
     [("fp32", "torch-adamw"), ("bf16", "torch-adamw"), ("bf16", "ds-fused-adam")],
 )
+@pytest.mark.slow
 def test_stage0_source_written_at_stage0_is_deepspeeds_own_file_and_resumes_bit_identically(dtype, optimizer, tmp_path):
     built = _stage0_run(dtype, optimizer)
     with open_reader(built.path, frozen=FROZEN) as reader:
@@ -75,6 +76,7 @@ def test_stage0_source_written_at_stage0_is_deepspeeds_own_file_and_resumes_bit_
     "name, dp",
     [("z3-fp32-dp3-adamw", 2), ("z1-fp32-dp2-adamw", 3), ("z2-fp32-rmsprop", 3), ("z3-fp32-nadam", 1)],
 )
+@pytest.mark.slow
 def test_zero_run_written_without_zero_at_new_dp_resumes_like_deepspeeds_native_resume(
     name, dp, source, universals, native_resume, tmp_path
 ):
@@ -90,6 +92,7 @@ def test_zero_run_written_without_zero_at_new_dp_resumes_like_deepspeeds_native_
     assert_same_training(native_resume(built), ours, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_zero_run_written_without_zero_holds_the_source_state_and_trains_as_a_live_restore_does(
     source, universals, tmp_path
 ):
@@ -114,6 +117,7 @@ def test_bf16_zero_run_written_without_zero_holds_the_source_state_and_trains_as
     assert_same_training(live, ours)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_adam_run_written_without_zero_loads_every_state_bit_for_bit(dtype, source, universals, tmp_path):
     """DeepSpeed FusedAdam without ZeRO: in fp32 the client optimizer (a step per parameter and the group's copy),
@@ -137,6 +141,7 @@ def test_fused_adam_run_written_without_zero_loads_every_state_bit_for_bit(dtype
     assert set(after["state_steps"]) == {built.spec.steps}
 
 
+@pytest.mark.slow
 def test_live_restore_into_a_fused_stage0_engine_equals_loading_the_native_file(source, universals, tmp_path):
     """``ucp.restore`` into DeepSpeed's fused FP16_Optimizer (bf16 FusedAdam without ZeRO) fills each member's
     slice of the flat masters and state: the same state, and the same 3 steps bit for bit, as the engine's own
@@ -151,6 +156,7 @@ def test_live_restore_into_a_fused_stage0_engine_equals_loading_the_native_file(
     assert_same_training(native, resume(built, live, dp=2, name="live", work=tmp_path, stage=0))
 
 
+@pytest.mark.slow
 def test_bf16_fused_and_unfused_stage0_files_of_one_state_train_alike(source, universals, tmp_path):
     """The flat FP16_Optimizer file and the per-parameter FP16_UnfusedOptimizer one hold the same state: 3 steps
     of FusedAdam and torch AdamW from them agree within 1e-5 (the two optimizers round differently)."""
@@ -171,6 +177,7 @@ def test_bf16_fused_and_unfused_stage0_files_of_one_state_train_alike(source, un
     assert_same_training(fused, unfused, atol=1e-5, steps=False)
 
 
+@pytest.mark.slow
 def test_pipeline_target_at_stage0_is_refused(universals, tmp_path):
     from ucp.targets.pipeline import PipelineLayout, write_pipeline
 

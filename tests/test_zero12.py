@@ -24,6 +24,7 @@ from ucp.sources import open_reader
 Z12 = ["z1-fp32-dp2-adamw", "z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", Z12)
 def test_to_universal_is_bit_exact_against_the_live_engine(source, universals, name):
     built = source(name)
@@ -39,6 +40,7 @@ def test_to_universal_is_bit_exact_against_the_live_engine(source, universals, n
     assert_reader_matches_record(universal, built.record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["z2-bf16-dp3-adamw", "z1-bf16-dp2-bf16opt"])
 def test_same_dp_rewrite_reproduces_every_field_deepspeed_wrote(source, universals, name, tmp_path):
     built = source(name)
@@ -77,6 +79,7 @@ def test_same_dp_rewrite_reproduces_every_field_deepspeed_wrote(source, universa
                 assert torch.equal(base["state"][g][key], value), (rank, g, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, stage", [(1, 2), (3, 1), (4, 2)])
 def test_native_rewrite_at_any_dp_reads_back_bit_exact(source, universals, dp, stage, tmp_path):
     built = source("z1-fp32-dp2-adamw")
@@ -124,6 +127,7 @@ def _drop_last_rank(tag):
         (_drop_last_rank, "rank file zero_pp_rank_1_mp_rank_00_optim_states.pt is missing .* partition_count=2"),
     ],
 )
+@pytest.mark.slow
 def test_reader_refuses_inconsistent_checkpoints_in_one_line(source, damage, message, tmp_path):
     shutil.copytree(source("z1-fp32-dp2-adamw").path, tmp_path / "ck")
     tag = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text().strip()

@@ -24,6 +24,7 @@ def universal(tmp_path_factory):
     return universals_of({"persistent": SOURCE}, tmp_path_factory.mktemp("persistent"))("persistent")
 
 
+@pytest.mark.slow
 def test_a_run_with_persistent_parameters_is_read_bit_exact(universal):
     record = build(**SOURCE).record
     assert set(record["params"]) < set(record["persistent"]), "parameters were partitioned: the test proves nothing"
@@ -31,6 +32,7 @@ def test_a_run_with_persistent_parameters_is_read_bit_exact(universal):
         assert_reader_holds_every_state(reader, record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["native", "ucp"])
 def test_restore_at_a_new_dp_loads_every_state_bit_exact(universal, kind, tmp_path):
     built = build(**SOURCE)
@@ -42,6 +44,7 @@ def test_restore_at_a_new_dp_loads_every_state_bit_exact(universal, kind, tmp_pa
     assert_every_state_equals_record(after, built.record)
 
 
+@pytest.mark.slow
 def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(universal, tmp_path):
     built = build(**SOURCE)
     ucp.write_native(universal, tmp_path / "n", dp=2, stage=3)

@@ -26,6 +26,7 @@ def universal(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_an_hpz_run_reaches_the_universal_directory_bit_exact(universal):
     record = build(**SOURCE).record
     assert record["hpz_groups"] == 2, "the run did not partition hierarchically: the test would prove nothing"
@@ -33,6 +34,7 @@ def test_an_hpz_run_reaches_the_universal_directory_bit_exact(universal):
         assert_reader_holds_every_state(reader, record)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, hpz", [(6, 3), (2, 0)], ids=["dp6-hpz3", "dp2-plain"])
 @pytest.mark.parametrize("kind", ["ucp", "native"])
 def test_restore_at_a_new_dp_loads_every_state_bit_exact(universal, kind, dp, hpz, tmp_path):
@@ -46,6 +48,7 @@ def test_restore_at_a_new_dp_loads_every_state_bit_exact(universal, kind, dp, hp
     assert_every_state_equals_record(after, built.record)
 
 
+@pytest.mark.slow
 def test_same_dp_restore_resumes_bit_identically_to_deepspeeds_own_resume(universal, tmp_path):
     built = build(**SOURCE)
     ucp.write_native(universal, tmp_path / "n", dp=4, stage=3)

@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from ucp.harness import LoadSpec, RunSpec, run_ranks
+from ucp.harness.launch import NO_RANKS
 
-__all__ = ["Built", "build", "cache_root", "resume"]
+__all__ = ["Built", "build", "cache_root", "refuse_in_fast_tier", "resume"]
 
 _VERSION = "1"  # bump when the harness model or data change
 
@@ -53,9 +55,17 @@ def spec_key(version: str, spec: Any) -> str:
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
+def refuse_in_fast_tier(what: Path | str) -> None:
+    """The fast tier (``-m "not slow"``) uses only checkpoints kept in tests/data: a test that needs a real run, even
+    one cached from an earlier session, belongs to the real-run tier (a fresh clone would train it)."""
+    if os.environ.get(NO_RANKS):
+        pytest.fail(f"a test of the fast tier needs the real run {Path(what).name}: mark it slow", pytrace=False)
+
+
 def build_once(folder: Path, make: Callable[[], None]) -> None:
     """Fill ``folder`` with ``make()`` unless an earlier build finished it (its ``DONE`` mark): one
     builder per fixture, even across test processes; a half-built folder is started again."""
+    refuse_in_fast_tier(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

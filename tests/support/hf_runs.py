@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tests.support.fixtures import cache_root
+from tests.support.fixtures import cache_root, refuse_in_fast_tier
 from tests.support.hf_worker import HfSpec
 from ucp.harness.launch import free_port, launch
 
@@ -110,6 +110,7 @@ def cached_run(name: str, spec: HfSpec, *, module: str = _TRAINER_WORKER) -> HfR
     worker = "" if module == _TRAINER_WORKER else module  # Trainer runs keep their keys
     key = hashlib.sha1(f"{_VERSION}{raw}{worker}".encode()).hexdigest()[:16]
     folder = cache_root() / f"hf-{name}-{key}"
+    refuse_in_fast_tier(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     spec = replace(spec, out=str(folder / "out"), record=str(folder / "record"))
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:

@@ -17,7 +17,7 @@ from ucp.harness.ops import check_op_build
 from ucp.harness.spec import RunSpec
 from ucp.harness.zygote import ForkedRank, write_exit_code, zygote_for
 
-__all__ = ["RankFailure", "WORKER", "end_rank", "free_port", "launch", "run_ranks"]
+__all__ = ["NO_RANKS", "RankFailure", "WORKER", "end_rank", "free_port", "launch", "run_ranks"]
 
 
 class RankFailure(RuntimeError):
@@ -48,6 +48,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: set (to anything) to refuse every launch: how the test suite's fast tier proves it trains nothing
+NO_RANKS = "UCP_NO_RANKS"
 #: the module each rank runs unless told otherwise: one DeepSpeed rank (``python -m MODULE SPEC_JSON``)
 WORKER = "ucp.harness.worker"
 
@@ -85,8 +87,11 @@ def launch(
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (plus ``env``); DeepSpeed
     runs on its CPU accelerator, every run on gloo. Returns the log folder. Raises RankFailure naming
-    the first rank that failed (and the module, so a log says which harness it came from).
+    the first rank that failed (and the module, so a log says which harness it came from). With ``UCP_NO_RANKS``
+    set (the test suite's fast tier) nothing is started: a RuntimeError says so.
     """
+    if os.environ.get(NO_RANKS):
+        raise RuntimeError(f"{NO_RANKS} is set (the fast test tier): {module} would start {world} ranks")
     logs = Path(log_dir or tempfile.mkdtemp(prefix="ucp-ranks-"))
     logs.mkdir(parents=True, exist_ok=True)
     for attempt in range(_PORT_ATTEMPTS):
