@@ -26,10 +26,11 @@ from tests.support.checks import assert_every_state_equals_record, assert_same_t
 from tests.support.fixtures import Built, cache_root, refuse_in_fast_tier
 from ucp.cli import main as cli
 from ucp.errors import InputError, UcpError
+from ucp.frameworks.dcp import read_metadata
 from ucp.harness import LoadSpec, RunSpec, run_ranks
 from ucp.harness.fsdp import loaded_record_path, run_fsdp
 from ucp.sources import open_reader
-from ucp.sources.dcp import DcpSource, read_metadata
+from ucp.sources.dcp import DcpSource
 from ucp.targets.dcp import write_dcp
 
 #: the FSDP2 run that starts the reverse trip: the model, groups and data of z3-fp32-dp3-adamw at 2 ranks

@@ -298,7 +298,7 @@ def test_restore_torch_refuses_adafactor_partitions_and_another_familys_state(so
 @pytest.mark.slow
 def test_a_dcp_output_is_written_for_the_sources_own_torch_optimizer(universals, tmp_path, capsys):
     assert cli(["restore", str(universals("z3-bf16-sgd")), str(tmp_path / "d"), "--format", "dcp"]) == 0
-    assert "(torch-sgd)" in capsys.readouterr().out
+    assert "(torch-sgd, torch layout)" in capsys.readouterr().out
     keys = set(torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "d")).read_metadata().state_dict_metadata)
     assert any(k.endswith(".momentum_buffer") for k in keys) and not any("exp_avg" in k for k in keys)
 

@@ -44,9 +44,8 @@ def test_an_unreadable_trainer_state_is_one_input_error(tmp_path: Path, text: st
         _read_state(tmp_path)
 
 
-@pytest.mark.slow
 def test_an_oversized_dcp_metadata_file_is_refused_before_unpickling(tmp_path: Path, monkeypatch) -> None:
-    from ucp.sources import dcp
+    from ucp.frameworks import dcp
 
     (tmp_path / dcp.METADATA).write_bytes(b"\x80\x02" + b"N" * 4096)
     monkeypatch.setattr(dcp, "MAX_METADATA_BYTES", 1024)

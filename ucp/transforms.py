@@ -33,14 +33,13 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ucp.errors import InputError
 from ucp.model import flavours
-from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader
+from ucp.model.records import Facts, Forwarding, GroupMeta, ParamMeta, ParamState, Reader
 
 __all__ = [
     "Rename",
@@ -322,7 +321,7 @@ def _new_facts(facts: Facts, names: list[_Name], plan: TransformPlan) -> Facts:
     )
 
 
-class TransformedReader(Reader):
+class TransformedReader(Forwarding):
     """A :class:`~ucp.model.records.Reader` showing ``inner`` as the plan's steps leave it.
 
     Call order as for any reader; ``close`` closes ``inner``. Reads are stateless (thread-safe as
@@ -337,17 +336,6 @@ class TransformedReader(Reader):
         self.inner = inner
         self.plan = plan
         self.facts = plan.facts
-
-    @property
-    def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
-        return self.inner.inputs
-
-    @property
-    def format(self) -> str:  # type: ignore[override]
-        return self.inner.format
-
-    def mark_source(self, format: str, inputs: tuple[Path, ...]) -> None:
-        self.inner.mark_source(format, inputs)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         source = self.plan.origin.get(name)

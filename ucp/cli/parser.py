@@ -16,6 +16,10 @@ from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, OPTIONS, 
 __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser"]
 
 
+#: the subparsers of the verbs, which each verb's function adds its parser to
+_Verbs = argparse._SubParsersAction
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line that says where the help is (not the whole usage block first)."""
 
@@ -114,7 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ucp {__version__} (distribution {DISTRIBUTION})")
     _log_flags(parser, top=True)
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in (_to_universal, _restore, _reshard, _inspect, _verify, _diff, _export, _migrate, _demo):
+        add(verbs)
+    for sub in verbs.choices.values():
+        sub.allow_abbrev = False  # "--over" must not pass for --overwrite
+        _log_flags(sub, top=False)
+    return parser
 
+
+def _to_universal(verbs: _Verbs) -> None:
+    """``ucp to-universal SRC OUT``: a checkpoint of any source format to a universal directory."""
     p = verbs.add_parser("to-universal", help="DeepSpeed ZeRO or DCP checkpoint -> universal directory")
     p.add_argument("src", help="checkpoint folder (holding 'latest'), a tag folder, or a DCP folder (.metadata)")
     p.add_argument("out", help="universal directory to create")
@@ -136,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_to_universal)
 
+
+def _restore(verbs: _Verbs) -> None:
+    """``ucp restore UNIVERSAL OUT``: a native checkpoint (or DCP) for the new run, every restore option a flag."""
     p = verbs.add_parser("restore", help="universal directory -> native ZeRO checkpoint for a DP size, or DCP")
     p.add_argument(
         "universal",
@@ -152,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     _new_run_flags(p, dcp=True)
     p.set_defaults(func=cmd_restore)
 
+
+def _reshard(verbs: _Verbs) -> None:
+    """``ucp reshard SRC OUT``: DeepSpeed to DeepSpeed at another layout, with no universal copy between."""
     p = verbs.add_parser(
         "reshard", help="DeepSpeed checkpoint -> DeepSpeed checkpoint for another DP/stage/TP, no universal copy"
     )
@@ -160,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     _new_run_flags(p, dcp=False)
     p.set_defaults(func=cmd_reshard, format="deepspeed", dcp_layout=None)
 
+
+def _inspect(verbs: _Verbs) -> None:
+    """``ucp inspect PATH``: a checkpoint's facts."""
     p = verbs.add_parser("inspect", help="summarize a DeepSpeed checkpoint or universal directory")
     p.add_argument("path", help="DeepSpeed checkpoint, universal directory, DCP or Hugging Face folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -167,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the optimizer flavour, when detection cannot tell")
     p.set_defaults(func=cmd_inspect)
 
+
+def _verify(verbs: _Verbs) -> None:
+    """``ucp verify SOURCE [UNIVERSAL]``: a universal directory against its source, or a model against a checkpoint."""
     p = verbs.add_parser(
         "verify", help="check a universal directory against its source, or a model against a checkpoint"
     )
@@ -177,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (ok, message, what was compared)")
     p.set_defaults(func=cmd_verify)
 
+
+def _diff(verbs: _Verbs) -> None:
+    """``ucp diff A B``: two checkpoints of any formats, parameter by parameter."""
     p = verbs.add_parser(
         "diff", help="compare two checkpoints of any format, parameter by parameter and state key by state key"
     )
@@ -194,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace the --plot FILE if it exists")
     p.set_defaults(func=cmd_diff)
 
+
+def _export(verbs: _Verbs) -> None:
+    """``ucp export SRC OUT``: consolidated weights."""
     p = verbs.add_parser("export", help="consolidated weights (safetensors or torch)")
     p.add_argument("src", help="universal directory or DeepSpeed checkpoint")
     p.add_argument("out", help="output file (model.safetensors / pytorch_model.bin) or folder when sharded")
@@ -206,12 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     _output_flags(p)
     p.set_defaults(func=cmd_export)
 
+
+def _migrate(verbs: _Verbs) -> None:
+    """``ucp migrate CONFIG``: a YAML migration."""
     p = verbs.add_parser("migrate", help="run a YAML migration (read, transform, restore, export)")
     p.add_argument("config", help="migration YAML")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     _output_flags(p)
     p.set_defaults(func=cmd_migrate)
 
+
+def _demo(verbs: _Verbs) -> None:
+    """``ucp demo``: the end-to-end demonstration on CPU ranks."""
     p = verbs.add_parser("demo", help="train a tiny model with real DeepSpeed, convert, restore at another DP, compare")
     p.add_argument(
         "--workdir",
@@ -221,7 +258,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-dp", type=_positive, default=4, help="DP size of the training run saved (default 4)")
     p.add_argument("--target-dp", type=_positive, default=2, help="DP size the run resumes at (default 2)")
     p.set_defaults(func=cmd_demo)
-    for sub in verbs.choices.values():
-        sub.allow_abbrev = False  # "--over" must not pass for --overwrite
-        _log_flags(sub, top=False)
-    return parser

@@ -9,17 +9,15 @@ target: :func:`model_states` per model-states file, :func:`zero_wrapper` once, t
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ucp.model.options import Decided
+from typing import Any
 
 import torch
 
+from ucp.deepspeed.clipping import CLIPPING_BY_DEFAULT_SINCE, clip_grad, default_clipping, unknown_clipping_note
 from ucp.deepspeed.optim_states import FUSED_MASTERS, UNFUSED_INNER, UNFUSED_MASTERS
+from ucp.deepspeed.stage_config import MICS_KEYS, config_for_stage, stage0_note
 from ucp.io.standins import DynamicLossScaler, FragmentAddress, LossScaler, ZeroStageEnum
 from ucp.model.flavours import Flavour
 from ucp.model.loss_scale import LossScale, fresh_fp16_scale
@@ -48,6 +46,9 @@ __all__ = [
     "frozen_fields",
     "universal_optimizer_state",
     "universal_model_states",
+    "default_clipping",
+    "CLIPPING_BY_DEFAULT_SINCE",
+    "MICS_KEYS",
 ]
 
 
@@ -288,56 +289,6 @@ def optim_file_dict(block: Mapping[str, Any], ds_config: Mapping[str, Any], ds_v
 #: none (an FSDP2 run's DCP folder), since DeepSpeed's ZeRO-1/2 load asserts one
 WRITTEN_DS_VERSION = "0.19.8"
 
-#: DeepSpeed clips gradients at 1.0 when the config does not say from 0.19.3 on (deepspeedai/DeepSpeed#8068,
-#: ``GRADIENT_CLIPPING_DEFAULT``); earlier versions did not clip
-CLIPPING_BY_DEFAULT_SINCE = (0, 19, 3)
-
-
-def default_clipping(ds_version: str | None) -> float:
-    """The gradient clipping a run had whose config left ``gradient_clipping`` out, by the DeepSpeed version
-    that ran it (an unknown version: today's default)."""
-    found = re.match(r"(\d+)\.(\d+)\.(\d+)", ds_version or "")
-    if found is None:
-        return 1.0
-    return 1.0 if tuple(int(x) for x in found.groups()) >= CLIPPING_BY_DEFAULT_SINCE else 0.0
-
-
-def clip_grad(extras: Mapping[str, Any], ds_config: Mapping[str, Any], ds_version: str | None) -> float:
-    """The source run's gradient clipping, which DeepSpeed's ZeRO-1/2 loader takes from the optim file over
-    its own config: what ZeRO-1/2 recorded; else (ZeRO-3 records none) the config's, or the default of the
-    DeepSpeed version that ran it. Writing 0.0 there would switch clipping off in the resumed run."""
-    value = extras.get("clip_grad")
-    if value is None:
-        value = ds_config.get("gradient_clipping", default_clipping(ds_version))
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return 0.0
-
-
-#: MiCS's settings (DeepSpeed before 0.19.8, which refuses them), which a written config leaves out
-MICS_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather")
-
-
-def config_for_stage(
-    config: Mapping[str, Any], stage: int, *, round_robin: bool | None = None, zenflow: bool | None = None
-) -> dict[str, Any]:
-    """The source's config with the stage it is now written for (and, given, the round_robin_gradients
-    its ZeRO-1/2 files are laid out for, or whether its ZeRO-3 files are a ZenFlow run's, matrices transposed:
-    a reader of them tells by the ``zenflow`` block). MiCS's keys go: the files are plain ZeRO, and DeepSpeed
-    0.19.8 refuses a config that names them."""
-    out = dict(config)
-    zero = {k: v for k, v in (out.get("zero_optimization") or {}).items() if k not in MICS_KEYS}
-    zero["stage"] = stage
-    if round_robin is not None and (round_robin or "round_robin_gradients" in zero):
-        zero["round_robin_gradients"] = round_robin
-    if zenflow is False:
-        zero.pop("zenflow", None)
-    elif zenflow:
-        zero.setdefault("zenflow", {})
-    out["zero_optimization"] = zero
-    return out
-
 
 def universal_optimizer_state(facts: Facts, extras: Mapping[str, Any]) -> dict[str, Any]:
     """``zero/optimizer_state.pt`` of a universal directory: what DeepSpeed's ``load_universal`` reads
@@ -387,27 +338,3 @@ def universal_model_states(
         "ds_version": info.ds_version or WRITTEN_DS_VERSION,
         **dict(extras.get("client_state") or {}),
     }
-
-
-def stage0_note(decided: Decided) -> str | None:
-    """Without ZeRO every rank loads one model-states file (its TP rank's)."""
-    if decided.options.stage != 0:
-        return None
-    files = (
-        "the one mp_rank_00_model_states.pt" if decided.options.tp == 1 else "its TP rank's mp_rank_XX_model_states.pt"
-    )
-    return (
-        f"without ZeRO every rank loads {files}: the checkpoint serves any DP size, and the new run's optimizer "
-        "must hold the trained parameters in the source's group order"
-    )
-
-
-def unknown_clipping_note(decided: Decided) -> str | None:
-    """A DCP source records no clipping; the ZeRO-1/2 files then say DeepSpeed 0.19's default, which its load takes
-    over the new run's config."""
-    if decided.options.stage not in (1, 2) or decided.facts.info.format != "dcp":
-        return None
-    return (
-        "the source records no gradient clipping: the ZeRO-1/2 files say 1.0 (DeepSpeed 0.19's default), which "
-        "DeepSpeed's load takes over the new run's gradient_clipping"
-    )

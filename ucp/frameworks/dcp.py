@@ -10,7 +10,7 @@ import io
 import os
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "read_metadata",
     "load_items",
     "cause",
+    "DcpStore",
 ]
 
 METADATA = ".metadata"
@@ -147,3 +148,42 @@ def cause(err: BaseException) -> str:
         first = next(iter(failures.values()))
         err = first[0] if isinstance(first, tuple) else first
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+class DcpStore:
+    """One logical state dict kept in one or several DCP folders, as a reader sees it.
+
+    A Trainer or Accelerate FSDP folder keeps ``{"model": ...}`` in one DCP folder and ``{"optimizer": ...}`` in
+    another; ``parts`` lists each folder with how its top-level keys are named for the reader (``{"optimizer":
+    "optim"}``). :attr:`paths` maps every (renamed) key path to its storage metadata; :meth:`load` fills a nested
+    template of renamed keys from the folders that hold them, with DCP's own loader (:func:`load_items`).
+    """
+
+    def __init__(self, parts: Sequence[tuple[Path, Mapping[str, str]]]) -> None:
+        self.folders = [path for path, _ in parts]
+        self._metas = [read_metadata(path) for path in self.folders]
+        self._renames = [dict(rename) for _, rename in parts]
+        self.paths: dict[tuple[Any, ...], Any] = {}
+        self._home: dict[str, int] = {}  # renamed top-level key -> the part holding it
+        for i, meta in enumerate(self._metas):
+            for key, storage in meta.state_dict_metadata.items():
+                where = meta.planner_data.get(key)
+                if not isinstance(where, tuple) or not where:
+                    raise InputError(f"{self.folders[i]}/{METADATA} gives no key path for {key!r}")
+                top = self._renames[i].get(str(where[0]), str(where[0]))
+                if self._home.setdefault(top, i) != i:
+                    raise InputError(f"{self.folders[i]} and {self.folders[self._home[top]]} both hold {top!r}")
+                self.paths[(top,) + tuple(where[1:])] = storage
+
+    def load(self, template: Mapping[str, Any]) -> None:
+        """Fill ``template`` (nested, renamed top-level keys) from the folders holding each part of it."""
+        for i, meta in enumerate(self._metas):
+            own = {v: k for k, v in self._renames[i].items()}
+            part = {own.get(top, top): sub for top, sub in template.items() if self._home.get(top) == i}
+            if part:
+                load_items(self.folders[i], meta, part)
+
+    def writers(self, top: str) -> int:
+        """How many processes wrote the part holding ``top`` (its shard files): the world size that saved it."""
+        i = self._home.get(top, 0)
+        return len({str(info.relative_path) for info in self._metas[i].storage_data.values()})

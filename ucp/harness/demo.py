@@ -118,11 +118,28 @@ def run_demo(workdir: str | Path, *, source_dp: int = 4, target_dp: int = 2, ste
         logger.warning("DeepSpeed's universal load failed: %s", str(err).splitlines()[0])
         theirs = None
 
-    def gap(rec: dict) -> tuple[float, float]:
-        loss = max(abs(a - b) for a, b in zip(native["losses"], rec["losses"]))
-        param = max((native["params"][k] - rec["params"][k]).abs().max().item() for k in native["params"])
-        return loss, param
+    loss_gap, param_gap = _report(native, ours, theirs, source_dp=source_dp, target_dp=target_dp, steps=steps)
+    ok = loss_gap <= TOLERANCE and param_gap <= TOLERANCE
+    _say(
+        f"\n{'MATCH' if ok else 'MISMATCH'}: ucp's resume at dp={target_dp} "
+        f"{'matches' if ok else 'does not match'} DeepSpeed's native resume at dp={source_dp} within {TOLERANCE:g} "
+        f"({time.perf_counter() - t0:.0f} s, files in {work})"
+    )
+    return 0 if ok else 1
 
+
+def _gap(native: dict, rec: dict) -> tuple[float, float]:
+    """The largest loss and parameter differences of a resumed run's record from the native resume's."""
+    loss = max(abs(a - b) for a, b in zip(native["losses"], rec["losses"]))
+    param = max((native["params"][k] - rec["params"][k]).abs().max().item() for k in native["params"])
+    return loss, param
+
+
+def _report(
+    native: dict, ours: dict, theirs: dict | None, *, source_dp: int, target_dp: int, steps: int
+) -> tuple[float, float]:
+    """Say the resumed runs' losses side by side and how far ucp's (and DeepSpeed's universal load, where it
+    ran) is from the native resume; returns ucp's (loss, parameter) gap."""
     _say("")
     _say(
         f"{'step':>6} {'native dp=' + str(source_dp):>16} {'ucp dp=' + str(target_dp):>16}"
@@ -133,25 +150,19 @@ def run_demo(workdir: str | Path, *, source_dp: int = 4, target_dp: int = 2, ste
         if theirs:
             row += f" {theirs['losses'][i]:>16.8f}"
         _say(row)
-    loss_gap, param_gap = gap(ours)
+    loss_gap, param_gap = _gap(native, ours)
     _say(
         f"\nucp:                 max |loss diff| {loss_gap:.2e}, max |param diff| {param_gap:.2e}, "
         f"optimizer step {ours['state_steps'][0]:.0f} (native {native['state_steps'][0]:.0f}), "
         f"lr per group {[f'{x:.5f}' for x in ours['lrs']]}"
     )
     if theirs:
-        their_loss, their_param = gap(theirs)
+        their_loss, their_param = _gap(native, theirs)
         _say(
             f"DeepSpeed universal: max |loss diff| {their_loss:.2e}, max |param diff| {their_param:.2e}, "
             f"optimizer step {theirs['state_steps'][0]:.0f}, lr per group {[f'{x:.5f}' for x in theirs['lrs']]}"
         )
-    ok = loss_gap <= TOLERANCE and param_gap <= TOLERANCE
-    _say(
-        f"\n{'MATCH' if ok else 'MISMATCH'}: ucp's resume at dp={target_dp} "
-        f"{'matches' if ok else 'does not match'} DeepSpeed's native resume at dp={source_dp} within {TOLERANCE:g} "
-        f"({time.perf_counter() - t0:.0f} s, files in {work})"
-    )
-    return 0 if ok else 1
+    return loss_gap, param_gap
 
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ def load_plain(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
 
 
 def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
-    """The opcode loop: weights_only's semantics, dispatched by frequency, on ``data`` in place."""
+    """The opcode loop: weights_only's semantics, dispatched by frequency, on ``data`` in place (the less
+    frequent half of the opcodes in :func:`_less_frequent`)."""
     if data[:2] != b"\x80\x02":  # torch.save's protocol; weights_only warns about any other
         raise NotPlain("not protocol 2")
     stack: list[Any] = []
@@ -250,59 +251,67 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             pos += 1
         elif op == _TUPLE2:
             stack[-2:] = [(stack[-2], stack[-1])]
-        elif op == _SETITEMS:
-            items, stack = stack, marks.pop()
-            _check_set_item_target(stack[-1])
-            for i in range(0, len(items), 2):
-                stack[-1][items[i]] = items[i + 1]
-        elif op == _GLOBAL:
-            found, pos = _global(data, pos)
-            stack.append(found)
-        elif op == _EMPTY_LIST:
-            stack.append([])
-        elif op == _NONE:
-            stack.append(None)
-        elif op == _APPENDS:
-            items, stack = stack, marks.pop()
-            if type(stack[-1]) is not list:
-                raise NotPlain("APPENDS to a non-list")
-            stack[-1].extend(items)
-        elif op == _BINFLOAT:
-            stack.append(_UNPACK(">d", data, pos)[0])
-            pos += 8
-        elif op == _BININT:
-            stack.append(_UNPACK("<i", data, pos)[0])
-            pos += 4
-        elif op == _NEWTRUE:
-            stack.append(True)
-        elif op == _BUILD:
-            state = stack.pop()
-            _build(stack[-1], state)
-        elif op == _APPEND:
-            item = stack.pop()
-            if type(stack[-1]) is not list:
-                raise NotPlain("APPEND to a non-list")
-            stack[-1].append(item)
-        elif op == _TUPLE3:
-            stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
-        elif op == _LONG1:
-            n = data[pos]
-            stack.append(int.from_bytes(data[pos + 1 : pos + 1 + n], "little", signed=True))
-            pos += 1 + n
-        elif op == _SHORT_BINSTRING:
-            n = data[pos]
-            stack.append(data[pos + 1 : pos + 1 + n].decode("utf-8", "strict"))
-            pos += 1 + n
-        elif op == _EMPTY_SET:
-            stack.append(set())
-        elif op == _PROTO:
-            if data[pos] != 2:
-                raise NotPlain("a second PROTO opcode")
-            pos += 1
         elif op == _STOP:
             return stack.pop()
         else:
-            raise NotPlain(f"opcode {bytes([op])!r}")
+            stack, pos = _less_frequent(op, data, pos, stack, marks)
+
+
+def _less_frequent(op: int, data: bytes, pos: int, stack: list[Any], marks: list[list[Any]]) -> tuple[list[Any], int]:
+    """:func:`_run`'s less frequent opcodes (STOP aside), in the same order: the stack after ``op`` (a new one
+    where ``op`` closes a MARK) and the position after its argument."""
+    if op == _SETITEMS:
+        items, stack = stack, marks.pop()
+        _check_set_item_target(stack[-1])
+        for i in range(0, len(items), 2):
+            stack[-1][items[i]] = items[i + 1]
+    elif op == _GLOBAL:
+        found, pos = _global(data, pos)
+        stack.append(found)
+    elif op == _EMPTY_LIST:
+        stack.append([])
+    elif op == _NONE:
+        stack.append(None)
+    elif op == _APPENDS:
+        items, stack = stack, marks.pop()
+        if type(stack[-1]) is not list:
+            raise NotPlain("APPENDS to a non-list")
+        stack[-1].extend(items)
+    elif op == _BINFLOAT:
+        stack.append(_UNPACK(">d", data, pos)[0])
+        pos += 8
+    elif op == _BININT:
+        stack.append(_UNPACK("<i", data, pos)[0])
+        pos += 4
+    elif op == _NEWTRUE:
+        stack.append(True)
+    elif op == _BUILD:
+        state = stack.pop()
+        _build(stack[-1], state)
+    elif op == _APPEND:
+        item = stack.pop()
+        if type(stack[-1]) is not list:
+            raise NotPlain("APPEND to a non-list")
+        stack[-1].append(item)
+    elif op == _TUPLE3:
+        stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+    elif op == _LONG1:
+        n = data[pos]
+        stack.append(int.from_bytes(data[pos + 1 : pos + 1 + n], "little", signed=True))
+        pos += 1 + n
+    elif op == _SHORT_BINSTRING:
+        n = data[pos]
+        stack.append(data[pos + 1 : pos + 1 + n].decode("utf-8", "strict"))
+        pos += 1 + n
+    elif op == _EMPTY_SET:
+        stack.append(set())
+    elif op == _PROTO:
+        if data[pos] != 2:
+            raise NotPlain("a second PROTO opcode")
+        pos += 1
+    else:
+        raise NotPlain(f"opcode {bytes([op])!r}")
+    return stack, pos
 
 
 def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) -> Any:

@@ -12,18 +12,11 @@ Writing is :mod:`ucp.io.torchzip`'s alone.
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import logging
 import mmap
 import os
 import pickle
-import pickletools
-import re
-import struct
-import threading
-import zipfile
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +25,18 @@ from typing import Any
 import torch
 
 from ucp.errors import CorruptFileError, UnsafeFileError
+from ucp.io.allow_list import (
+    ALLOW_LOCK,
+    SAFE_GLOBALS,
+    allowed_globals,
+    check_globals,
+    check_tensors,
+    one_line,
+    refusal,
+)
 from ucp.io.plain_pickle import NotPlain, load_plain, rebind
-from ucp.io.standins import STANDINS, DSObject
+from ucp.io.standins import DSObject
+from ucp.io.zip_records import ZIP_MAGIC, Handed, Records, storage_loader, zip_records
 from ucp.model.pieces import FileSpan
 
 __all__ = ["TorchFile", "allowed_globals", "load"]
@@ -41,130 +44,7 @@ __all__ = ["TorchFile", "allowed_globals", "load"]
 logger = logging.getLogger(__name__)
 
 
-_SAFE_GLOBALS: list[Any] = [(cls, cls.ds_name) for cls in STANDINS]
-# torch keeps its allow-list in one process-wide set; the lock keeps our additions scoped to our loads.
-_ALLOW_LOCK = threading.Lock()
-_UNSUPPORTED = re.compile(
-    r"(?:Unsupported global: GLOBAL|unsupported GLOBAL|unrecognized function|Unsupported class)"
-    r"\s+([\w.<>]+)"
-)
-_ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_PICKLES = 5  # magic number, protocol, sys info, the object, storage keys (torch's _legacy_load)
-# A tensor may address more bytes than its storage holds only by overlapping itself (stride 0,
-# expand()); a damaged file can use that to ask for terabytes. Small expanded tensors stay legal.
-_MAX_OVERLAP_BYTES = 1 << 20
-#: What a storage loader hands out, per storage: (key, storage, bytes the record must hold, persistent id).
-_Handed = tuple[str, torch.UntypedStorage, int, Any]
-
-
-def _one_line(text: object, limit: int = 300) -> str:
-    """The first line of ``str(text)`` (a message or an exception), cut to ``limit`` characters: error messages stay one line."""
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    first = lines[0] if lines else ""
-    return first if len(first) <= limit else first[: limit - 3] + "..."
-
-
-def allowed_globals() -> frozenset[str]:
-    """Every dotted name a checkpoint pickle may refer to: torch's weights_only set plus the stand-ins.
-
-    This is the whole allow-list: names added to torch's process-wide set by other code
-    (``torch.serialization.add_safe_globals``) are not on it.
-    """
-    from torch import _weights_only_unpickler
-
-    return frozenset(_weights_only_unpickler._get_allowed_globals()) | {cls.ds_name for cls in STANDINS}
-
-
-def _global_name(arg: str) -> str:
-    module, _, name = arg.partition(" ")
-    # mirror torch's _read_global_instruction: protocol-2 pickles may carry Python 2 names
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-    elif module in _compat_pickle.IMPORT_MAPPING:
-        module = _compat_pickle.IMPORT_MAPPING[module]
-    return f"{module}.{name}"
-
-
-def _check_globals(stream: io.BytesIO, path: Path, pickles: int = 1) -> None:
-    """Refuse a pickle naming any global off the allow-list, before a single opcode runs.
-
-    ``pickletools.genops`` only parses; nothing is imported or called. The weights_only unpickler
-    checks again as it loads; this pass makes the allow-list ours alone and the refusal name the global.
-    """
-    allowed = allowed_globals()
-    try:
-        for _ in range(pickles):
-            for opcode, arg, _pos in pickletools.genops(stream):
-                if opcode.name == "GLOBAL":
-                    name = _global_name(str(arg))
-                    if name not in allowed:
-                        raise UnsafeFileError(
-                            f"{path} refers to {_one_line(name, 120)}, which is not on ucp's allow-list of checkpoint "
-                            "types; refused without running it (if you trust the file, re-save it without that object)"
-                        )
-                elif opcode.name in ("STACK_GLOBAL", "INST", "OBJ"):
-                    raise UnsafeFileError(
-                        f"{path} builds objects with the {opcode.name} opcode, which ucp does not "
-                        "allow; refused without running it"
-                    )
-    except UnsafeFileError:
-        raise
-    except Exception as err:  # genops raises ValueError and friends on a damaged pickle
-        raise CorruptFileError(
-            f"{path} holds a damaged pickle ({_one_line(err, 120) or type(err).__name__}); "
-            "the file is truncated or corrupt"
-        ) from None
-
-
-def _refusal(err: Exception, path: Path) -> Exception:
-    text = str(err)
-    match = _UNSUPPORTED.search(text)
-    if match:
-        return UnsafeFileError(
-            f"{path} refers to {match.group(1)}, which is not on ucp's allow-list of checkpoint types; refused "
-            "without running it"
-        )
-    return CorruptFileError(f"{path} could not be unpickled: {_one_line(text) or type(err).__name__}")
-
-
-def _extent(tensor: torch.Tensor) -> int:
-    """The bytes of its storage a strided tensor reaches, from the storage's start."""
-    if tensor.numel() == 0:
-        return 0
-    last = tensor.storage_offset() + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
-    return int(last + 1) * tensor.element_size()
-
-
-def _check_tensors(obj: Any, path: Path) -> None:
-    """Refuse tensors that claim far more bytes than their storage holds (see _MAX_OVERLAP_BYTES)."""
-    stack = [obj]
-    seen: set[int] = set()
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if torch.is_tensor(item):
-            if item.layout != torch.strided:
-                continue
-            claimed = item.numel() * item.element_size()
-            held = item.untyped_storage().nbytes()
-            if _extent(item) > held:
-                raise CorruptFileError(
-                    f"{path} holds a tensor of shape {tuple(item.shape)} that reaches past the end of its "
-                    f"storage of {held} bytes; the file is corrupt"
-                )
-            if claimed > held and claimed > _MAX_OVERLAP_BYTES:
-                raise CorruptFileError(
-                    f"{path} holds a tensor of shape {tuple(item.shape)} that claims {claimed} "
-                    f"bytes over a storage of {held}; the file is corrupt"
-                )
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
-        elif isinstance(item, DSObject):
-            stack.extend(item.__dict__.values())
 
 
 def load(path: str | os.PathLike, *, check: Callable[[mmap.mmap], None] | None = None) -> Any:
@@ -209,7 +89,7 @@ class _Template:
     obj: Any
 
 
-def _keys(handed: list[_Handed]) -> dict[int, str]:
+def _keys(handed: list[Handed]) -> dict[int, str]:
     """Which key each handed-out storage came from, by the storage's ``_cdata`` (what its tensors share)."""
     return {raw._cdata: key for key, raw, _, _ in handed}
 
@@ -281,11 +161,11 @@ class TorchFile:
             self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as err:
             self._close_file()
-            raise CorruptFileError(f"{self.path} cannot be read: {_one_line(err)}") from None
+            raise CorruptFileError(f"{self.path} cannot be read: {one_line(err)}") from None
         try:
             if check is not None:
                 check(self._mm)
-            if self._mm[:4] != _ZIP_MAGIC:
+            if self._mm[:4] != ZIP_MAGIC:
                 self.obj = self._load_legacy()
                 self._close_mapping()
                 return
@@ -301,63 +181,25 @@ class TorchFile:
         """Files written with _use_new_zipfile_serialization=False: torch's own (eager) reader."""
         if self._mm is None or self._mm[:1] != pickle.PROTO:
             raise CorruptFileError(f"{self.path} is not a torch checkpoint (neither a zip archive nor a pickle)")
-        _check_globals(io.BytesIO(self._mm[:]), self.path, pickles=_LEGACY_PICKLES)
+        check_globals(io.BytesIO(self._mm[:]), self.path, pickles=_LEGACY_PICKLES)
         try:
-            with _ALLOW_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
+            with ALLOW_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
                 obj = torch.load(self.path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
-            raise _refusal(err, self.path) from None
+            raise refusal(err, self.path) from None
         except Exception as err:  # torch raises many types for a broken file
             raise CorruptFileError(
-                f"{self.path} is not a readable torch file ({type(err).__name__}: {_one_line(err, 120)})"
+                f"{self.path} is not a readable torch file ({type(err).__name__}: {one_line(err, 120)})"
             ) from None
-        _check_tensors(obj, self.path)
+        check_tensors(obj, self.path)
         return obj
 
-    def _index(self, size: int) -> tuple[dict[str, tuple[int, int]], str]:
+    def _index(self, size: int) -> tuple[Records, str]:
         """Map each zip member to (data offset, length); members are stored uncompressed by torch."""
-        if not zipfile.is_zipfile(self.path):
-            raise CorruptFileError(f"{self.path} is truncated or corrupt: its zip directory is missing or damaged")
-        try:
-            with zipfile.ZipFile(self.path) as zf:
-                infos = zf.infolist()
-        except Exception as err:  # zipfile raises BadZipFile, ValueError, struct.error, UnicodeDecodeError...
-            raise CorruptFileError(f"{self.path} is truncated or corrupt: {_one_line(err, 120)}") from None
-        records: dict[str, tuple[int, int]] = {}
-        pickle_name = ""
-        pickle_crc = 0
         assert self._mm is not None
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                raise CorruptFileError(
-                    f"{self.path}: member {info.filename!r} is compressed or damaged; not a torch.save file"
-                )
-            head = info.header_offset
-            if head < 0 or head + 30 > size or self._mm[head : head + 4] != _ZIP_MAGIC:
-                raise CorruptFileError(f"{self.path} is truncated or corrupt: bad local header for {info.filename!r}")
-            name_len, extra_len = struct.unpack("<HH", self._mm[head + 26 : head + 30])
-            start = head + 30 + name_len + extra_len
-            if info.file_size < 0 or start + info.file_size > size:
-                raise CorruptFileError(f"{self.path} is truncated: {info.filename!r} runs past the end of the file")
-            records[info.filename] = (start, info.file_size)
-            if info.filename.endswith("/data.pkl") and info.filename.count("/") == 1:
-                pickle_name = info.filename
-                pickle_crc = info.CRC
-        if not pickle_name:
-            raise CorruptFileError(f"{self.path} has no data.pkl; not a torch.save file")
-        start, length = records[pickle_name]
-        # torch writes CRC 0 when crc32 is switched off (torch.serialization.set_crc32_options)
-        if pickle_crc and zlib.crc32(self._mm[start : start + length]) != pickle_crc:
-            raise CorruptFileError(f"{self.path} is corrupt: the checksum of {pickle_name} does not match")
-        prefix = pickle_name[: -len("data.pkl")]
-        order = records.get(prefix + "byteorder")
-        if order is not None and bytes(self._mm[order[0] : order[0] + order[1]]) != b"little":
-            raise CorruptFileError(f"{self.path} was written big-endian; ucp reads little-endian files only")
-        return records, pickle_name
+        return zip_records(self.path, self._mm, size)
 
-    def _unpickle(
-        self, records: dict[str, tuple[int, int]], pickle_name: str, like: _Template | None, remember: bool
-    ) -> Any:
+    def _unpickle(self, records: Records, pickle_name: str, like: _Template | None, remember: bool) -> Any:
         """The pickle's object: re-bound from ``like`` when the bytes repeat, else by the one-pass plain
         reader when it can (most metadata pickles), else the full way (allow-list scan, then torch's
         weights_only unpickler), which also words every refusal. ``remember``: keep a plain read's
@@ -384,12 +226,10 @@ class TorchFile:
                 raise CorruptFileError(
                     f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
                 )
-        _check_tensors(obj, self.path)
+        check_tensors(obj, self.path)
         return obj
 
-    def _rebound(
-        self, like: _Template, data: bytes, records: dict[str, tuple[int, int]], prefix: str
-    ) -> tuple[Any, list[_Handed]]:
+    def _rebound(self, like: _Template, data: bytes, records: Records, prefix: str) -> tuple[Any, list[Handed]]:
         """The tree of a pickle identical to ``like``'s, re-bound onto this file's storages; (None, [])
         when that fails in any way, so that unpickling it reports the failure in its own words."""
         load_storage, sizes = self._storage_loader(records, prefix)
@@ -398,69 +238,38 @@ class TorchFile:
             by_key = {saved_id[2]: load_storage(saved_id) for saved_id in like.saved_ids}
             obj = rebind(like.obj, lambda cdata: by_key[like.keys[cdata]])
         except Exception as why:  # noqa: BLE001 - any failure: read this file the ordinary way
-            logger.debug("%s: not re-bound from the rank before (%s)", self.path, _one_line(why, 120))
+            logger.debug("%s: not re-bound from the rank before (%s)", self.path, one_line(why, 120))
             return None, []
         self._template = _Template(data, like.saved_ids, _keys(sizes), obj)  # only open_all passes a like
         return obj, sizes
 
     def _storage_loader(
-        self, records: dict[str, tuple[int, int]], prefix: str
-    ) -> tuple[Callable[[Any], torch.storage.TypedStorage], list[_Handed]]:
-        """The unpickler's ``persistent_load``: each storage a zero-copy view of its record, checked
-        against the record's length; and the list of (key, storage, bytes, persistent id) it hands out,
-        because torch grows an empty storage that a tensor overruns (checked once the pickle is read)."""
+        self, records: Records, prefix: str
+    ) -> tuple[Callable[[Any], torch.storage.TypedStorage], list[Handed]]:
+        """The unpickler's ``persistent_load`` over this file's mapping, and the storages it hands out
+        (:func:`~ucp.io.zip_records.storage_loader`)."""
         assert self._mm is not None
-        storages: dict[str, torch.storage.TypedStorage] = {}
-        sizes: list[_Handed] = []
-
-        def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
-            if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
-                raise CorruptFileError(f"{self.path}: unexpected persistent id {saved_id!r:.80}")
-            _, storage_type, key, _location, numel = saved_id
-            dtype = getattr(storage_type, "dtype", None)
-            if not isinstance(dtype, torch.dtype) or not isinstance(key, str) or not isinstance(numel, int):
-                raise CorruptFileError(f"{self.path}: malformed storage reference {saved_id!r:.80}")
-            if key in storages:
-                return storages[key]
-            record = records.get(f"{prefix}data/{key}")
-            if record is None:
-                raise CorruptFileError(f"{self.path}: storage {key} is missing from the archive")
-            nbytes = numel * dtype.itemsize
-            if numel < 0 or nbytes > record[1]:
-                raise CorruptFileError(f"{self.path}: storage {key} holds {record[1]} bytes, needs {nbytes}")
-            # A frombuffer view per record: zero-copy like a slice of the whole mapping, but copying from
-            # a slice of one big UntypedStorage was measured 10-30x slower (torch 2.13, CPU).
-            raw = (
-                torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
-                if nbytes
-                else torch.UntypedStorage(0)
-            )
-            typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
-            storages[key] = typed
-            sizes.append((key, raw, nbytes, saved_id))
-            return typed
-
-        return persistent_load, sizes
+        return storage_loader(self.path, self._mm, records, prefix)
 
     def _unpickle_full(self, data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
         """The allow-list scan, then torch's weights_only unpickler with the stand-ins allowed."""
         from torch import _weights_only_unpickler
 
         stream = io.BytesIO(data)
-        _check_globals(stream, self.path)
+        check_globals(stream, self.path)
         stream.seek(0)
         unpickler = _weights_only_unpickler.Unpickler(stream, encoding="utf-8")
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # pickle's documented hook
         try:
-            with _ALLOW_LOCK, torch.serialization.safe_globals(_SAFE_GLOBALS):
+            with ALLOW_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
                 return unpickler.load()
         except (UnsafeFileError, CorruptFileError):
             raise
         except pickle.UnpicklingError as err:
-            raise _refusal(err, self.path) from None
+            raise refusal(err, self.path) from None
         except Exception as err:  # a hostile or damaged pickle can fail in many ways
             raise CorruptFileError(
-                f"{self.path} could not be unpickled: {type(err).__name__}: {_one_line(err, 160)}"
+                f"{self.path} could not be unpickled: {type(err).__name__}: {one_line(err, 160)}"
             ) from None
 
     def span(self, tensor: torch.Tensor) -> FileSpan | None:

@@ -7,23 +7,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucp.errors import ConfigError, UcpError
+from ucp.errors import UcpError
 from ucp.migrate.dcp_target import describe_dcp, plan_dcp_target
 from ucp.migrate.issues import Issue, KeyPath, config_error, raise_issues, show_path
+from ucp.migrate.native_target import param_steps, plan_native_target, transform_path
 from ucp.migrate.schema import (
     EXPORT_SUFFIXES,
     MigrationConfig,
-    PipelineConfig,
     ResetConfig,
     TargetConfig,
     TensorParallelConfig,
 )
-from ucp.model import flavours
 from ucp.model.layouts import RunFolder
 from ucp.model.options import zero_label
 from ucp.model.records import DTYPES, Facts, Reader
 from ucp.sources import source_format
-from ucp.transforms import TransformedReader, TransformPlan, plan_transforms
+from ucp.transforms import TransformPlan, plan_transforms
+
+__all__ = ["MigrationPlan", "plan_migration", "plan_with"]
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -53,13 +54,6 @@ class MigrationPlan:
         return _describe_plan(self, dry_run)
 
 
-def _transform_path(config: MigrationConfig, index: int, where: tuple[str | int, ...]) -> KeyPath:
-    step = config.transforms[index]
-    if isinstance(step.reset_optimizer, ResetConfig) and where:
-        where = ("params",) + tuple(where)  # the mapping form keeps its patterns under params
-    return ("transforms", index, step.kinds()[0]) + tuple(where)
-
-
 def plan_migration(config: MigrationConfig, *, overwrite: bool = False) -> MigrationPlan:
     """Open the source and check everything only the checkpoint can tell; write nothing.
 
@@ -86,8 +80,8 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
             warnings.append(Issue(("tag",), "is ignored: the source is a universal directory"))
         steps = [] if "transforms" in broken else [t.to_step() for t in config.transforms]
         tplan = plan_transforms(reader.facts, steps)
-        issues += [Issue(_transform_path(config, p.step, p.where), p.message) for p in tplan.problems]
-        warnings += [Issue(_transform_path(config, i, where), message) for i, where, message in tplan.warnings]
+        issues += [Issue(transform_path(config, p.step, p.where), p.message) for p in tplan.problems]
+        warnings += [Issue(transform_path(config, i, where), message) for i, where, message in tplan.warnings]
         if tplan.removed_groups:
             kept = len(tplan.facts.groups)
             warnings.append(
@@ -100,17 +94,17 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
         native = dcp = hf = None
         if isinstance(config.target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
             if config.target.format == "dcp":
-                dcp = plan_dcp_target(config.target, reader, tplan, _param_steps(reader, tplan), issues)
+                dcp = plan_dcp_target(config.target, reader, tplan, param_steps(reader, tplan), issues)
             else:
                 hf = reader.facts.folder
-                native = _plan_target(config, config.target, reader, tplan, issues, hf)
+                native = plan_native_target(config, config.target, reader, tplan, issues, hf)
         if config.exports and not broken & {"exports", "transforms"} and not tplan.problems:
             _check_exports(config, reader, tplan, issues)
         raise_issues(issues, origin, exists=exists)
     except BaseException:
         reader.close()
         raise
-    dcp_steps = _param_steps(reader, tplan) if dcp is not None else {}
+    dcp_steps = param_steps(reader, tplan) if dcp is not None else {}
     return MigrationPlan(config, reader, tplan, native, [origin.where(w) for w in warnings], dcp, dcp_steps, hf)
 
 
@@ -200,163 +194,6 @@ def _output_issues(config: MigrationConfig, *, overwrite: bool) -> tuple[list[Is
         elif path.exists() and not overwrite:
             exists.append(Issue(at, f"{path} already exists; pass --overwrite to replace it"))
     return clashes, exists
-
-
-def _plan_target(
-    config: MigrationConfig,
-    target: TargetConfig,
-    reader: Reader,
-    tplan: TransformPlan,
-    issues: list[Issue],
-    hf: Any | None = None,
-) -> Any:
-    """The native target's plan; for a Hugging Face folder ``hf`` its stage and tag default to the folder's."""
-    from ucp.targets.hf import hf_options
-    from ucp.targets.native import plan_native
-
-    facts = tplan.facts
-    start = len(issues)
-    if target.optimizer is None and facts.flavour is None:
-        issues.append(
-            Issue(
-                ("target", "optimizer"),
-                "is required: the source's optimizer cannot be told from its "
-                f"files; name it ({', '.join(flavours.FLAVOURS)})",
-            )
-        )
-    if not any(g.params for g in facts.groups):
-        issues.append(
-            Issue(
-                ("target",),
-                "the transforms leave no trained parameter; a native checkpoint needs at least one param group",
-            )
-        )
-    if target.pipeline is not None:
-        _check_pipeline(target.pipeline, facts, hf, issues)
-    elif hf is None:
-        _check_experts(facts, issues)
-    if len(issues) > start:
-        return None
-    step: str | int = target.step
-    try:
-        options = (
-            target.options(facts.info.zero_stage) if hf is None else hf_options(facts, hf, None, target.option_fields())
-        )
-        plan = plan_native(facts, options, batch_note=hf is None)
-    except ConfigError as err:
-        issues.append(Issue(("target",), str(err)))
-        return None
-    if target.tp > 1:
-        from ucp.targets.tensor_parallel import rank_layouts
-
-        try:
-            rank_layouts(TransformedReader(reader, tplan), target.tp, 0)
-        except UcpError as err:
-            issues.append(Issue(("target", "tp"), str(err)))
-            return None
-    if step == "keep":
-        issues += _step_conflicts(config, reader, tplan, plan)
-    return plan
-
-
-def _check_pipeline(pipeline: PipelineConfig, facts: Facts, hf: Any | None, issues: list[Issue]) -> None:
-    """What a pipeline target would refuse half-way: a source that is no single pipeline-able model, a name
-    that the partition places on no stage."""
-    from ucp.targets.experts import has_experts
-
-    at: KeyPath = ("target", "pipeline")
-    if hf is not None or has_experts(facts):
-        what = "a Hugging Face folder" if hf is not None else "a mixture-of-experts run"
-        issues.append(Issue(at, f"the source is {what}, which a pipeline target cannot write; remove pipeline"))
-        return
-    if facts.tied:
-        issues.append(Issue(at, "a pipeline target cannot carry tied aliases; tie layers with TiedLayerSpec"))
-        return
-    try:
-        layout = pipeline.layout(facts)
-        for name in [p.name for p in facts.params] + list(facts.buffer_names):
-            layout.stages_of(name)
-    except ConfigError as err:
-        issues.append(Issue(at, str(err)))
-
-
-def _check_experts(facts: Facts, issues: list[Issue]) -> None:
-    """A legacy MoE or AutoEP source written by the native target would put every expert on every rank under
-    names its run lacks; ``ucp restore --ep`` writes it."""
-    from ucp.targets.experts import has_experts
-
-    if has_experts(facts):
-        issues.append(
-            Issue(
-                ("target",),
-                "the source is a mixture-of-experts run (legacy MoE or AutoEP), which a migration's native target "
-                "cannot write yet: keep the universal directory and run `ucp restore UNIVERSAL OUT --dp N --ep E`",
-            )
-        )
-
-
-def _param_steps(reader: Reader, tplan: TransformPlan) -> dict[str, int]:
-    """The step each trained (renamed) parameter will carry: 0 when reset, else the source's (a native writer
-    reads "never stepped" as 0 too)."""
-    steps = TransformedReader(reader, tplan).param_steps() if tplan.changes_anything else reader.param_steps()
-    return {meta.name: int(steps.get(meta.name) or 0) for meta in tplan.facts.params if not meta.frozen}
-
-
-def _step_conflicts(config: MigrationConfig, reader: Reader, tplan: TransformPlan, plan: Any) -> list[Issue]:
-    """DeepSpeed keeps one step per flat partition (ZeRO-3: per sub-group; ZeRO-1/2: per param
-    group). Parameters that would share one but carry different steps cannot be written as asked."""
-    steps = _param_steps(reader, tplan)
-    units: dict[int, list[str]] = {}
-    for g, names in enumerate(plan.group_names):
-        for i, name in enumerate(names):
-            unit = plan.layout.slots[g][i].sub_group if plan.layout is not None else g
-            units.setdefault(unit, []).append(name)
-    what = "ZeRO-3 sub-group" if plan.layout is not None else "param group"
-    by_step: dict[int, list[str]] = {}  # reset step index -> parameters that conflict
-    shared: dict[int, set[str]] = {}
-    plain: list[str] = []
-    for unit, names in units.items():
-        seen = {steps.get(n) for n in names}
-        if len(seen) <= 1:
-            continue
-        resets = [n for n in names if n in tplan.restarted]
-        if not resets:
-            plain.append(f"{what} {unit}: " + ", ".join(f"{n} (step {steps.get(n)})" for n in names))
-            continue
-        for name in resets:
-            index = tplan.reset_params[name]
-            by_step.setdefault(index, []).append(name)
-            shared.setdefault(index, set()).update(
-                f"{n} (step {steps.get(n)})" for n in names if n not in tplan.restarted
-            )
-    issues = []
-    keep = max((s for n, s in steps.items() if n not in tplan.restarted), default=0)
-    layout = (
-        f"dp={plan.dp}, sub_group_size={plan.sub_group_size}" if plan.layout is not None else zero_label(plan.stage)
-    )
-    for index, names in sorted(by_step.items()):
-        others = sorted(shared[index])
-        more = f" and {len(others) - 4} more" if len(others) > 4 else ""
-        issues.append(
-            Issue(
-                _transform_path(config, index, ()),
-                f"resets {', '.join(names)} to step 0, but in the target ({layout}) they share a {what} with "
-                f"{', '.join(others[:4])}{more}, and DeepSpeed keeps one step per {what}. Write the reset as "
-                "{params: [...], step: keep} or set target.step: "
-                f"{keep} to zero only their moments and keep the step (a warm start: Adam's bias correction is then "
-                "already ~1), or set target.step: reset to restart every parameter at step 0",
-            )
-        )
-    if plain:
-        issues.append(
-            Issue(
-                ("target", "step"),
-                "parameters that share a flat partition have different steps in "
-                "the source (" + "; ".join(plain) + "); set target.step to an "
-                "integer or reset",
-            )
-        )
-    return issues
 
 
 # -- describing -------------------------------------------------------------------------------

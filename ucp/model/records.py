@@ -33,6 +33,7 @@ __all__ = [
     "SourceInfo",
     "Facts",
     "Reader",
+    "Forwarding",
     "ReaderView",
 ]
 
@@ -249,7 +250,24 @@ class Reader(ABC):
         self.close()
 
 
-class ReaderView(Reader):
+class Forwarding(Reader):
+    """A reader over an ``inner`` one: the files it reads and the format it was opened as are the inner reader's."""
+
+    inner: Reader
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
+        return self.inner.inputs
+
+    @property
+    def format(self) -> str:  # type: ignore[override]
+        return self.inner.format
+
+    def mark_source(self, format: str, inputs: tuple[Path, ...]) -> None:
+        self.inner.mark_source(format, inputs)
+
+
+class ReaderView(Forwarding):
     """Another reader seen with other facts (rules added, parameters cut for one TP rank, ...).
 
     Everything it does not override goes to the inner reader, streaming included; closing a view
@@ -264,17 +282,6 @@ class ReaderView(Reader):
         self.facts = facts
         self.streams = inner.streams
         self._owns = owns
-
-    @property
-    def inputs(self) -> tuple[Path, ...]:  # type: ignore[override]  # a view reads its inner reader's files
-        return self.inner.inputs
-
-    @property
-    def format(self) -> str:  # type: ignore[override]
-        return self.inner.format
-
-    def mark_source(self, format: str, inputs: tuple[Path, ...]) -> None:
-        self.inner.mark_source(format, inputs)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         return self.inner.read(name, moments=moments)

@@ -27,15 +27,13 @@ import torch
 from ucp.deepspeed.states import scaler_object
 from ucp.errors import InputError
 from ucp.frameworks.dcp import (
-    METADATA,
     MODEL,
     OPTIM,
     SCHEDULER,
     TRAIN_STATE,
     UCP_KEY,
+    DcpStore,
     is_dcp,
-    load_items,
-    read_metadata,
 )
 from ucp.model.detect import detect
 from ucp.model.hyper import hyper_from_group, raw_group
@@ -81,17 +79,18 @@ class DcpSource(Reader):
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, optimizer: str | None = None, names: Mapping[str, Any] | None = None
+        self,
+        path: str | os.PathLike,
+        *,
+        optimizer: str | None = None,
+        names: Mapping[str, Any] | None = None,
+        store: DcpStore | None = None,
     ):
         self.path = Path(path)
         self.inputs = (self.path,)
-        self.meta = read_metadata(self.path)
-        self._paths: dict[tuple[Any, ...], Any] = {}  # key path -> its storage metadata
-        for key, storage in self.meta.state_dict_metadata.items():
-            where = self.meta.planner_data.get(key)
-            if not isinstance(where, tuple) or not where:
-                raise InputError(f"{self.path}/{METADATA} gives no key path for {key!r}")
-            self._paths[where] = storage
+        #: the state dict's folders (``path`` alone, unless a store of several is given: a Trainer FSDP folder's)
+        self.store = store or DcpStore([(self.path, {})])
+        self._paths: dict[tuple[Any, ...], Any] = self.store.paths  # key path -> its storage metadata
         self._model = {p[1]: s for p, s in self._paths.items() if len(p) == 2 and p[0] == MODEL}
         if not self._model:
             raise InputError(
@@ -140,7 +139,7 @@ class DcpSource(Reader):
                 torch.empty(tuple(tensor.size), dtype=tensor.properties.dtype) if tensor is not None else None
             )
         nested = _nest(template)
-        load_items(self.path, self.meta, nested)
+        self.store.load(nested)
         return nested
 
     def _groups(self, small: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -272,12 +271,11 @@ class DcpSource(Reader):
     def _info(self, small: Mapping[str, Any], dtype: str, steps: Mapping[str, int | None]) -> SourceInfo:
         found = small.get(TRAIN_STATE)
         train: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
-        ranks = {str(i.relative_path) for i in self.meta.storage_data.values()}
         step = max((s for s in steps.values() if s is not None), default=0)
         return SourceInfo(
             format="dcp",
             zero_stage=3,
-            dp_world_size=max(1, len(ranks)),
+            dp_world_size=max(1, self.store.writers(MODEL)),
             dtype=dtype,
             global_steps=int(train.get("step", step)),
             skipped_steps=int(train.get("skipped_steps", 0)),
@@ -288,7 +286,7 @@ class DcpSource(Reader):
     def _model_tensor(self, name: str) -> torch.Tensor:
         storage = self._model[name]
         tensor = torch.empty(tuple(storage.size), dtype=storage.properties.dtype)
-        load_items(self.path, self.meta, {MODEL: {name: tensor}})
+        self.store.load({MODEL: {name: tensor}})
         return tensor
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
@@ -302,7 +300,7 @@ class DcpSource(Reader):
         template: dict[str, Any] = {MODEL: {name: fp32}}
         if optim:
             template[OPTIM] = {"state": {name: optim}}
-        load_items(self.path, self.meta, template)
+        self.store.load(template)
         step = self.facts.groups[meta.group].step if meta.group is not None else None
         if not keys:
             return ParamState(fp32=fp32.float(), step=step)

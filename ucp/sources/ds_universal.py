@@ -36,42 +36,42 @@ import torch
 
 from ucp.deepspeed.autoep import AUTOEP_LAYERS, WEIGHTS, AutoEpLayer, autoep_layers, autoep_record, expert_name
 from ucp.deepspeed.fields import (
-    as_int,
     build_facts,
-    check_name,
     jsonable,
-    need_list,
     need_mapping,
     sub_group_size,
     tensor_shape,
 )
-from ucp.deepspeed.layout import UNIVERSAL_OPTIM, ds_universal_model_files
 from ucp.deepspeed.model_states import (
-    check_model_states,
     engine_counters,
     model_dtype,
     model_extras,
     module_buffers,
     module_ties,
-    zero3_frozen_fragment,
     zero12_frozen_values,
 )
-from ucp.deepspeed.optim_states import check_zero3_membership, read_universal_optimizer_state
+from ucp.deepspeed.optim_states import read_universal_optimizer_state
 from ucp.errors import InputError, StepConflictError
 from ucp.io import torchfile
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients
+from ucp.model.detect import Detection
 from ucp.model.layouts import SourceLayout
-from ucp.model.partition import zero3_rank_span
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta, zero3_gather
+from ucp.sources.ds_universal_groups import (
+    check_groups,
+    refuse_round_robin,
+    refuse_whole_state,
+    zero3_groups,
+    zero12_groups,
+)
+from ucp.sources.ds_universal_models import open_models, zero3_frozen
 from ucp.sources.format import How, Probe, SourceFormat
 
 __all__ = ["FORMAT", "DsUniversalSource"]
 
 logger = logging.getLogger(__name__)
 
-_OPTIM = Path(UNIVERSAL_OPTIM).name
 _FP32 = "fp32.pt"
 _STEP = "step.pt"
 
@@ -100,35 +100,6 @@ class DsUniversalSource(Reader):
         )
 
     # -- facts -------------------------------------------------------------------------------
-    def _open_models(self, stage: int, dp: int) -> Mapping[str, Any]:
-        """Open the copied model-states files (rank -> file) and return rank 0's object."""
-        for rank, path in ds_universal_model_files(self.root, stage, dp).items():
-            self._models[rank] = TorchFile(path)
-        head = self._models[0].obj
-        name = self._models[0].path.name
-        check_model_states(
-            head,
-            name,
-            "not a ZeRO model-states file (a pipeline-parallel checkpoint keeps its weights elsewhere and is not supported)",
-        )
-        if head.get("mp_world_size") is not None and as_int(head["mp_world_size"], f"{name}: mp_world_size") > 1:
-            raise InputError(
-                f"{name} says mp_world_size={head['mp_world_size']}: tensor-parallel ds_to_universal "
-                "output is not supported yet"
-            )
-        world = head.get("dp_world_size")
-        if world is not None and as_int(world, f"{name}: dp_world_size") != dp:
-            raise InputError(
-                f"{name} says dp_world_size={world}, but zero/{_OPTIM} says partition_count={dp}: files "
-                "of different checkpoints are mixed"
-            )
-        for rank, tf in self._models.items():
-            if rank and (not isinstance(tf.obj, Mapping) or tf.obj.get("param_shapes") != head["param_shapes"]):
-                raise InputError(
-                    f"{tf.path.name} and {name} disagree on param_shapes: files of different checkpoints are mixed"
-                )
-        return head
-
     def _require(self, pname: str, leaf: str, keys: tuple[str, ...] = ()) -> Path:
         path = self._zero / pname / leaf
         if not path.is_file():
@@ -152,19 +123,19 @@ class DsUniversalSource(Reader):
         optim = read_universal_optimizer_state(self.root)
         stage, dp = optim["zero_stage"], optim["partition_count"]
         self._zero3 = stage == 3
-        head = self._open_models(stage, dp)
+        head = open_models(self.root, stage, dp, self._models)
         self._read_autoep(head, dp, stage)
         shapes = [need_mapping(s, "param_shapes entry") for s in head["param_shapes"]]
         ds_config = head.get("ds_config") or {}
         groups_raw = optim["param_groups"]
-        self._check_groups(groups_raw)
+        check_groups(groups_raw)
         layout = [[int(s) for s in g.get("params", [])] for g in groups_raw]
         if stage == 3:
-            members, detection, sub_steps = self._zero3_layout(optim, shapes, layout, ds_config, optimizer, dp)
+            members, detection, sub_steps = zero3_groups(optim, shapes, layout, ds_config, optimizer, dp)
         else:
-            members, detection, sub_steps = self._zero12_layout(shapes, groups_raw, layout, ds_config, optimizer)
-            _refuse_whole_state(detection, groups_raw, ds_config, stage)
-            _refuse_round_robin(shapes, ds_config, dp, stage)
+            members, detection, sub_steps = zero12_groups(self._zero, shapes, groups_raw, layout, ds_config, optimizer)
+            refuse_whole_state(detection, groups_raw, ds_config, stage)
+            refuse_round_robin(shapes, ds_config, dp, stage)
 
         dtype = model_dtype(head, shapes, files_bf16=False)
         params, groups = self._optimized(groups_raw, members, shapes, sub_steps, detection, dtype)
@@ -174,7 +145,7 @@ class DsUniversalSource(Reader):
         self._frozen: dict[str, tuple[int, ...]] = {}
         self._frozen_values: dict[str, torch.Tensor] = {}
         if stage == 3:
-            frozen = self._zero3_frozen(head, dp, warnings)
+            frozen = zero3_frozen(self.root, self._models, head, dp, warnings)
         else:
             frozen = self._zero12_frozen(head, tied, buffer_names)
         for pname, (shape, frozen_dtype) in frozen.items():
@@ -233,14 +204,6 @@ class DsUniversalSource(Reader):
             self._expert_of[name] = (pname, e)
             out.append(ParamMeta(name, whole[1:], dtype, g, False))
         return out
-
-    def _check_groups(self, groups_raw: list[dict[str, Any]]) -> None:
-        """Every param group has an lr and integer members (sub-group or group indices)."""
-        for g, group in enumerate(groups_raw):
-            if "lr" not in group:
-                raise InputError(f"zero/{_OPTIM}: param group {g} has no lr: not an optimizer's param group")
-            for sub in need_list(group.get("params", []), f"zero/{_OPTIM}: param group {g} params"):
-                as_int(sub, f"zero/{_OPTIM}: param group {g} params entry")
 
     def _optimized(
         self,
@@ -315,93 +278,6 @@ class DsUniversalSource(Reader):
             ds_config=jsonable(ds_config),
             **engine_counters(head),
         )
-
-    def _zero3_layout(
-        self,
-        optim: Mapping[str, Any],
-        shapes: list[Mapping[str, Any]],
-        layout: list[list[int]],
-        ds_config: Mapping[str, Any],
-        optimizer: str | None,
-        dp: int,
-    ) -> tuple[list[list[int]], Detection, dict[int, int | None]]:
-        """Sub-groups per param group, the flavour, and each sub-group's step (rank 0's copy)."""
-        sub_of_group = check_zero3_membership(layout, shapes, optim.get("flat_numels"), dp)
-        state = optim["state"]
-        detection = detect({"param_groups": optim["param_groups"], "state": state}, ds_config, optimizer)
-        steps: dict[int, int | None] = {}
-        for sub in range(len(shapes)):
-            group = optim["param_groups"][sub_of_group[sub]]
-            steps[sub] = detection.flavour.read_step(group, state.get(sub, {})) if detection.flavour else None
-        return layout, detection, steps
-
-    def _zero12_layout(
-        self,
-        shapes: list[Mapping[str, Any]],
-        groups_raw: list[dict[str, Any]],
-        layout: list[list[int]],
-        ds_config: Mapping[str, Any],
-        optimizer: str | None,
-    ) -> tuple[list[list[int]], Detection, dict[int, int | None]]:
-        """One param_shapes entry per group; the flavour and group steps from each group's step.pt."""
-        if len(groups_raw) != len(shapes):
-            raise InputError(
-                f"zero/{_OPTIM} has {len(groups_raw)} param groups, but param_shapes has {len(shapes)}: "
-                "files of different checkpoints are mixed"
-            )
-        for g, subs in enumerate(layout):
-            if subs != [g]:
-                raise InputError(
-                    f"zero/{_OPTIM}: param group {g} holds flat tensors {subs}, expected [{g}]: not a "
-                    "ZeRO-1/2 optimizer (one flat partition per group)"
-                )
-        # ds_to_universal copies the group's step into each member's step.pt, and writes none when the
-        # optimizer keeps its step in the param group (apex) rather than in the state
-        state: dict[int, dict[str, Any]] = {}
-        for g, members in enumerate(shapes):
-            first = next(iter(members), None)
-            if first is not None and (self._zero / first / "step.pt").is_file():
-                state[g] = {"step": torchfile.load(self._zero / first / "step.pt")}
-        detection = detect({"param_groups": groups_raw, "state": state}, ds_config, optimizer)
-        steps: dict[int, int | None] = {}
-        for g, group in enumerate(groups_raw):
-            steps[g] = detection.flavour.read_step(group, state.get(g, {})) if detection.flavour else None
-        return layout, detection, steps
-
-    def _zero3_frozen(
-        self, head: Mapping[str, Any], dp: int, warnings: list[str]
-    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        """Frozen parameters live only in the model states, one partition per rank file."""
-        name0 = self._models[0].path.name
-        out: dict[str, tuple[tuple[int, ...], str | None]] = {}
-        listed = head.get("frozen_param_shapes") or {}
-        for pname, shape in listed.items():
-            check_name(pname, f"{name0}: frozen_param_shapes")
-            shape = tensor_shape(shape)
-            numel = _numel(shape)
-            frozen_dtype = None
-            for rank in range(dp):
-                start, end = zero3_rank_span(numel, dp, rank)
-                if end <= start:
-                    continue
-                tf = self._models.get(rank)
-                if tf is None:
-                    raise InputError(
-                        f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt is missing from {self.root}: "
-                        f"it holds rank {rank}'s part of frozen parameter {pname!r}, and ds_to_universal "
-                        "writes no folder for frozen ZeRO-3 parameters; copy every rank's model states "
-                        "from the source tag folder"
-                    )
-                fragment = zero3_frozen_fragment(tf, pname, numel, dp, rank)
-                frozen_dtype = frozen_dtype or dtype_name(fragment.dtype)
-            out[pname] = (shape, frozen_dtype)
-        missing = [r for r in range(dp) if r not in self._models]
-        if missing:
-            warnings.append(
-                f"model states of dp rank(s) {missing} are missing from {self.root}; nothing needed was "
-                "in them (no frozen parameter has a part there)"
-            )
-        return out
 
     def _zero12_frozen(
         self, head: Mapping[str, Any], tied: Mapping[str, str], buffer_names: list[str]
@@ -487,33 +363,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _refuse_whole_state(
-    detection: Detection, groups: list[Mapping[str, Any]], ds_config: Mapping[str, Any], stage: int
-) -> None:
-    """DeepSpeed Muon at ZeRO-1/2 keeps whole-parameter momentum per rank; ds_to_universal cuts it as
-    if it were the rank's flat partition (0.19.8), so what it wrote is not the momentum: refused."""
-    flavour = detection.flavour
-    offload = offloads_optimizer(ds_config)
-    if flavour is not None and any(flavour.zero12_whole_keys(g, offload=offload) for g in groups):
-        raise InputError(
-            f"this ds_to_universal folder comes from DeepSpeed Muon at ZeRO-{stage}, whose per-rank momentum "
-            "holds whole parameters; ds_to_universal cuts it as a flat partition, so its momentum files are "
-            "not the momentum: convert the original checkpoint with `ucp to-universal` instead"
-        )
-
-
-def _refuse_round_robin(shapes: list[Mapping[str, Any]], ds_config: Mapping[str, Any], dp: int, stage: int) -> None:
-    """A ``round_robin_gradients`` run flattens its groups in round-robin order, but DeepSpeed 0.19.8 maps the
-    fragments ds_to_universal cuts walking the members in their original order: unless that order is the same
-    (at most dp members per group), its parameter folders hold other parameters' bytes. Refused."""
-    if round_robin_gradients(ds_config) and any(len(members) > dp > 1 for members in shapes):
-        raise InputError(
-            f"this ds_to_universal folder comes from a ZeRO-{stage} run with round_robin_gradients, whose flat "
-            "buffers DeepSpeed 0.19.8 cuts at the wrong offsets (its parameter folders hold other parameters' "
-            "bytes): convert the original checkpoint with `ucp to-universal` instead"
-        )
 
 
 def _open_ds_universal(probe: Probe, how: How) -> Reader:

@@ -24,21 +24,18 @@ def _open_wrapped(probe: Probe, how: How) -> Reader:
     return ReaderView(inner, dataclasses.replace(inner.facts, folder=folder), owns=True)
 
 
-TRAINER_FORMAT = SourceFormat(
-    name="hf-trainer",
-    label="Hugging Face Trainer checkpoint folder (DeepSpeed)",
-    docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
-    claims=lambda probe: probe.hf is not None and probe.hf.kind == TRAINER,
-    open=_open_wrapped,
-    refines=("deepspeed",),
-    takes=frozenset({"frozen"}),
-)
-ACCELERATE_FORMAT = SourceFormat(
-    name="hf-accelerate",
-    label="Accelerate save_state folder (DeepSpeed)",
-    docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
-    claims=lambda probe: probe.hf is not None and probe.hf.kind == ACCELERATE,
-    open=_open_wrapped,
-    refines=("deepspeed",),
-    takes=frozenset({"frozen"}),
-)
+def _wrapper(name: str, kind: str, label: str) -> SourceFormat:
+    """A run folder of ``kind`` wrapping any DeepSpeed layout, which it wins over (both claim the folder)."""
+    return SourceFormat(
+        name=name,
+        label=label,
+        docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
+        claims=lambda probe: probe.hf is not None and probe.hf.kind == kind,
+        open=_open_wrapped,
+        refines=("deepspeed",),
+        takes=frozenset({"frozen"}),
+    )
+
+
+TRAINER_FORMAT = _wrapper("hf-trainer", TRAINER, "Hugging Face Trainer checkpoint folder (DeepSpeed)")
+ACCELERATE_FORMAT = _wrapper("hf-accelerate", ACCELERATE, "Accelerate save_state folder (DeepSpeed)")

@@ -18,7 +18,7 @@ trained one), the checkpoint is refused in one line unless the frozen parameters
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -41,23 +41,21 @@ from ucp.deepspeed.model_states import (
     module_ties,
     zero12_frozen_values,
 )
-from ucp.deepspeed.optim_states import FUSED_MASTERS, STEP_KEY, UNFUSED_INNER, UNFUSED_MASTERS, flat_state_scalars
-from ucp.deepspeed.states import scaler_object
+from ucp.deepspeed.optim_states import UNFUSED_MASTERS, flat_state_scalars
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import detect
-from ucp.model.loss_scale import scale_from_wrapper
+from ucp.model.detect import Detection, detect
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import group_meta
 from ucp.sources.format import How, Probe, SourceFormat
+from ucp.sources.zero0_optimizer import entry_keys, param_groups, unwrap
+from ucp.sources.zero0_placement import Want, candidates, place
 
 __all__ = ["FORMAT", "Zero0Source"]
 
 logger = logging.getLogger(__name__)
 
-_INNER, _MASTERS, _FLAT_MASTERS = UNFUSED_INNER, UNFUSED_MASTERS, FUSED_MASTERS
-#: the loss-scale fields DeepSpeed's FP16 wrappers save (the last three with a dynamic scale only)
-_WRAPPER_SCALE = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
+_MASTERS = UNFUSED_MASTERS
 
 
 class Zero0Source(Reader):
@@ -123,106 +121,6 @@ class Zero0Source(Reader):
             )
         return head
 
-    def _unwrap(
-        self,
-        opt: Mapping[str, Any],
-        candidates: list[tuple[str, torch.Tensor]],
-        head_config: Mapping[str, Any],
-    ) -> tuple[Mapping[str, Any], list[list[torch.Tensor]] | None]:
-        """The torch optimizer's state_dict and, under DeepSpeed's FP16 wrappers, its fp32 masters per group
-        (the fused one's flat groups cut per parameter, see :func:`_unflatten`); the wrapper's loss scale (as the
-        scaler a ZeRO run keeps, its minimum and hysteresis from ``head_config``, the run's DeepSpeed config) and
-        gradient clipping are kept for ``extras``."""
-        name = self._name()
-        self._zero: dict[str, Any] | None = None
-        fused = _FLAT_MASTERS in opt
-        if not fused and _MASTERS not in opt:
-            if not {"state", "param_groups"} <= set(opt):
-                raise InputError(
-                    f"{name}: optimizer holds {sorted(map(str, opt))[:6]}, neither a torch optimizer's state_dict "
-                    "nor one of DeepSpeed's FP16 optimizer wrappers': the file is damaged or not from DeepSpeed"
-                )
-            return opt, None
-        dynamic = opt.get("dynamic_loss_scale", False)  # the fused wrapper saves no scale when it does not scale
-        if not isinstance(dynamic, bool):
-            raise InputError(f"{name}: optimizer dynamic_loss_scale is {dynamic!r:.40}, not a flag: file damaged")
-        numbers = {"cur_scale": 1.0, "cur_iter": 0} | {k: opt[k] for k in _WRAPPER_SCALE if k in opt}
-        for key in ("cur_scale", "cur_iter", *(_WRAPPER_SCALE[2:] if dynamic else ())):
-            value = numbers.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InputError(f"{name}: optimizer {key} is {value!r:.40}, not a number: file damaged")
-        # the wrapper keeps no minimum or hysteresis: those come from the run's fp16 config, the hysteresis whole
-        scale = scale_from_wrapper({"dynamic_loss_scale": dynamic, **numbers}, head_config)
-        if scale.problem() is not None:
-            raise InputError(f"{name}: the optimizer's loss scale is damaged: {scale.problem()}")
-        self._zero = {"loss_scaler": scaler_object(scale), "dynamic_loss_scale": dynamic}
-        clip = opt.get("clip_grad")
-        if isinstance(clip, (int, float)) and not isinstance(clip, bool):
-            self._zero["clip_grad"] = float(clip)
-        inner = need_mapping(opt.get(_INNER), f"{name}: optimizer {_INNER}")
-        if fused:
-            flats = [
-                need_tensor(t, f"{name}: optimizer {_FLAT_MASTERS}[{g}]")
-                for g, t in enumerate(need_list(opt[_FLAT_MASTERS], f"{name}: optimizer {_FLAT_MASTERS}"))
-            ]
-            return _unflatten(inner, flats, candidates, name)
-        masters = [
-            [need_tensor(t, f"{name}: optimizer {_MASTERS}[{g}]") for t in need_list(group, f"{name}: {_MASTERS}[{g}]")]
-            for g, group in enumerate(need_list(opt[_MASTERS], f"{name}: optimizer {_MASTERS}"))
-        ]
-        return inner, masters
-
-    def _members(self, inner: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], list[list[int]], Mapping[int, Any]]:
-        """Param groups, each group's optimizer indices, and the state by index: every index in one group
-        only, and state for every index or for none."""
-        name = self._name()
-        groups = [
-            need_mapping(g, f"{name}: a param group")
-            for g in need_list(inner.get("param_groups") or [], f"{name}: optimizer param_groups")
-        ]
-        members = [
-            [
-                as_int(p, f"{name}: param group {g} params entry")
-                for p in need_list(group.get("params"), f"{name}: param group {g} params")
-            ]
-            for g, group in enumerate(groups)
-        ]
-        listed = [i for m in members for i in m]
-        if len(set(listed)) != len(listed):
-            raise InputError(f"{name}: the optimizer's param groups list an index twice: the file is damaged")
-        raw_state = need_mapping(inner.get("state") or {}, f"{name}: optimizer state")
-        state = {as_int(k, f"{name}: optimizer state index"): v for k, v in raw_state.items()}
-        stray = sorted(set(state) - set(listed))
-        if stray:
-            raise InputError(
-                f"{name}: the optimizer holds state for {len(state)} parameters, its param groups list {len(listed)}: "
-                f"index {stray[0]} is in no group; the file is damaged"
-            )
-        missing = sorted(set(listed) - set(state))
-        if state and missing:
-            raise InputError(
-                f"{name}: the optimizer holds state for {len(state)} of the {len(listed)} parameters its param groups "
-                f"list (index {missing[0]} has none: a parameter that never got a gradient?); ucp cannot place it"
-            )
-        return groups, members, state
-
-    def _entry_keys(self, entry: Any, where: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
-        """A parameter's elementwise state keys (every key but the step and 0-dim scalars) and their shape."""
-        entry = need_mapping(entry, where)
-        keys = tuple(k for k in entry if k != STEP_KEY and k not in flat_state_scalars(entry))
-        shapes = set()
-        for key in keys:
-            value = entry[key]
-            if not torch.is_tensor(value) or not value.is_floating_point() or value.layout != torch.strided:
-                raise InputError(
-                    f"{where}: optimizer state {key!r} is a {type(value).__name__}, not a floating tensor shaped like "
-                    "its parameter: ucp refuses the checkpoint rather than drop it"
-                )
-            shapes.add(tuple(value.shape))
-        if len(shapes) > 1:
-            raise InputError(f"{where}: optimizer state tensors have different shapes {sorted(shapes)}: file damaged")
-        return keys, (shapes.pop() if shapes else None)
-
     def _facts(self, optimizer: str | None, frozen: Collection[str]) -> Facts:
         name = self._name()
         head = self._head()
@@ -232,14 +130,14 @@ class Zero0Source(Reader):
         dtype = _config_dtype(ds_config)
         for n in frozen:
             check_name(n, "the frozen names given")
-        candidates = _candidates(module, buffer_names)
-        unknown = sorted(set(frozen) - set(candidates))
+        found = candidates(module, buffer_names)
+        unknown = sorted(set(frozen) - set(found))
         if unknown:
             raise InputError(f"{name}: the frozen names given list {unknown[:3]}, which its module does not hold")
-        trainable = [(n, t) for n, t in candidates.items() if n not in set(frozen)]
+        trainable = [(n, t) for n, t in found.items() if n not in set(frozen)]
         opt = need_mapping(head["optimizer"], f"{name}: optimizer")
-        inner, masters = self._unwrap(opt, trainable, ds_config)
-        groups_raw, members, state = self._members(inner)
+        inner, masters, self._zero = unwrap(opt, trainable, ds_config, name)
+        groups_raw, members, state = param_groups(inner, name)
         if masters is not None and [len(m) for m in masters] != [len(m) for m in members]:
             raise InputError(
                 f"{name}: {_MASTERS} holds {[len(m) for m in masters]} fp32 masters per group, the optimizer's "
@@ -253,60 +151,9 @@ class Zero0Source(Reader):
         self._steps: dict[str, int | None] = {}
         self._masters: dict[str, torch.Tensor] = {}
         self._group: dict[str, int] = {}
-        want: list[list[tuple[tuple[int, ...] | None, torch.Tensor | None]]] = []
-        for g, indices in enumerate(members):
-            keys: tuple[str, ...] | None = None
-            row = []
-            for j, index in enumerate(indices):
-                where = f"{name}: optimizer state of param group {g} entry {j} (index {index})"
-                entry_keys, shape = self._entry_keys(state.get(index, {}), where)
-                if keys is not None and entry_keys != keys:
-                    raise InputError(f"{where} holds {list(entry_keys)}, entry 0 holds {list(keys)}: file damaged")
-                keys = entry_keys
-                master = masters[g][j] if masters is not None else None
-                if master is not None:
-                    if master.dtype != torch.float32:
-                        raise InputError(f"{name}: {_MASTERS}[{g}][{j}] is {master.dtype}, not an fp32 master")
-                    if shape is not None and shape != tuple(master.shape):
-                        raise InputError(f"{where}: state shaped {shape}, its fp32 master {tuple(master.shape)}")
-                    shape = tuple(master.shape)
-                row.append((shape, master))
-            self._keys.append(keys or ())
-            want.append(row)
-        placed = _place(want, trainable, masters is not None, name)
-        params: list[ParamMeta] = []
-        groups: list[GroupMeta] = []
-        group_steps: list[int | None] = []
-        for g, indices in enumerate(members):
-            names = placed[g]
-            seen: set[int | None] = set()
-            for j, (pname, index) in enumerate(zip(names, indices)):
-                shape = want[g][j][0]
-                value = need_tensor(module[pname], f"{name}: module entry {pname!r}")
-                if shape is not None and tuple(value.shape) != shape:  # _place matched shapes; kept as a guard
-                    raise InputError(f"{name}: {pname!r} is shaped {tuple(value.shape)}, its state {shape}")
-                entry = state.get(index, {})
-                step = flavour.read_step(groups_raw[g], entry) if flavour is not None else None
-                if step is None and self._keys[g] and flavour is not None and flavour.group_has_step(groups_raw[g]):
-                    where = "per parameter" if flavour.step_in_state else "in its param group"
-                    raise InputError(
-                        f"{name}: the optimizer state of {pname!r} holds {list(self._keys[g])} but no step, which "
-                        f"{flavour.name} keeps {where}: the file is damaged"
-                    )
-                seen.add(step)
-                self._steps[pname] = step
-                self._group[pname] = g
-                self._state[pname] = entry
-                master = want[g][j][1]
-                self._masters[pname] = master if master is not None else value
-                params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), g, False))
-            if len(seen) > 1:
-                detection.warnings.append(
-                    f"param group {g}'s parameters took different numbers of steps: {sorted(map(str, seen))}"
-                )
-            step = max((s for s in seen if s is not None), default=None)
-            group_steps.append(step)
-            groups.append(group_meta(g, groups_raw[g], names, step, detection.adam_w_mode, self._keys[g]))
+        want = self._wanted(members, state, masters)
+        placed = place(want, trainable, masters is not None, name)
+        params, groups, group_steps = self._optimized(placed, members, want, module, state, groups_raw, detection)
         tied = module_ties(head, self._masters)
         self._frozen: dict[str, torch.Tensor] = {}
         for pname, value in zero12_frozen_values(head, self._masters, tied, buffer_names, name).items():
@@ -350,6 +197,83 @@ class Zero0Source(Reader):
             warnings=warnings,
         )
 
+    def _wanted(
+        self, members: list[list[int]], state: Mapping[int, Any], masters: list[list[torch.Tensor]] | None
+    ) -> list[list[Want]]:
+        """Each group's members as :func:`~ucp.sources.zero0_placement.place` looks for them (shape and fp32
+        master), their state keys checked to agree (``self._keys``)."""
+        name = self._name()
+        want: list[list[Want]] = []
+        for g, indices in enumerate(members):
+            keys: tuple[str, ...] | None = None
+            row = []
+            for j, index in enumerate(indices):
+                where = f"{name}: optimizer state of param group {g} entry {j} (index {index})"
+                found_keys, shape = entry_keys(state.get(index, {}), where)
+                if keys is not None and found_keys != keys:
+                    raise InputError(f"{where} holds {list(found_keys)}, entry 0 holds {list(keys)}: file damaged")
+                keys = found_keys
+                master = masters[g][j] if masters is not None else None
+                if master is not None:
+                    if master.dtype != torch.float32:
+                        raise InputError(f"{name}: {_MASTERS}[{g}][{j}] is {master.dtype}, not an fp32 master")
+                    if shape is not None and shape != tuple(master.shape):
+                        raise InputError(f"{where}: state shaped {shape}, its fp32 master {tuple(master.shape)}")
+                    shape = tuple(master.shape)
+                row.append((shape, master))
+            self._keys.append(keys or ())
+            want.append(row)
+        return want
+
+    def _optimized(
+        self,
+        placed: list[list[str]],
+        members: list[list[int]],
+        want: list[list[Want]],
+        module: Mapping[str, Any],
+        state: Mapping[int, Any],
+        groups_raw: list[Mapping[str, Any]],
+        detection: Detection,
+    ) -> tuple[list[ParamMeta], list[GroupMeta], list[int | None]]:
+        """The optimized parameters as placed (each one's step, group, state and master kept), each group's
+        metadata and step."""
+        name = self._name()
+        flavour = detection.flavour
+        params: list[ParamMeta] = []
+        groups: list[GroupMeta] = []
+        group_steps: list[int | None] = []
+        for g, indices in enumerate(members):
+            names = placed[g]
+            seen: set[int | None] = set()
+            for j, (pname, index) in enumerate(zip(names, indices)):
+                shape = want[g][j][0]
+                value = need_tensor(module[pname], f"{name}: module entry {pname!r}")
+                if shape is not None and tuple(value.shape) != shape:  # place matched shapes; kept as a guard
+                    raise InputError(f"{name}: {pname!r} is shaped {tuple(value.shape)}, its state {shape}")
+                entry = state.get(index, {})
+                step = flavour.read_step(groups_raw[g], entry) if flavour is not None else None
+                if step is None and self._keys[g] and flavour is not None and flavour.group_has_step(groups_raw[g]):
+                    where = "per parameter" if flavour.step_in_state else "in its param group"
+                    raise InputError(
+                        f"{name}: the optimizer state of {pname!r} holds {list(self._keys[g])} but no step, which "
+                        f"{flavour.name} keeps {where}: the file is damaged"
+                    )
+                seen.add(step)
+                self._steps[pname] = step
+                self._group[pname] = g
+                self._state[pname] = entry
+                master = want[g][j][1]
+                self._masters[pname] = master if master is not None else value
+                params.append(ParamMeta(pname, tuple(value.shape), dtype_name(value.dtype), g, False))
+            if len(seen) > 1:
+                detection.warnings.append(
+                    f"param group {g}'s parameters took different numbers of steps: {sorted(map(str, seen))}"
+                )
+            step = max((s for s in seen if s is not None), default=None)
+            group_steps.append(step)
+            groups.append(group_meta(g, groups_raw[g], names, step, detection.adam_w_mode, self._keys[g]))
+        return params, groups, group_steps
+
     # -- tensors -----------------------------------------------------------------------------
     def read(self, name: str, *, moments: bool = True) -> ParamState:
         if name in self._frozen:
@@ -389,165 +313,6 @@ def _config_dtype(ds_config: Mapping[str, Any]) -> str:
         if isinstance(section, Mapping) and section.get("enabled"):
             return name
     return "fp32"
-
-
-def _view(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
-
-
-def _candidates(module: Mapping[str, Any], buffer_names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The module's parameters in model order: every tensor but the buffers, a tied alias (the same bytes
-    as an earlier entry) left out, as ``named_parameters`` leaves it out."""
-    skip = set(buffer_names)
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for pname, value in module.items():
-        if pname in skip or not torch.is_tensor(value):
-            continue
-        check_name(pname, "module")
-        view = _view(value)
-        if value.numel() and view in seen:
-            continue
-        seen.add(view)
-        out[pname] = value
-    return out
-
-
-def _unflatten(
-    inner: Mapping[str, Any], flats: list[torch.Tensor], trainable: list[tuple[str, torch.Tensor]], where: str
-) -> tuple[dict[str, Any], list[list[torch.Tensor]]]:
-    """DeepSpeed's fused FP16_Optimizer (bf16/fp16 with DeepSpeed or Apex FusedAdam) steps one flat fp32 tensor
-    per param group: its members' masters one after the other in group order, no padding, and the inner
-    optimizer's state entry g holds group g's flat state. The members are the module's trainable parameters in
-    model order whose weight is the next slice of a group's flat master rounded to the model dtype, bit for bit;
-    returned as FP16_UnfusedOptimizer keeps them (a state_dict by parameter index, masters per group), as views."""
-    groups = [
-        need_mapping(g, f"{where}: a param group")
-        for g in need_list(inner.get("param_groups"), f"{where}: optimizer param_groups")
-    ]
-    if len(groups) != len(flats):
-        raise InputError(f"{where}: {len(flats)} flat fp32 groups, {len(groups)} param groups: the file is damaged")
-    for g, flat in enumerate(flats):
-        if flat.dtype != torch.float32 or flat.dim() != 1:
-            raise InputError(
-                f"{where}: {_FLAT_MASTERS}[{g}] is a {flat.dtype} tensor of {flat.dim()} dims, not a flat fp32 master"
-            )
-    state = need_mapping(inner.get("state") or {}, f"{where}: optimizer state")
-    by_index = {as_int(k, f"{where}: optimizer state index"): v for k, v in state.items()}
-    at = [0] * len(flats)
-    members: list[list[tuple[int, torch.Size]]] = [[] for _ in flats]
-    for pname, value in trainable:
-        n = value.numel()
-        fits = [
-            g
-            for g, flat in enumerate(flats)
-            if n
-            and at[g] + n <= flat.numel()
-            and value.is_floating_point()
-            and torch.equal(flat[at[g] : at[g] + n].to(value.dtype), value.detach().reshape(-1))
-        ]
-        if len(fits) > 1:
-            raise InputError(
-                f"{where}: {pname!r} fits the flat fp32 masters of param groups {fits} alike: name the frozen "
-                "parameters (--frozen NAME...) or restore from a ZeRO checkpoint of the run"
-            )
-        if fits:
-            members[fits[0]].append((at[fits[0]], value.shape))
-            at[fits[0]] += n
-    short = [g for g, flat in enumerate(flats) if at[g] != flat.numel()]
-    if short:
-        g = short[0]
-        raise InputError(
-            f"{where}: the module's parameters in model order fill {at[g]} of the {flats[g].numel()} elements of "
-            f"param group {g}'s flat fp32 master: the file is damaged, or its param groups do not follow the model's "
-            "parameter order"
-        )
-    unflat: dict[int, dict[str, Any]] = {}
-    out_groups: list[dict[str, Any]] = []
-    masters: list[list[torch.Tensor]] = []
-    for g, flat in enumerate(flats):
-        flat_index = need_list(groups[g].get("params"), f"{where}: param group {g} params")
-        if len(flat_index) != 1:
-            raise InputError(
-                f"{where}: param group {g} lists {len(flat_index)} tensors beside a flat fp32 master: the fused "
-                "wrapper steps one per group; the file is damaged"
-            )
-        entry = need_mapping(
-            by_index.get(as_int(flat_index[0], "a param group's index"), {}), f"{where}: optimizer state {g}"
-        )
-        first = len(unflat)
-        out_groups.append({**groups[g], "params": list(range(first, first + len(members[g])))})
-        masters.append([flat[start : start + shape.numel()].view(shape) for start, shape in members[g]])
-        for start, shape in members[g]:
-            unflat[len(unflat)] = {
-                key: value[start : start + shape.numel()].view(shape)
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.numel()
-                else value
-                for key, value in entry.items()
-            }
-    return {"state": unflat, "param_groups": out_groups}, masters
-
-
-def _fits(want: tuple[tuple[int, ...] | None, torch.Tensor | None], value: torch.Tensor, with_values: bool) -> bool:
-    shape, master = want
-    if shape is not None and tuple(value.shape) != shape:
-        return False
-    if with_values and master is not None:
-        return value.is_floating_point() and torch.equal(master.detach().to(value.dtype), value.detach())
-    return True
-
-
-def _place(
-    want: list[list[tuple[tuple[int, ...] | None, torch.Tensor | None]]],
-    candidates: list[tuple[str, torch.Tensor]],
-    with_values: bool,
-    where: str,
-) -> list[list[str]]:
-    """Each group's members as module parameter names, in model order: the earliest and the latest fitting
-    embedding of the group in the candidates must be the same one (then no other exists) and groups must not
-    share a parameter; otherwise refused, naming what could not be told apart."""
-    out: list[list[str]] = []
-    owner: dict[str, int] = {}
-    for g, row in enumerate(want):
-        early: list[int] = []
-        at = 0
-        for j, item in enumerate(row):
-            while at < len(candidates) and not _fits(item, candidates[at][1], with_values):
-                at += 1
-            if at == len(candidates):
-                shape = "unknown shape" if item[0] is None else f"shape {list(item[0])}"
-                raise InputError(
-                    f"{where}: param group {g} entry {j} ({shape}) matches no module parameter left in model order"
-                    + (" (by shape and fp32 master value)" if with_values else " (by shape)")
-                    + ": the optimizer's param groups do not follow the model's parameter order, or the file is damaged"
-                )
-            early.append(at)
-            at += 1
-        late: list[int] = []
-        at = len(candidates) - 1
-        for item in reversed(row):
-            while not _fits(item, candidates[at][1], with_values):
-                at -= 1
-            late.append(at)
-            at -= 1
-        late.reverse()
-        if early != late:
-            unsure = sorted({candidates[i][0] for a, b in zip(early, late) if a != b for i in range(a, b + 1)})
-            raise InputError(
-                f"{where}, param group {g}: a stage-0 checkpoint does not name the parameters its optimizer state belongs to, "
-                f"and {unsure[:4]} fit it in more than one way (a frozen parameter shaped like a trained one?): name "
-                "the frozen parameters (--frozen NAME..., or open_reader(CKPT, frozen=[...]))"
-            )
-        names = [candidates[i][0] for i in early]
-        for pname in names:
-            if pname in owner:
-                raise InputError(
-                    f"{where}: {pname!r} fits both param group {owner[pname]} and param group {g}: name the frozen parameters "
-                    "(Python: open_reader(CKPT, frozen=[...]))"
-                )
-            owner[pname] = g
-        out.append(names)
-    return out
 
 
 def _claims_zero0(probe: Probe) -> bool:

@@ -18,30 +18,16 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ucp.deepspeed.autoep import PARTITION_GROUPS, partition_of
-from ucp.deepspeed.fields import (
-    as_int,
-    build_facts,
-    check_one_version,
-    jsonable,
-    need_list,
-    need_mapping,
-    need_tensor,
-    sub_group_size,
-    tensor_shape,
-)
-from ucp.deepspeed.layout import NVME_FOLDER, CheckpointFiles, nvme_swap_file, optim_file
+from ucp.deepspeed.fields import as_int, build_facts, jsonable, sub_group_size, tensor_shape
+from ucp.deepspeed.layout import NVME_FOLDER, CheckpointFiles, optim_file
 from ucp.deepspeed.model_states import (
     EXCLUDED_FROZEN_NOTE,
-    check_model_states,
     engine_counters,
     frozen_excluded,
     mics_note,
@@ -51,53 +37,33 @@ from ucp.deepspeed.model_states import (
     module_buffers,
     zero3_frozen_fragment,
 )
-from ucp.deepspeed.optim_states import (
-    check_rank_count,
-    check_scaler_fields,
-    flat_state_keys,
-    optimizer_block,
-    rank_scalars,
-    stage_of,
-)
+from ucp.deepspeed.optim_states import optimizer_block
 from ucp.errors import InputError
 from ucp.io.rawfile import RawTensorFile
 from ucp.io.torchfile import TorchFile
-from ucp.model.detect import (
-    Detection,
-    detect,
-    mics_shard_size,
-    offloads_to_nvme,
-    partial_offload_ratio,
-    unsaved_state_note,
-)
+from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme, unsaved_state_note
 from ucp.model.flavours import Flavour
-from ucp.model.partition import zero3_partition_size, zero3_rank_span
+from ucp.model.partition import zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import SpanSource, file_pieces, group_meta, zero3_gather, zero3_slices
 from ucp.sources.format import How, Probe, SourceFormat
+from ucp.sources.zero3_nvme import SwapFiles, swap_in
+from ucp.sources.zero3_rank_files import (
+    Inner,
+    check_models,
+    check_partitions,
+    check_scalers,
+    check_stage_and_ranks,
+    flat_groups,
+    inner_state,
+    sub_group_layout,
+)
+from ucp.sources.zero3_sub_groups import Where, place, sub_group_state
 
 __all__ = ["FORMAT", "Zero3Source"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Where:
-    sub_group: int
-    offset: int
-    size: int
-    numel: int
-    shape: tuple[int, ...]
-
-
-def _sub_numel(members: Mapping[str, Any], dp: int) -> int:
-    """A sub-group's elements on each rank: its members' ZeRO-3 partitions."""
-    return sum(zero3_partition_size(math.prod(tensor_shape(shape)), dp) for shape in members.values())
-
-
-_DS_ID = re.compile(r"\d+_\d+")
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Zero3Source(Reader):
@@ -126,7 +92,7 @@ class Zero3Source(Reader):
         self._optim: list[TorchFile] = []
         self._model: list[TorchFile] = []
         # ZeRO-Infinity: (rank, sub-group, state key or None for the masters) -> its NVMe swap file
-        self._swap: dict[tuple[int, int, str | None], RawTensorFile] = {}
+        self._swap: SwapFiles = {}
 
         def build() -> Facts:
             # rank by rank: each model-states file repeats the module dict, read once and re-bound after
@@ -142,106 +108,32 @@ class Zero3Source(Reader):
     def _rank_file(self, dp_rank: int) -> str:
         return optim_file(dp_rank, self.mp_rank, bf16=self.files.bf16_prefix)
 
-    def _check_rank_count(self, blocks: list[Mapping[str, Any]]) -> None:
-        for tf, block in zip(self._optim, blocks):
-            try:
-                stage = stage_of(block)
-            except InputError as err:
-                raise InputError(f"{tf.path.name}: {err}") from None
-            if stage != 3:
-                raise InputError(
-                    f"{tf.path.name} says zero_stage={stage}, but its folder holds ZeRO-3 model files "
-                    "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages"
-                )
-            if self._only is None or PARTITION_GROUPS not in block:  # else checked by _check_partitions
-                check_rank_count(
-                    block, tf.path.name, [t.path.name for t in self._optim], self._rank_file, self.files.tag_dir
-                )
-
     def _reads(self, group: int) -> bool:
         return self._only is None or group in self._only
 
-    def _check_partitions(self, blocks: list[Mapping[str, Any]], subs: list[int]) -> None:
-        """Where the save records each sub-group's partition group (AutoEP), every sub-group read must be
-        partitioned over exactly the files read, file i holding partition i."""
-        for i, (tf, block) in enumerate(zip(self._optim, blocks)):
-            for sub in subs:
-                part = partition_of(block, sub, tf.path.name)
-                if part is not None and (part.count, part.rank) != (len(self._optim), i):
-                    raise InputError(
-                        f"{tf.path.name}: sub-group {sub} is partition {part.rank} of {part.count} (ranks "
-                        f"{list(part.ranks)}), but it is read as {i} of {len(self._optim)} files: a rank file is "
-                        "missing or extra, or the files are another group's (AutoEP experts: their expert-data-"
-                        "parallel ranks)"
-                    )
-
-    def _check_models(self) -> list[Mapping[str, Any]]:
-        models = []
-        for tf in self._model:
-            obj = tf.obj
-            check_model_states(obj, tf.path.name, "not a ZeRO-3 model-states file")
-            models.append(obj)
-        head, first = models[0], self._model[0].path.name
-        stamped = models + [tf.obj for tf in self._optim if isinstance(tf.obj, Mapping)]
-        check_one_version(stamped)
-        counters = engine_counters(head)
-        for tf, model in zip(self._model[1:], models[1:]):
-            other = engine_counters(model)
-            for key in ("global_steps", "global_samples", "skipped_steps"):
-                if other[key] != counters[key]:
-                    raise InputError(
-                        f"{tf.path.name} is at {key}={other[key]} but {first} is at {counters[key]}: "
-                        "rank files from different saves (tags) are mixed in one folder"
-                    )
-        shapes = head["param_shapes"]
-        if any(m["param_shapes"] != shapes for m in models[1:]):
-            raise InputError("model-states files disagree on param_shapes: ranks from different runs are mixed")
-        frozen = {k: tensor_shape(v) for k, v in (head.get("frozen_param_shapes") or {}).items()}
-        for tf, model in zip(self._model[1:], models[1:]):
-            theirs = {k: tensor_shape(v) for k, v in (model.get("frozen_param_shapes") or {}).items()}
-            if theirs != frozen:
-                raise InputError(
-                    f"{tf.path.name} and {first} disagree on frozen_param_shapes: ranks from different runs are mixed"
-                )
-        return models
-
-    def _inner(self, tf: TorchFile, block: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
-        """The torch optimizer state inside a ZeRO block: its param groups and per-sub-group state."""
-        name = tf.path.name
-        inner = need_mapping(block.get("optimizer_state_dict"), f"{name}: optimizer_state_dict.optimizer_state_dict")
-        groups = [
-            need_mapping(g, f"{name}: a param group")
-            for g in need_list(inner.get("param_groups") or [], f"{name}: param_groups")
-        ]
-        for g, group in enumerate(groups):
-            for sub in need_list(group.get("params", []), f"{name}: param group {g} params"):
-                as_int(sub, f"{name}: param group {g} params entry")
-        state = need_mapping(inner.get("state") or {}, f"{name}: optimizer state")
-        return groups, state
-
     def _facts(self, optimizer: str | None) -> Facts:
         blocks = [optimizer_block(tf) for tf in self._optim]
-        self._check_rank_count(blocks)
-        models = self._check_models()
+        check_stage_and_ranks(self._optim, blocks, self._rank_file, self.files.tag_dir, limited=self._only is not None)
+        models = check_models(self._model, self._optim)
         head = models[0]
         shapes = head["param_shapes"]
         ds_config = head.get("ds_config") or {}
         if not isinstance(ds_config, Mapping):
             raise InputError(f"{self._model[0].path.name}: ds_config is a {type(ds_config).__name__}, not a dict")
-        self._check_scalers(blocks)
-        inners = [self._inner(tf, block) for tf, block in zip(self._optim, blocks)]
+        check_scalers(self._optim, blocks)
+        inners = [inner_state(tf, block) for tf, block in zip(self._optim, blocks)]
         groups_raw = inners[0][0]
-        layout = self._layout(inners)
-        self._check_partitions(blocks, [sub for g, subs in enumerate(layout) if self._reads(g) for sub in subs])
+        layout = sub_group_layout(self._optim, inners)
+        check_partitions(self._optim, blocks, [sub for g, subs in enumerate(layout) if self._reads(g) for sub in subs])
         detection = detect(blocks[0]["optimizer_state_dict"], ds_config, optimizer or self.files.reset_flavour)
-        flat = self._flat(blocks, len(shapes))
+        flat = flat_groups(self._optim, blocks, len(shapes))
         if offloads_to_nvme(ds_config):
-            inners = self._swap_in(flat, inners, shapes)
-        sub_of_group = self._place(layout, shapes, flat)
-        self._derived = detection.flavour.derived if detection.flavour else ()
-        self._collect_keys(
-            inners, flat, [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])], ds_config
-        )
+            inners = swap_in(self._optim, self.files.tag_dir, flat, inners, shapes, self._swap)
+        self._where, sub_of_group = place(layout, shapes, flat, self._reads)
+        derived = detection.flavour.derived if detection.flavour else ()
+        subs_read = [sub for sub in range(len(shapes)) if self._reads(sub_of_group[sub])]
+        state = sub_group_state(self._optim, inners, flat, subs_read, ds_config, derived)
+        self._has_moments, self._keys, self._scalars = state.has_moments, state.keys, state.scalars
         sub_steps = self._sub_steps(groups_raw, sub_of_group, inners, detection)
         self._steps = {name: sub_steps[w.sub_group] for name, w in self._where.items()}
         dtype = model_dtype(head, shapes, files_bf16=self.files.bf16_prefix)
@@ -278,179 +170,11 @@ class Zero3Source(Reader):
             warnings=detection.warnings + notes,
         )
 
-    def _check_scalers(self, blocks: list[Mapping[str, Any]]) -> None:
-        for tf, block in zip(self._optim, blocks):
-            check_scaler_fields(block, tf.path.name)
-
-    def _layout(self, inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]) -> list[list[int]]:
-        """The sub-groups of each param group, the same on every rank."""
-        layout = [[int(s) for s in g.get("params", [])] for g in inners[0][0]]
-        for tf, (rank_groups, _) in zip(self._optim[1:], inners[1:]):
-            if [[int(s) for s in g.get("params", [])] for g in rank_groups] != layout:
-                raise InputError(
-                    f"{tf.path.name} and {self._optim[0].path.name} group their sub-groups differently: "
-                    "ranks from different runs are mixed"
-                )
-        return layout
-
-    def _swap_in(
-        self,
-        flat: list[list[torch.Tensor]],
-        inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
-        shapes: list[Mapping[str, Any]],
-    ) -> list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]]:
-        """ZeRO-Infinity (``offload_optimizer.device: nvme``) saves a sub-group large enough to swap (1 MiB at
-        least, per rank) as an empty flat tensor and empty state tensors: its masters and moments are the
-        swap files DeepSpeed copies into the tag folder. Put those files' tensors in their place (``flat``
-        in place; returns ``inners`` with their state), each a view on its file."""
-        out: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]] = []
-        for rank, (groups, rank_state) in enumerate(inners):
-            state = dict(rank_state)
-            for sub, members in enumerate(shapes):
-                numel = _sub_numel(members, len(flat))
-                if flat[rank][sub].numel() or not numel:
-                    continue
-                ds_id = getattr(flat[rank][sub], "ds_id", None)
-                name = self._optim[rank].path.name
-                if not isinstance(ds_id, str) or not _DS_ID.fullmatch(ds_id):
-                    raise InputError(
-                        f"{name}: sub-group {sub} is swapped to NVMe, but its flat tensor names no swap file "
-                        f"(ds_id {ds_id!r})"
-                    )
-                what = f"rank {rank}'s sub-group {sub} is in NVMe swap files (DeepSpeed copies them to {NVME_FOLDER}/)"
-                flat[rank][sub] = self._open_swap(rank, sub, ds_id, None, flat[rank][sub].dtype, numel, what)
-                entry = state.get(sub)
-                if isinstance(entry, Mapping):
-                    swapped = dict(entry)
-                    for key, value in entry.items():
-                        if torch.is_tensor(value) and value.dim() == 1 and not value.numel():
-                            if not isinstance(key, str) or not _KEY.fullmatch(key):
-                                raise InputError(f"{name}: sub-group {sub} has a state named {key!r}")
-                            swapped[key] = self._open_swap(rank, sub, ds_id, key, value.dtype, numel, what)
-                    state[sub] = swapped
-            out.append((groups, state))
-        return out
-
-    def _open_swap(
-        self, rank: int, sub: int, ds_id: str, key: str | None, dtype: torch.dtype, numel: int, what: str
-    ) -> torch.Tensor:
-        raw = RawTensorFile(nvme_swap_file(self.files.tag_dir, rank, ds_id, key), dtype, numel, what=what)
-        self._swap[(rank, sub, key)] = raw
-        return raw.tensor
-
-    def _flat(self, blocks: list[Mapping[str, Any]], subs: int) -> list[list[torch.Tensor]]:
-        """Each rank's flat fp32 buffer per sub-group, checked to be flat tensors."""
-        flat = [
-            need_list(b.get("fp32_flat_groups"), f"{tf.path.name}: fp32_flat_groups")
-            for tf, b in zip(self._optim, blocks)
-        ]
-        for tf, rank_flat in zip(self._optim, flat):
-            if len(rank_flat) != subs:
-                raise InputError(
-                    f"{tf.path.name} holds fp32_flat_groups for {len(rank_flat)} sub-groups, but "
-                    f"param_shapes has {subs}"
-                )
-            for sub, tensor in enumerate(rank_flat):
-                need_tensor(tensor, f"{tf.path.name}: fp32_flat_groups[{sub}]")
-                if tensor.dim() != 1:
-                    raise InputError(
-                        f"{tf.path.name}: fp32_flat_groups[{sub}] has shape {tuple(tensor.shape)}; "
-                        "expected a flat buffer"
-                    )
-        return flat
-
-    def _place(
-        self, layout: list[list[int]], shapes: list[Mapping[str, Any]], flat: list[list[torch.Tensor]]
-    ) -> dict[int, int]:
-        """Where every optimized parameter sits (``self._where``); returns each sub-group's param group."""
-        self._where: dict[str, _Where] = {}
-        sub_of_group: dict[int, int] = {}
-        for g, subs in enumerate(layout):
-            for sub in subs:
-                if not 0 <= sub < len(shapes):
-                    raise InputError(f"param group {g} names sub-group {sub}, but param_shapes has {len(shapes)}")
-                if sub in sub_of_group:
-                    raise InputError(f"sub-group {sub} belongs to param groups {sub_of_group[sub]} and {g}")
-                sub_of_group[sub] = g
-        for sub, members in enumerate(shapes):
-            if sub in sub_of_group and not self._reads(sub_of_group[sub]):
-                continue  # partitioned over other ranks: another reader places it
-            offset = 0
-            for name, raw_shape in members.items():
-                shape = tensor_shape(raw_shape)
-                numel = 1
-                for d in shape:
-                    numel *= d
-                size = zero3_partition_size(numel, len(flat))
-                if name in self._where:
-                    raise InputError(f"parameter {name!r} appears twice in param_shapes")
-                self._where[name] = _Where(sub, offset, size, numel, shape)
-                offset += size
-            for rank, rank_flat in enumerate(flat):
-                have = rank_flat[sub].numel()
-                if have != offset:
-                    raise InputError(
-                        f"sub-group {sub} on rank {rank} holds {have} elements, but its parameters' "
-                        f"partitions add up to {offset} at dp={len(flat)}: the shapes do not match the shards"
-                    )
-            if sub not in sub_of_group:
-                raise InputError(f"sub-group {sub} belongs to no param group in the optimizer state")
-        return sub_of_group
-
-    @staticmethod
-    def _why_missing(ds_config: Mapping[str, Any]) -> str:
-        """Why a sub-group's optimizer state can be missing from a whole save: ZeRO-Offload++."""
-        ratio = partial_offload_ratio(ds_config)
-        if ratio is None:
-            return ""
-        return (
-            f": saved with offload_optimizer.ratio={ratio:g} (ZeRO-Offload++), DeepSpeed 0.19.8 steps the first "
-            "sub-groups of each rank on the GPU with a second optimizer and saves only its CPU optimizer's "
-            "moments, so these files do not hold them; save with ratio 1 to move the run"
-        )
-
-    def _collect_keys(
-        self,
-        inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
-        flat: list[list[torch.Tensor]],
-        subs: list[int],
-        ds_config: Mapping[str, Any],
-    ) -> None:
-        """Optimizer state: every sub-group read on every rank, the same keys everywhere, or none at all."""
-        head_state = inners[0][1]
-        self._has_moments = bool(head_state)
-        self._keys: dict[int, tuple[str, ...]] = {sub: () for sub in range(len(flat[0]))}
-        self._scalars: dict[int, dict[str, torch.Tensor]] = {sub: {} for sub in range(len(flat[0]))}
-        for rank, (tf, (_, rank_state)) in enumerate(zip(self._optim, inners)):
-            if bool(rank_state) != self._has_moments:
-                raise InputError(
-                    f"{tf.path.name} {'has' if rank_state else 'lacks'} optimizer moments but "
-                    f"{self._optim[0].path.name} {'has' if head_state else 'lacks'} them: ranks from different "
-                    "saves are mixed"
-                )
-            if not self._has_moments:
-                continue
-            for sub in subs:
-                entry = rank_state.get(sub)
-                if entry is None:
-                    raise InputError(
-                        f"{tf.path.name} has no optimizer state for sub-group {sub}{self._why_missing(ds_config)}"
-                    )
-                entry = need_mapping(entry, f"{tf.path.name}: optimizer state of sub-group {sub}")
-                self._keys[sub] = flat_state_keys(
-                    entry,
-                    flat[rank][sub].numel(),
-                    f"{tf.path.name}: sub-group {sub}",
-                    self._keys[sub] if rank else None,
-                )
-                where = f"{tf.path.name}: sub-group {sub}"
-                self._scalars[sub] = rank_scalars(entry, self._scalars[sub] if rank else None, where, self._derived)
-
     def _sub_steps(
         self,
         groups_raw: list[Mapping[str, Any]],
         sub_of_group: dict[int, int],
-        inners: list[tuple[list[Mapping[str, Any]], Mapping[Any, Any]]],
+        inners: list[Inner],
         detection: Detection,
     ) -> dict[int, int | None]:
         """The step of each sub-group, checked across ranks (the highest wins, with a warning)."""
@@ -545,7 +269,7 @@ class Zero3Source(Reader):
         block = tf.obj["optimizer_state_dict"]
         return tf, block["fp32_flat_groups"][sub] if key is None else block["optimizer_state_dict"]["state"][sub][key]
 
-    def _pieces(self, where: _Where, key: str | None) -> Pieces:
+    def _pieces(self, where: Where, key: str | None) -> Pieces:
         """One flat state of a parameter as its rank slices, each where it lies in its shard on disk."""
         files: list[SpanSource] = []
 

@@ -10,17 +10,13 @@ target sizes a buffer from a shape the files do not back.
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import mmap
 import os
-import struct
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from stat import S_ISREG
 from typing import Any
 
 import torch
@@ -28,9 +24,9 @@ import torch
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.io import torchfile
 from ucp.io.tensor_record import SpanCheck, find_tensor_record
-from ucp.io.torchpickle import data_pickle
 from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
+from ucp.universal.file_checks import FP32_BYTES, check_file, param_pickle, small_step, stamp_of
 from ucp.universal.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -43,14 +39,9 @@ from ucp.universal.manifest import (
     facts_from_manifest,
     state_file,
 )
+from ucp.universal.manifest_file import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, read_manifest
 
 __all__ = ["UniversalReader", "open_universal", "is_universal", "MAX_MANIFEST_BYTES", "MAX_MANIFEST_DEPTH"]
-
-#: about half a million parameters' entries; a bigger ucp.json is damage, not a model
-MAX_MANIFEST_BYTES = 256 << 20
-#: ucp writes about 6 levels (the DeepSpeed config inside ``source`` is the deepest part)
-MAX_MANIFEST_DEPTH = 32
-_FP32_BYTES = 4
 
 
 def is_universal(path: str | os.PathLike) -> bool:
@@ -68,7 +59,7 @@ class UniversalReader(Reader):
         self.inputs = (path,)
         self.verify = verify
         manifest_path = path / MANIFEST
-        raw = _read_manifest(manifest_path)
+        raw = read_manifest(manifest_path)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise InputError(f"{manifest_path} is not a ucp manifest")
         version = raw.get("format_version")
@@ -104,26 +95,14 @@ class UniversalReader(Reader):
             numel = entry.meta().numel
             for key, claim in entry.files.items():
                 file = self.file_path(entry.name, key)
-                self._check_file(file, claim)
-                if key in tensors and claim.bytes < numel * _FP32_BYTES:
+                check_file(file, claim)
+                if key in tensors and claim.bytes < numel * FP32_BYTES:
                     raise CorruptFileError(
                         f"{file} has {claim.bytes:,} bytes; {MANIFEST} says it holds {entry.name}'s "
                         f"{numel:,} float32 values (shape {tuple(entry.shape)}): the manifest lies or the file is cut"
                     )
         for key, claim in self._files.items():
-            self._check_file(self.path / key, claim)
-
-    def _check_file(self, file: Path, claim: FileEntry) -> None:
-        try:
-            st = os.lstat(file)
-        except OSError:
-            raise CorruptFileError(f"{file} is missing from the universal directory; {MANIFEST} lists it") from None
-        if not S_ISREG(st.st_mode):
-            raise CorruptFileError(f"{file} is not a plain file; a universal directory holds only plain files")
-        if st.st_size != claim.bytes:
-            raise ChecksumError(
-                f"{file} has {st.st_size:,} bytes; {MANIFEST} says {claim.bytes:,}: the file changed or is corrupt"
-            )
+            check_file(self.path / key, claim)
 
     def file_path(self, name: str, key: str) -> Path:
         return self.path / "zero" / self._entries[name].folder / key
@@ -191,11 +170,11 @@ class UniversalReader(Reader):
         if STEP_FILE not in entry.files:
             return entry.step
         path = self.file_path(name, STEP_FILE)
-        stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
         known = self._memo.get(path)
         if known is not None and stamp is not None and known[0] == stamp:
             return known[1]
-        value = self._small_step(path, entry.files[STEP_FILE])
+        value = small_step(path, entry.files[STEP_FILE], verify=self.verify)
         if value is None:
             raw = self._load(path, entry.files[STEP_FILE])
             value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
@@ -203,15 +182,6 @@ class UniversalReader(Reader):
             raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
         self._memo[path] = (stamp, int(value))
         return int(value)
-
-    def _small_step(self, path: Path, claim: FileEntry) -> float | None:
-        """step.pt as ucp writes it, read and checked without unpickling; None for any other file."""
-        record = find_tensor_record(path, _step_pickle(), _FP32_BYTES)
-        if record is None or record.data is None or record.size != claim.bytes:
-            return None
-        if self.verify and f"{record.file_crc(zlib.crc32(record.data)) & 0xFFFFFFFF:08x}" != claim.crc32:
-            raise ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt")
-        return float(struct.unpack("<f", record.data)[0])
 
     def _keys(self, entry: ParamEntry, moments: bool) -> tuple[str, ...]:
         return () if entry.frozen or not moments else entry.state_keys
@@ -268,14 +238,14 @@ class UniversalReader(Reader):
         entry = self._entries[name]
         shape = tuple(entry.shape)
         path = self.file_path(name, key)
-        stamp = _stamp_of(path)  # taken before reading: a change while reading shows up next time
+        stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
         known = self._memo.get(path)
         if known is not None and stamp is not None and known[0] == stamp:
             offset, nbytes = known[1]
             return self._span(path, offset, nbytes, stamp, shape)
         claim = entry.files.get(key)
         if (self._pending is not None or not self.verify) and claim is not None:
-            record = find_tensor_record(path, _param_pickle(shape), _numel(shape) * _FP32_BYTES)
+            record = find_tensor_record(path, param_pickle(shape), math.prod(shape) * FP32_BYTES)
             if record is not None and record.size == claim.bytes:
                 elsewhere = self._elsewhere is not None and self._elsewhere(name)
                 if self.verify and self._pending is not None and not elsewhere:
@@ -347,72 +317,7 @@ class UniversalReader(Reader):
         return {e.name: e.step for e in self._entries.values()}
 
 
-def _read_manifest(file: Path) -> Any:
-    """ucp.json parsed, within MAX_MANIFEST_BYTES and MAX_MANIFEST_DEPTH."""
-    try:
-        with open(file, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptFileError(
-                    f"{file} has {size:,} bytes; ucp reads manifests up to {MAX_MANIFEST_BYTES:,} bytes"
-                )
-            text = handle.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise InputError(f"{file.parent} is not a universal directory: {MANIFEST} is missing") from None
-    except IsADirectoryError:
-        raise CorruptFileError(f"{file} is a folder, not a manifest") from None
-    except OSError as err:
-        raise InputError(f"cannot read {file}: {err.strerror}") from None
-    try:
-        raw = json.loads(text)
-    except RecursionError:  # json's C scanner recurses once per level
-        raise CorruptFileError(f"{file} is nested more than {MAX_MANIFEST_DEPTH} levels deep") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CorruptFileError(f"{file} is not valid JSON: {err}") from None
-    if _depth(raw) > MAX_MANIFEST_DEPTH:
-        raise CorruptFileError(f"{file} is nested more than {MAX_MANIFEST_DEPTH} levels deep")
-    return raw
-
-
-def _depth(value: Any) -> int:
-    """How deep a parsed JSON value nests (iteratively: the value may be as deep as json allowed)."""
-    deepest = 0
-    todo = [(value, 1)]
-    while todo:
-        item, level = todo.pop()
-        deepest = max(deepest, level)
-        if level > MAX_MANIFEST_DEPTH:
-            break
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        todo.extend((child, level + 1) for child in children)
-    return deepest
-
-
 _stamp = file_stamp
-
-
-@functools.lru_cache(maxsize=256)
-def _param_pickle(shape: tuple[int, ...]) -> bytes:
-    """The data.pkl ucp writes for a parameter file of this shape (its values never enter it)."""
-    nbytes = _numel(shape) * _FP32_BYTES
-    return data_pickle({"param": Pieces((PathSpan("", 0, nbytes, ()),), shape, torch.float32)})
-
-
-@functools.lru_cache(maxsize=1)
-def _step_pickle() -> bytes:
-    """The data.pkl of step.pt as ucp writes it: a bare 0-dim float32 tensor."""
-    return data_pickle(torch.zeros((), dtype=torch.float32))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _stamp_of(path: Path) -> tuple[int, ...] | None:
-    try:
-        return _stamp(path.stat())
-    except OSError:
-        return None
 
 
 def open_universal(path: str | os.PathLike, *, verify: bool = True) -> UniversalReader:

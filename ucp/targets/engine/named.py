@@ -23,13 +23,13 @@ from ucp.model.detect import detect_live
 from ucp.model.records import Facts, ParamState, Reader
 from ucp.targets.engine.common import check_shapes, match_groups
 
-__all__ = ["load_named", "stage_named", "StagedNamed", "OptimizerLike"]
+__all__ = ["stage_named", "StagedNamed", "OptimizerLike"]
 
 logger = logging.getLogger(__name__)
 
 
 class OptimizerLike(Protocol):
-    """What :func:`load_named` uses of an optimizer: a torch optimizer, or a stand-in over views of one's tensors."""
+    """What :func:`stage_named` uses of an optimizer: a torch optimizer, or a stand-in over views of one's tensors."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
@@ -59,21 +59,6 @@ class StagedNamed:
             group.update(fields)
 
 
-def load_named(
-    params: Mapping[str, torch.Tensor],
-    optimizer: OptimizerLike | None,
-    reader: Reader,
-    *,
-    flavour: str | None = None,
-    strict: bool = True,
-    step_of: Callable[[ParamState], int] | None = None,
-) -> None:
-    """Copy each named tensor's fp32 master in (cast), and with ``optimizer`` its state where the flavour keeps
-    it and its group's settings (``step_of`` overrides the steps). Tied aliases: name each tensor once.
-    Everything is checked and read first: on a failure nothing has changed."""
-    stage_named(params, optimizer, reader, flavour=flavour, strict=strict, step_of=step_of).apply()
-
-
 def check_param_names(names: set[str], facts: Facts, *, strict: bool, what: str = "model") -> None:
     """With ``strict``, the tensors given and the checkpoint's parameters are the same names."""
     expected = {m.name for m in facts.params}
@@ -94,7 +79,9 @@ def stage_named(
     strict: bool = True,
     step_of: Callable[[ParamState], int] | None = None,
 ) -> StagedNamed:
-    """Check ``reader`` against the named tensors and their optimizer, and read what :func:`load_named` puts in."""
+    """Check ``reader`` against the named tensors and their optimizer, and read what :meth:`StagedNamed.apply` then
+    puts in: each named tensor's fp32 master (cast), and with ``optimizer`` its state where the flavour keeps it and
+    its group's settings (``step_of`` overrides the steps). Tied aliases: name each tensor once."""
     facts = reader.facts
     check_param_names(set(params), facts, strict=strict)
     expected = {m.name for m in facts.params}

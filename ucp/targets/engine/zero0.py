@@ -21,7 +21,7 @@ from ucp.errors import InputError
 from ucp.model.detect import detect_live
 from ucp.model.records import ParamState, Reader
 from ucp.targets.engine.common import check_names
-from ucp.targets.engine.named import load_named
+from ucp.targets.engine.named import stage_named
 
 __all__ = ["restore_zero0"]
 
@@ -62,9 +62,9 @@ def restore_zero0(
                 f"{wrapper} is not an optimizer ucp restores without ZeRO (the client's torch optimizer, or "
                 "DeepSpeed's bf16 wrappers FP16_UnfusedOptimizer and FP16_Optimizer)"
             )
-        load_named(
+        stage_named(
             named, inner if load_optimizer_states else None, reader, flavour=optimizer, strict=strict, step_of=step_of
-        )
+        ).apply()
     with torch.no_grad():
         for name, param in module.items():
             if named[name] is not param:  # the module's bf16 weight from its restored fp32 copy
@@ -96,7 +96,7 @@ def _restore_flat(
 ) -> dict[str, torch.Tensor]:
     """FP16_Optimizer steps one flat fp32 master per param group (its members' masters one after the other):
     each member's master and state are loaded into its slice of the group's flat tensors, through
-    :func:`load_named` over per-member views, and the per-member state is then joined into the flat state.
+    :func:`stage_named` over per-member views, and the per-member state is then joined into the flat state.
     Returns each parameter's loaded tensor (its slice of the masters; a frozen one itself)."""
     inner = opt.optimizer
     name_of = {id(param): name for name, param in module.items()}
@@ -105,7 +105,7 @@ def _restore_flat(
     for lp_group, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
         at, row = 0, []
         for lp in lp_group:
-            # a trained member's slice (load_named gives optimizer state to tensors that require grad)
+            # a trained member's slice (stage_named gives optimizer state to tensors that require grad)
             view = flat.detach()[at : at + lp.numel()].view(lp.shape).requires_grad_()
             named[name_of[id(lp)]] = view
             row.append(view)
@@ -115,7 +115,8 @@ def _restore_flat(
     held.update(named)  # frozen parameters are loaded in place, trained ones into their slice of the masters
     shim = _PerMember([{**group, "params": row} for group, row in zip(inner.param_groups, views)])
     kind = flavour or detect_live(inner).name
-    load_named(held, shim if load_optimizer_states else None, reader, flavour=kind, strict=strict, step_of=step_of)
+    shimmed = shim if load_optimizer_states else None
+    stage_named(held, shimmed, reader, flavour=kind, strict=strict, step_of=step_of).apply()
     if not load_optimizer_states:
         return held
     for g, (group, flat, row) in enumerate(zip(inner.param_groups, opt.fp32_groups_flat, views)):
@@ -130,7 +131,7 @@ def _restore_flat(
 
 
 class _PerMember:
-    """A stand-in optimizer over per-member views, for :func:`load_named`: its param groups and state."""
+    """A stand-in optimizer over per-member views, for :func:`stage_named`: its param groups and state."""
 
     def __init__(self, param_groups: list[dict[str, Any]]) -> None:
         self.param_groups = param_groups
