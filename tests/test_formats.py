@@ -77,6 +77,21 @@ def _autoep(tmp: Path) -> Path:
     return build_autoep(world=4, ep=2, stage=2, global_batch=8).path
 
 
+def _trainer_fsdp(tmp: Path) -> Path:
+    from tests.support.hf_runs import SAVED_AT, cached_run, fsdp_extra
+    from tests.support.hf_worker import HfSpec
+
+    return cached_run("trainer-fsdp2-sharded-save", HfSpec(world=2, extra=fsdp_extra(2))).out / f"checkpoint-{SAVED_AT}"
+
+
+def _accelerate_fsdp(tmp: Path) -> Path:
+    from tests.support.hf_runs import ACCELERATE_WORKER, cached_run, fsdp_extra
+    from tests.support.hf_worker import HfSpec
+
+    spec = HfSpec(world=2, extra=fsdp_extra(2))
+    return cached_run("accel-fsdp2-sharded-save", spec, module=ACCELERATE_WORKER).out / "state"
+
+
 def _universal(tmp: Path) -> Path:
     ucp.to_universal(_zero3(tmp), tmp / "u")
     return tmp / "u"
@@ -93,6 +108,8 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "dcp": _dcp,
     "hf-trainer": _trainer,
     "hf-accelerate": _accelerate,
+    "hf-trainer-fsdp": _trainer_fsdp,
+    "hf-accelerate-fsdp": _accelerate_fsdp,
     "deepspeed-zero3": _zero3,
     "deepspeed-zero12": lambda tmp: build(dp=2, stage=1, dtype="fp32", optimizer="torch-adamw").path,
     "deepspeed-zero0": lambda tmp: build(dp=2, stage=0, dtype="bf16", optimizer="torch-adamw").path,
@@ -107,6 +124,7 @@ TARGETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "deepspeed": ("deepspeed-zero3", {"dp": 3}, "deepspeed-zero3"),
     "dcp": ("deepspeed-zero3", {}, "dcp"),
     "hf-folder": ("hf-trainer", {"dp": 3}, "hf-trainer"),
+    "hf-fsdp-folder": ("hf-trainer-fsdp", {"dp": 3}, "hf-trainer-fsdp"),
     "deepspeed-pipeline": (
         "deepspeed-pipeline",
         {"dp": 1, "pp": 2, "pp_parts": "0,3,6", "pp_tied": ["embed=0,5"]},
@@ -176,7 +194,10 @@ def test_each_target_format_writes_what_its_reader_reads_back_equal(
 ) -> None:
     source, values, back = TARGETS[name]
     src = fixture(source)
-    if name == "hf-folder":  # a Trainer folder's files are copied: the source lies apart from the output
+    if name in (
+        "hf-folder",
+        "hf-fsdp-folder",
+    ):  # a Trainer folder's files are copied: the source lies apart from the output
         src = Path(shutil.copytree(src, tmp_path / "src" / src.name))
     request = Request(values)
     out = tmp_path / "out"

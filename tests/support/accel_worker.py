@@ -6,6 +6,10 @@ Trainer runs with torch AdamW in two param groups (decay and no decay) and a lin
 saves its state after ``save_steps`` optimizer steps into ``out/state``, or first loads ``resume`` (or
 ``live_from`` through ``ucp.integrations.hf.load_accelerate_state``, then saves ``out/state-again`` at the end).
 Rank 0 records what the live engine holds right after the load and after training, like the Trainer worker.
+
+With ``spec.extra["fsdp"]`` (see :mod:`tests.support.fsdp_worker`) the same run goes through Accelerate's
+FSDP1/FSDP2 plugin in fp32 instead (:func:`_run_fsdp`), and rank 0 also writes ``saved_<step>.pt``, the live
+state right after ``save_state``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,24 @@ from typing import Any
 
 import torch
 
+from tests.support.fsdp_worker import (
+    accelerate_plugin,
+    assert_fsdp,
+    enable_cpu_fsdp,
+    fsdp_options,
+    fsdp_record,
+    fsdp_state,
+    fsdp_steps,
+)
 from tests.support.hf_worker import HfSpec, _engine_state, _optimizer_steps, _Tokens, ds_config, tiny_llama
 from ucp.harness.launch import end_rank
 
 __all__ = ["main"]
+
+
+def _lr(step: int) -> float:
+    """The linear schedule of every Accelerate run (a LambdaLR factor)."""
+    return max(0.0, 1.0 - step / 20)
 
 
 def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -59,7 +77,7 @@ def _run(spec: HfSpec, rank: int) -> None:
     model = tiny_llama()
     optimizer = torch.optim.AdamW(_groups(model), lr=1e-2)
     loader = torch.utils.data.DataLoader(_Tokens(spec.samples, 7), batch_size=spec.per_device, shuffle=False)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / 20))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if accelerator.num_processes != spec.world:
         raise SystemExit(f"Accelerate sees {accelerator.num_processes} processes, the run has {spec.world}")
@@ -108,10 +126,98 @@ def _run(spec: HfSpec, rank: int) -> None:
         torch.save(final, record / "final.pt")
 
 
+def _run_fsdp(spec: HfSpec, rank: int, options: dict[str, Any]) -> None:
+    """The run of :func:`_run` with Accelerate's FSDP plugin in fp32.
+
+    The scheduler steps once per optimizer step at any world size (``step_scheduler_with_optimizer=False``
+    and an explicit step; accelerate's default would step it once per process), like the DeepSpeed engine's,
+    so its ``last_epoch`` after a load is the step the folder was saved at: the run's global step even
+    when accelerate's FSDP1 SHARDED load drops the optimizer state. Gradients are clipped to norm 1 as in
+    the DeepSpeed config."""
+    enable_cpu_fsdp(options)  # before the Accelerator sets up the process state
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    record = Path(spec.record)
+    set_seed(spec.seed)
+    accelerator = Accelerator(
+        fsdp_plugin=accelerate_plugin(options),
+        gradient_accumulation_steps=spec.accum,
+        step_scheduler_with_optimizer=False,
+    )
+    model = tiny_llama()
+    loader = torch.utils.data.DataLoader(_Tokens(spec.samples, 7), batch_size=spec.per_device, shuffle=False)
+    if options["version"] == 1:  # FSDP1: the optimizer takes the wrapped model's parameters
+        model = accelerator.prepare(model)
+        optimizer = torch.optim.AdamW(_groups(model), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr)
+        optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
+    else:  # FSDP2: accelerate swaps the optimizer's parameters for the sharded ones
+        optimizer = torch.optim.AdamW(_groups(model), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    assert_fsdp(model, options, accelerator)  # a silent DDP run fails here
+    if accelerator.num_processes != spec.world:
+        raise SystemExit(f"Accelerate sees {accelerator.num_processes} processes, the run has {spec.world}")
+    if spec.live_from:
+        from ucp.integrations.hf import load_accelerate_state
+
+        load_accelerate_state(accelerator, spec.live_from)
+    elif spec.resume:
+        accelerator.load_state(spec.resume)
+        # the CPU RNG state this process took from its random_states_<rank>.pkl (Accelerate skips a missing one)
+        torch.save({"cpu": torch.random.get_rng_state()}, record / f"rng_loaded_{rank}.pt")
+    done = scheduler.scheduler.last_epoch  # optimizer steps so far (0 for a fresh run)
+    loaded = {"global_step": done, **fsdp_record(model, optimizer, options)}
+    if rank == 0:
+        torch.save(loaded, record / "loaded.pt")
+    losses: dict[int, float] = {}
+    batches = iter(loader)
+    for _ in range(done * spec.accum):  # the batches the saved run already took
+        next(batches)
+    step = done
+    total = torch.zeros(())  # this step's micro-batch losses: their mean over every process is the step's loss
+    while step < spec.max_steps:
+        with accelerator.accumulate(model):
+            loss = model(**next(batches)).loss
+            total += loss.detach().float() / spec.accum
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            if accelerator.sync_gradients:
+                scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            step += 1
+            losses[step] = float(accelerator.reduce(total, reduction="mean"))
+            total = torch.zeros(())
+            if step == spec.save_steps and not (spec.resume or spec.live_from):
+                accelerator.save_state(str(Path(spec.out) / "state"))
+                saved = {"global_step": step, **fsdp_record(model, optimizer, options)}
+                if rank == 0:
+                    torch.save(saved, record / f"saved_{step}.pt")
+    if spec.live_from:  # an ordinary save at this world size, for the next plain resume
+        accelerator.save_state(str(Path(spec.out) / "state-again"))
+    final = {
+        "global_step": step,
+        "steps": fsdp_steps(optimizer),
+        "losses": losses,
+        "state": fsdp_state(model, optimizer),
+        "backend": f"fsdp{options['version']}",
+    }
+    if rank == 0:
+        torch.save(final, record / "final.pt")
+
+
 def main(argv: list[str]) -> None:
     spec = HfSpec(**json.loads(argv[1]))
     Path(spec.record).mkdir(parents=True, exist_ok=True)
-    _run(spec, int(os.environ["RANK"]))
+    options = fsdp_options(spec.extra)
+    if options is not None:
+        _run_fsdp(spec, int(os.environ["RANK"]), options)
+    else:
+        _run(spec, int(os.environ["RANK"]))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Real Hugging Face Trainer runs for tests/test_hf.py: launched on local gloo ranks, saves cached on disk.
+DeepSpeed runs by default, FSDP1/FSDP2 ones with ``extra=fsdp_extra(...)`` (tests/support/fsdp_worker.py).
 
 A save run is keyed by its spec (like :mod:`tests.support.fixtures`), so it is built once; a run
 that resumes from a folder ucp wrote is never cached, since it tests ucp's current code.
@@ -30,6 +31,7 @@ __all__ = [
     "BATCH",
     "tree_digest",
     "assert_state_equal",
+    "fsdp_extra",
 ]
 
 _VERSION = "1"
@@ -75,6 +77,16 @@ class HfRun:
 
     def rng_loaded(self, rank: int) -> torch.Tensor:
         return torch.load(self.record / f"rng_loaded_{rank}.pt", weights_only=True)["cpu"]
+
+    def saved(self, step: int) -> dict[str, Any]:
+        """An FSDP run's live state right after it saved at ``step`` (the fields of :meth:`loaded`)."""
+        return torch.load(self.record / f"saved_{step}.pt", weights_only=True)
+
+
+def fsdp_extra(version: int, state_dict_type: str = "SHARDED_STATE_DICT", **options: Any) -> dict[str, Any]:
+    """``HfSpec.extra`` of an FSDP run (see tests/support/fsdp_worker.py for ``options``:
+    ``use_orig_params``, ``fsdp1_optim_fix``)."""
+    return {"fsdp": {"version": version, "state_dict_type": state_dict_type, **options}}
 
 
 _TRAINER_WORKER = "tests.support.hf_worker"

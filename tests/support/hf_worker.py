@@ -1,10 +1,15 @@
-"""One rank of a real Hugging Face Trainer run with DeepSpeed on CPU.
+"""One rank of a real Hugging Face Trainer run with DeepSpeed, or with FSDP, on CPU.
 
 Started by :func:`tests.support.hf_runs.run_hf` once per rank with RANK/WORLD_SIZE/... set; the
 spec arrives as JSON on the command line. Rank 0 writes what the live engine holds right after the
 checkpoint load (fp32 masters and Adam moments, gathered with DeepSpeed's own ``safe_get_full_*``)
 and after training (global step, every optimizer step, the losses); every rank writes the CPU RNG
 state Trainer loaded for it.
+
+With ``spec.extra["fsdp"]`` (see :mod:`tests.support.fsdp_worker`) the run is Trainer's FSDP1/FSDP2 in
+fp32 instead, with the same model, data, batch, optimizer and schedule; its records have the same
+fields (gathered by clean parameter name with torch's full state dicts, plus ``backend``), and rank 0
+also writes ``saved_<step>.pt``: the live state right after each checkpoint save.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ __all__ = ["HfSpec", "main"]
 
 @dataclass
 class HfSpec:
-    """One Trainer run; every field travels to the ranks as JSON."""
+    """One Trainer run; every field travels to the ranks as JSON.
+
+    ``extra["fsdp"]`` (e.g. ``{"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}``, see
+    :mod:`tests.support.fsdp_worker`) makes it an FSDP run (``stage`` and ``sub_group_size`` then unused);
+    absent, it is a DeepSpeed run. Living in ``extra``, it leaves the cache keys of DeepSpeed runs alone.
+    """
 
     world: int = 2
     stage: int = 3
@@ -142,19 +152,62 @@ def _optimizer_steps(engine: Any) -> list[float]:
     return per_state or [float(g["k"]) for g in inner.param_groups if "k" in g]  # schedule-free counts in groups
 
 
+def _backend_args(spec: HfSpec, fsdp: dict[str, Any] | None) -> dict[str, Any]:
+    """TrainingArguments that choose the backend: DeepSpeed in bf16 (``extra["fp32"]``: in fp32, to compare with an
+    FSDP run step for step; use_cpu picks its CPU accelerator), or FSDP in fp32 (use_cpu=False: with it accelerate
+    would run DDP, see fsdp_worker.enable_cpu_fsdp)."""
+    if fsdp is None:
+        return dict(bf16=not spec.extra.get("fp32"), use_cpu=True, deepspeed=ds_config(spec))
+    from tests.support.fsdp_worker import trainer_fsdp_config
+
+    return dict(bf16=False, use_cpu=False, fsdp=True, fsdp_config=trainer_fsdp_config(fsdp))
+
+
 def _run_trainer(spec: HfSpec, rank: int) -> None:
+    from tests.support.fsdp_worker import (
+        assert_fsdp,
+        enable_cpu_fsdp,
+        fsdp_options,
+        fsdp_record,
+        fsdp_state,
+        fsdp_steps,
+    )
+
+    fsdp = fsdp_options(spec.extra)
+    if fsdp is not None:
+        enable_cpu_fsdp(fsdp)  # before TrainingArguments sets up the process state
+
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     record = Path(spec.record)
 
+    def live() -> dict[str, Any]:
+        """The live engine's state, steps and weight decays (collective: every rank calls)."""
+        engine = trainer.model_wrapped
+        if fsdp is not None:
+            return fsdp_record(engine, trainer.optimizer, fsdp)
+        return {
+            "state": _engine_state(engine),
+            "steps": _optimizer_steps(engine),
+            "weight_decay": sorted({g["weight_decay"] for g in engine.optimizer.optimizer.param_groups}),
+        }
+
     class Recorder(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            engine = trainer.model_wrapped
-            loaded = {"global_step": state.global_step, "state": _engine_state(engine)}
-            loaded["steps"] = _optimizer_steps(engine)
-            loaded["weight_decay"] = sorted({g["weight_decay"] for g in engine.optimizer.optimizer.param_groups})
+            if fsdp is not None:  # a silent DDP (or unwrapped) run fails here
+                if not trainer.is_fsdp_enabled:
+                    raise RuntimeError("Trainer runs without FSDP")
+                assert_fsdp(trainer.model_wrapped, fsdp, trainer.accelerator)
+            loaded = {"global_step": state.global_step, **live()}
             if rank == 0:
                 torch.save(loaded, record / "loaded.pt")
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if fsdp is None:
+                return
+            saved = {"global_step": state.global_step, **live()}
+            if rank == 0:
+                torch.save(saved, record / f"saved_{state.global_step}.pt")
 
     class RecordingTrainer(Trainer):
         def _load_rng_state(self, checkpoint: str | None) -> None:
@@ -174,10 +227,8 @@ def _run_trainer(spec: HfSpec, rank: int) -> None:
         logging_steps=1,
         report_to="none",
         seed=spec.seed,
-        bf16=True,
-        use_cpu=True,
         ddp_backend="gloo",
-        deepspeed=ds_config(spec),
+        **_backend_args(spec, fsdp),
         dataloader_num_workers=0,
         disable_tqdm=True,
         **({"optim": spec.extra["optim"]} if "optim" in spec.extra else {}),  # Trainer's optimizer by name
@@ -192,13 +243,23 @@ def _run_trainer(spec: HfSpec, rank: int) -> None:
     else:
         trainer.train(resume_from_checkpoint=spec.resume)
     engine = trainer.model_wrapped
-    final = {
-        "global_step": trainer.state.global_step,
-        "engine_global_steps": engine.global_steps,
-        "steps": _optimizer_steps(engine),
-        "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
-        "state": _engine_state(engine),
-    }
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    if fsdp is not None:
+        final = {
+            "global_step": trainer.state.global_step,
+            "steps": fsdp_steps(trainer.optimizer),
+            "losses": losses,
+            "state": fsdp_state(engine, trainer.optimizer),
+            "backend": f"fsdp{fsdp['version']}",
+        }
+    else:
+        final = {
+            "global_step": trainer.state.global_step,
+            "engine_global_steps": engine.global_steps,
+            "steps": _optimizer_steps(engine),
+            "losses": losses,
+            "state": _engine_state(engine),
+        }
     if rank == 0:
         torch.save(final, record / "final.pt")
 

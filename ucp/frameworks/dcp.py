@@ -12,7 +12,7 @@ import pickle
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,7 @@ __all__ = [
     "load_items",
     "cause",
     "DcpStore",
+    "StateStore",
 ]
 
 METADATA = ".metadata"
@@ -150,6 +151,23 @@ def cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
+class StateStore(Protocol):
+    """One logical state dict as a reader sees it, wherever it is kept (DCP folders: :class:`DcpStore`; whole torch
+    files: :class:`ucp.frameworks.torch_state.TorchStateStore`)."""
+
+    #: every key path (top-level key first) to DCP's storage record of it (a tensor's size, dtype and chunks)
+    paths: dict[tuple[Any, ...], Any]
+
+    def load(self, template: Mapping[str, Any]) -> None:
+        """Fill the nested ``template`` (any subset of :attr:`paths`): tensors in place, other leaves set."""
+
+    def writers(self, top: str) -> int:
+        """How many processes wrote the part holding ``top``."""
+
+    def close(self) -> None:
+        """Release the files."""
+
+
 class DcpStore:
     """One logical state dict kept in one or several DCP folders, as a reader sees it.
 
@@ -187,3 +205,6 @@ class DcpStore:
         """How many processes wrote the part holding ``top`` (its shard files): the world size that saved it."""
         i = self._home.get(top, 0)
         return len({str(info.relative_path) for info in self._metas[i].storage_data.values()})
+
+    def close(self) -> None:
+        """DCP's loader opens the shard files per load: nothing stays open."""

@@ -25,7 +25,7 @@ from ucp.deepspeed.layout import LATEST, read_latest
 from ucp.errors import InputError
 from ucp.io.small_files import read_small
 from ucp.model.batch import global_batch_advice
-from ucp.model.layouts import RunFolder
+from ucp.model.layouts import FSDP_FULL, FSDP_SHARDED, RunFolder
 
 __all__ = [
     "HfFolder",
@@ -37,6 +37,14 @@ __all__ = [
     "batch_advice",
     "TRAINER",
     "ACCELERATE",
+    "ACCELERATE_TAG",
+    "FSDP_MODEL_DIR",
+    "FSDP_OPTIM_DIR",
+    "FSDP_MODEL_FILE",
+    "FSDP_OPTIM_FILE",
+    "SHARDED",
+    "FULL",
+    "scheduler_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,9 +56,20 @@ _TRAINER_MARKS = ("trainer_state.json", "training_args.bin")
 _TRAINER_RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 #: Accelerate's per-process RNG pickles (accelerate 1.15 ``RNG_STATE_NAME``)
 _ACCEL_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+#: the names of ucp's own marks in a folder it wrote (ucp.io.atomic: the owner mark, the staging and old folders)
+UCP_MARKS = ".ucp-"
+#: the tag Accelerate's DeepSpeed save gives its first model (the i-th: pytorch_model_i)
+ACCELERATE_TAG = "pytorch_model"
 #: Accelerate's tag for the i-th DeepSpeed model: pytorch_model, pytorch_model_1, ...
 _ACCEL_TAG = re.compile(r"^pytorch_model(?:_\d+)?$")
 _DS_FILE = re.compile(r"(model|optim)_states\.pt$")
+#: where Accelerate's FSDP save (accelerate 1.15 fsdp_utils, Trainer's too) puts model 0 and optimizer 0: DCP folders
+#: under SHARDED_STATE_DICT, whole torch files under FULL_STATE_DICT
+FSDP_MODEL_DIR, FSDP_OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+FSDP_MODEL_FILE, FSDP_OPTIM_FILE = "pytorch_model_fsdp.bin", "optimizer.bin"
+SHARDED, FULL = FSDP_SHARDED, FSDP_FULL
+#: a second model or optimizer of one Accelerate run (pytorch_model_fsdp_1, optimizer_1, ...)
+_FSDP_MORE = re.compile(r"^(pytorch_model_fsdp|optimizer)_[1-9]\d*$")
 
 
 #: the run folder's record (kept under its old name for the callers that know it so)
@@ -105,12 +124,46 @@ def _read_state(path: Path) -> dict[str, Any] | None:
     return state
 
 
+def _entries(path: Path) -> list[str]:
+    """The folder's entries but ucp's own marks (``.ucp-output``: which write made it, and how; never carried)."""
+    return sorted(n for n in os.listdir(path) if not n.startswith(UCP_MARKS))
+
+
+def _fsdp_folder(path: Path, names: list[str]) -> HfFolder | None:
+    """A Trainer or Accelerate folder of an FSDP run (its model and optimizer state in Accelerate's FSDP files), or
+    None when ``path`` holds no FSDP state."""
+    if (path / FSDP_MODEL_DIR / ".metadata").is_file():
+        backend, state = SHARDED, (FSDP_MODEL_DIR, FSDP_OPTIM_DIR)
+    elif (path / FSDP_MODEL_FILE).is_file():
+        backend, state = FULL, (FSDP_MODEL_FILE, FSDP_OPTIM_FILE)
+    else:
+        return None
+    kind = TRAINER if any(m in names for m in _TRAINER_MARKS) or any(_TRAINER_RNG.match(n) for n in names) else None
+    kind = kind or (ACCELERATE if any(_ACCEL_RNG.match(n) for n in names) else None)
+    if kind is None:
+        return None
+    more = [n for n in names if _FSDP_MORE.match(n)]
+    if more:
+        raise InputError(
+            f"{path} holds several FSDP models or optimizers ({', '.join(more)}); ucp moves a folder with one"
+        )
+    if state[1] not in names:
+        raise InputError(
+            f"{path} holds the FSDP model ({state[0]}) but no optimizer state ({state[1]}): saved with "
+            "save_only_model, it has nothing to move but weights (ucp export reads them)"
+        )
+    rng = _rng_files(names, _TRAINER_RNG if kind == TRAINER else _ACCEL_RNG, path)
+    files = tuple(n for n in names if n not in state and n not in rng)
+    return HfFolder(path, kind, "", rng, files, (), _read_state(path), backend, state)
+
+
 def find_hf_folder(path: str | os.PathLike[str]) -> HfFolder | None:
-    """The Hugging Face folder at ``path``, or None when it is not one (a bare DeepSpeed folder, ...)."""
+    """The Hugging Face folder at ``path``, or None when it is not one (a bare DeepSpeed folder, ...): one of a
+    DeepSpeed run (``latest`` and its tag folder), or of an FSDP run (Accelerate's FSDP files)."""
     path = Path(path)
     if not (path / LATEST).is_file():
-        return None
-    names = sorted(os.listdir(path))
+        return _fsdp_folder(path, _entries(path)) if path.is_dir() else None
+    names = _entries(path)
     tag = read_latest(path / LATEST)
     kind = _kind(set(names), tag)
     if kind is None:
@@ -180,6 +233,12 @@ def config_in_dtype(text: bytes, dtype: str) -> bytes | None:
     except RecursionError:
         return None
     return (json.dumps(config, indent=2) + "\n").encode() if changed else None
+
+
+def scheduler_file(kind: str) -> str:
+    """Where the run keeps its lr scheduler's state_dict beside an FSDP checkpoint (a DeepSpeed run's is in its
+    model states): Trainer's ``scheduler.pt``, Accelerate's ``scheduler.bin`` (both ``torch.save``)."""
+    return "scheduler.pt" if kind == TRAINER else "scheduler.bin"
 
 
 def rng_names(kind: str, world: int) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ucp.errors import UcpError
-from ucp.migrate.dcp_target import describe_dcp, plan_dcp_target
+from ucp.migrate.dcp_target import describe_dcp, fsdp_backend, plan_dcp_target
 from ucp.migrate.issues import Issue, KeyPath, config_error, raise_issues, show_path
 from ucp.migrate.native_target import param_steps, plan_native_target, transform_path
 from ucp.migrate.schema import (
@@ -42,6 +42,8 @@ class MigrationPlan:
     dcp_steps: dict[str, int] = field(default_factory=dict)
     #: the source is a Hugging Face Trainer/Accelerate folder: a native target is written as a whole one
     hf: RunFolder | None = None
+    #: the target is such a folder of an FSDP run: its backend (fsdp-sharded, fsdp-full), ``dcp`` its state's plan
+    fsdp: str | None = None
 
     @property
     def facts(self) -> Facts:
@@ -91,13 +93,15 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
                     f"are removed; the new optimizer must have {kept} param group(s)",
                 )
             )
-        native = dcp = hf = None
-        if isinstance(config.target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
-            if config.target.format == "dcp":
-                dcp = plan_dcp_target(config.target, reader, tplan, param_steps(reader, tplan), issues)
+        native = dcp = hf = fsdp = None
+        target = config.target
+        if isinstance(target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
+            hf = reader.facts.folder if target.format != "dcp" else None
+            fsdp = fsdp_backend(target, hf, issues)
+            if target.format == "dcp" or fsdp is not None:
+                dcp = plan_dcp_target(target, reader, tplan, param_steps(reader, tplan), issues)
             else:
-                hf = reader.facts.folder
-                native = plan_native_target(config, config.target, reader, tplan, issues, hf)
+                native = plan_native_target(config, target, reader, tplan, issues, hf)
         if config.exports and not broken & {"exports", "transforms"} and not tplan.problems:
             _check_exports(config, reader, tplan, issues)
         raise_issues(issues, origin, exists=exists)
@@ -105,7 +109,8 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
         reader.close()
         raise
     dcp_steps = param_steps(reader, tplan) if dcp is not None else {}
-    return MigrationPlan(config, reader, tplan, native, [origin.where(w) for w in warnings], dcp, dcp_steps, hf)
+    notes = [origin.where(w) for w in warnings]
+    return MigrationPlan(config, reader, tplan, native, notes, dcp, dcp_steps, hf, fsdp)
 
 
 def _check_exports(config: MigrationConfig, reader: Reader, tplan: TransformPlan, issues: list[Issue]) -> None:
@@ -214,7 +219,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
     out = [head + (" (dry run: nothing is written)" if dry_run else "")]
     kind = source_format(plan.reader.format).title(source) if plan.reader.format else "checkpoint"
     out.append(
-        f"read       {config.source}: {kind}, tag {info.tag}, dp={info.dp_world_size}, {info.dtype}, "
+        f"read       {config.source}: {kind}, {f'tag {info.tag}, ' if info.tag else ''}dp={info.dp_world_size}, "
+        f"{info.dtype}, "
         f"{source.flavour or 'unknown optimizer'}, optimizer step {source.step}"
     )
     out.append(f"           {_counts(source)}")
@@ -260,7 +266,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
         )
         out += [f"             note: {note}" for note in native.notes]
     if plan.dcp is not None and config.target is not None:
-        out += describe_dcp(plan.dcp, config.target, _counts(plan.facts), plan.dcp_steps)
+        whole = None if plan.hf is None or plan.fsdp is None else (plan.hf.kind, plan.fsdp)
+        out += describe_dcp(plan.dcp, config.target, _counts(plan.facts), plan.dcp_steps, folder=whole)
     for export in config.exports:
         src = (
             "the universal directory"

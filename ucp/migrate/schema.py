@@ -12,7 +12,7 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.migrate.checking import Check, Node, checked
 from ucp.migrate.issues import Issue, KeyPath, Origin
-from ucp.model.option_table import DCP_OPTIMIZER_NAMES, OPTIONS, Option, not_taken
+from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FOLDERS, OPTIONS, Option, not_taken
 from ucp.model.options import RestoreOptions
 from ucp.model.records import DTYPES, Facts
 from ucp.model.stages import METHODS
@@ -255,6 +255,7 @@ class TargetConfig(Node):
     offload: bool | None = _option("offload")  # the new run offloads its optimizer (None: as the source did)
     round_robin_gradients: bool | None = _option("round_robin_gradients")  # ZeRO-1/2 round-robin order
     zenflow: bool | None = _option("zenflow")  # the new run uses ZenFlow: its ZeRO-3 matrices transposed
+    backend: str | None = _option("backend")  # a Trainer / Accelerate folder: deepspeed, fsdp-sharded or fsdp-full
     pipeline: PipelineConfig | None = None  # a PipelineEngine checkpoint (ZeRO-1) for this partition
 
     def cross_issues(self) -> Iterator[Issue]:
@@ -262,7 +263,7 @@ class TargetConfig(Node):
             yield Issue(
                 ("optimizer",), f"a dcp output is read by a torch optimizer: one of {', '.join(DCP_OPTIMIZER_NAMES)}"
             )
-        if self.format == "deepspeed" and self.optimizer == "torch-adamw":
+        if self.format == "deepspeed" and self.optimizer == "torch-adamw" and self.backend in (None, "deepspeed"):
             yield Issue(
                 ("optimizer",),
                 "torch-adamw names a dcp output's optimizer; a native checkpoint takes torch-adam (AdamW is "
@@ -270,6 +271,8 @@ class TargetConfig(Node):
             )
         for o in not_taken(self.format, self.values()):
             assert o.yaml is not None  # only keys of the YAML are in values()
+            if self.format == "deepspeed" and o.targets & FOLDERS:
+                continue  # a folder's option: the run refuses it unless the source is a Trainer or Accelerate folder
             if o.targets == {"dcp"}:
                 yield Issue((o.yaml,), "describes a dcp output; set format: dcp or remove it")
             else:

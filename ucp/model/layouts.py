@@ -13,11 +13,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["LAYOUT_KINDS", "LayoutKind", "SourceLayout", "RunFolder"]
+__all__ = [
+    "LAYOUT_KINDS",
+    "LayoutKind",
+    "SourceLayout",
+    "RunFolder",
+    "BACKENDS",
+    "DEEPSPEED",
+    "FSDP_SHARDED",
+    "FSDP_FULL",
+]
 
 LayoutKind = Literal["pipeline", "moe", "autoep"]
 #: the layouts a source can have, as ucp.json names them (docs/format.md section 8)
 LAYOUT_KINDS: tuple[LayoutKind, ...] = ("pipeline", "moe", "autoep")
+
+
+#: what holds a run folder's model and optimizer: DeepSpeed's tag folder and ``latest``; Accelerate's FSDP save
+#: under SHARDED_STATE_DICT (two DCP folders) or under FULL_STATE_DICT (two whole torch files)
+DEEPSPEED, FSDP_SHARDED, FSDP_FULL = "deepspeed", "fsdp-sharded", "fsdp-full"
+BACKENDS = (DEEPSPEED, FSDP_SHARDED, FSDP_FULL)
 
 
 @dataclass(frozen=True)
@@ -39,11 +54,19 @@ class RunFolder:
 
     path: Path
     kind: str  # "trainer" | "accelerate"
-    tag: str  # the DeepSpeed tag folder the framework loads
+    tag: str  # the DeepSpeed tag folder the framework loads ("" for an FSDP run)
     rng_files: tuple[str, ...]  # one per old process, in process order
     files: tuple[str, ...]  # every other entry, copied unchanged
     skipped: tuple[str, ...]  # other DeepSpeed tag folders, not carried (their shards fit the old size only)
     trainer_state: dict[str, Any] | None
+    #: what holds the model and optimizer state: one of BACKENDS
+    backend: str = DEEPSPEED
+    #: an FSDP run's state entries (model, optimizer), written anew rather than copied
+    state: tuple[str, ...] = ()
+
+    @property
+    def fsdp(self) -> bool:
+        return self.backend != DEEPSPEED
 
     @property
     def old_world(self) -> int | None:
@@ -58,7 +81,9 @@ class RunFolder:
         """The JSON summary ``ucp inspect`` shows."""
         return {
             "kind": self.kind,
+            "backend": self.backend,
             "tag": self.tag,
+            "state": list(self.state),
             "global_step": self.global_step,
             "processes": self.old_world,
             "rng_files": list(self.rng_files),

@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ucp.model.layouts import BACKENDS
+
 __all__ = [
     "FLAVOUR_NAMES",
     "DCP_OPTIMIZER_NAMES",
     "DCP_LAYOUTS",
     "NATIVE",
+    "FOLDERS",
     "Option",
     "OPTIONS",
     "option",
@@ -44,6 +47,10 @@ NATIVE = frozenset({"deepspeed", "hf-folder", "deepspeed-pipeline", "deepspeed-m
 _PIPELINE = frozenset({"deepspeed-pipeline"})
 _EXPERTS = frozenset({"deepspeed-moe", "deepspeed-autoep"})
 _DCP = frozenset({"dcp"})
+#: a Trainer or Accelerate folder of an FSDP run, and both kinds of folder (which one a source gets, the registry
+#: decides from the source and ``backend``)
+_FSDP = frozenset({"hf-fsdp-folder"})
+FOLDERS = frozenset({"hf-folder"}) | _FSDP
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,8 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("dp", "--dp", "data-parallel size of the new run (restore needs it unless --format dcp)", "positive",
-           NATIVE, yaml="dp"),
+    Option("dp", "--dp", "data-parallel size of the new run (restore needs it unless --format dcp); for an FSDP "
+           "folder its number of processes", "positive", NATIVE | _FSDP, yaml="dp"),
     Option("stage", "--stage", "ZeRO stage of the new run, 0 without ZeRO (default: the source's; 3 for an FSDP2 / "
            "DCP source)", "choice", NATIVE, choices=(0, 1, 2, 3), yaml="stage"),
     Option("tp", "--tp", "tensor-parallel degree of the new run (default 1; > 1 needs --stage 0, 1 or 2)", "positive",
@@ -92,15 +99,15 @@ OPTIONS: tuple[Option, ...] = (
            metavar="KEY=0,5"),
     Option("ep", "--ep", "expert-parallel size of the new run: a legacy DeepSpeed MoE or AutoEP checkpoint (ZeRO-1/2; "
            "default for a source with experts: its own ep_size or autoep_size, and its stage)", "positive", _EXPERTS),
-    Option("optimizer", "--optimizer", "optimizer of the new run (default: the source's; for --format dcp its torch "
-           "optimizer, AdamW for Adam's)", "choice", NATIVE | _DCP,
+    Option("optimizer", "--optimizer", "optimizer of the new run (default: the source's; for --format dcp or an FSDP "
+           "folder its torch optimizer, AdamW for Adam's)", "choice", NATIVE | _DCP | _FSDP,
            choices=tuple(dict.fromkeys((*FLAVOUR_NAMES, *DCP_OPTIMIZER_NAMES))), yaml="optimizer"),
     Option("dtype", "--dtype", "model dtype of the new run (default: source's)", "choice", NATIVE,
            choices=("fp32", "bf16", "fp16"), yaml="dtype"),
     Option("tag", "--tag", "tag folder name (default: global_step<N>)", "tag", NATIVE, yaml="tag"),
     Option("sub_group_size", "--sub-group-size", "ZeRO-3 sub_group_size of the new run (default: source's)",
            "positive", NATIVE, yaml="sub_group_size"),
-    Option("step", "--step", "keep (default), reset, or an integer", "step", NATIVE | _DCP, unset="keep",
+    Option("step", "--step", "keep (default), reset, or an integer", "step", NATIVE | _DCP | _FSDP, unset="keep",
            yaml="step"),
     Option("offload", "--offload", "the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its "
            "ZeRO-1/2 momentum out by it (default: as the source did)", "tristate", NATIVE, yaml="offload"),
@@ -109,6 +116,9 @@ OPTIONS: tuple[Option, ...] = (
            "(default: as the source did)", "tristate", NATIVE, yaml="round_robin_gradients"),
     Option("zenflow", "--zenflow", "the new run uses ZenFlow (zero_optimization.zenflow), which at ZeRO-3 keeps every "
            "matrix transposed (default: as the source did)", "tristate", NATIVE, yaml="zenflow"),
+    Option("backend", "--backend", "a Trainer or Accelerate folder: what the new run checkpoints with: deepspeed, "
+           "fsdp-sharded or fsdp-full (its fsdp_config state_dict_type: SHARDED_STATE_DICT, FULL_STATE_DICT); default: "
+           "the source folder's", "choice", FOLDERS, choices=BACKENDS, yaml="backend"),
     Option("dcp_layout", "--dcp-layout", "--format dcp: torch (default; get_state_dict's model/optim) or torchtitan "
            "(its CheckpointManager's keys)", "choice", _DCP, choices=DCP_LAYOUTS, yaml="layout"),
     Option("distributed", "--distributed", "split the rank files across torch.distributed ranks (launch with "

@@ -202,8 +202,12 @@ def _groups(fa: Facts, fb: Facts) -> list[str]:
 
 
 def _counters(fa: Facts, fb: Facts) -> dict[str, tuple[Any, Any]]:
-    keys = ("global_steps", "skipped_steps", "global_samples")
-    values = {k: (getattr(fa.info, k), getattr(fb.info, k)) for k in keys}
+    """The run counters that differ; DeepSpeed's sample count only where both sides record one (a DCP or FSDP
+    folder has no place for it)."""
+    values = {k: (getattr(fa.info, k), getattr(fb.info, k)) for k in ("global_steps", "skipped_steps")}
+    samples = fa.info.global_samples, fb.info.global_samples
+    if None not in samples:
+        values["global_samples"] = samples
     return {k: v for k, v in values.items() if v[0] != v[1]}
 
 

@@ -177,12 +177,18 @@ def _rule_text(rule: dict[str, Any] | None) -> str:
     return text
 
 
+#: how ``ucp inspect`` names what holds an FSDP run's model and optimizer
+_FSDP_HOLDERS = {"fsdp-sharded": "FSDP SHARDED_STATE_DICT", "fsdp-full": "FSDP FULL_STATE_DICT"}
+
+
 def _hf_lines(hf: dict[str, Any]) -> list[str]:
-    """What a Trainer or Accelerate folder holds around its DeepSpeed tag."""
+    """What a Trainer or Accelerate folder holds around its DeepSpeed tag or its FSDP state."""
     kind = "Hugging Face Trainer" if hf["kind"] == "trainer" else "Accelerate save_state"
     step = f", global_step {hf['global_step']}" if hf["global_step"] is not None else ""
+    holder = _FSDP_HOLDERS.get(hf["backend"])
+    state = f"{holder} ({', '.join(hf['state'])})" if holder else f"DeepSpeed tag {hf['tag']}"
     lines = [
-        f"  {kind} folder{step}: DeepSpeed tag {hf['tag']}, RNG files for {hf['processes'] or 0} "
+        f"  {kind} folder{step}: {state}, RNG files for {hf['processes'] or 0} "
         f"process{'' if hf['processes'] == 1 else 'es'} "
         f"({', '.join(hf['rng_files']) or 'none'})",
         f"  other files (copied unchanged by ucp restore): {', '.join(hf['files']) or 'none'}",
@@ -194,6 +200,8 @@ def _hf_lines(hf: dict[str, Any]) -> list[str]:
 
 def _layout_line(report: dict[str, Any]) -> str:
     """Where the state came from: a DCP folder has no ZeRO stage, DeepSpeed version or tag to show."""
+    if report.get("hf", {}).get("backend") == "fsdp-full":
+        return f"  whole torch files, saved at {report['dp_world_size']} process(es), dtype {report['dtype']}"
     if report["format"] == "dcp" or report.get("source_format") == "dcp":
         return f"  torch.distributed.checkpoint, saved at {report['dp_world_size']} rank(s), dtype {report['dtype']}"
     return (

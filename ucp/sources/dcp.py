@@ -33,6 +33,7 @@ from ucp.frameworks.dcp import (
     TRAIN_STATE,
     UCP_KEY,
     DcpStore,
+    StateStore,
     is_dcp,
 )
 from ucp.model.detect import detect
@@ -84,12 +85,12 @@ class DcpSource(Reader):
         *,
         optimizer: str | None = None,
         names: Mapping[str, Any] | None = None,
-        store: DcpStore | None = None,
+        store: StateStore | None = None,
     ):
         self.path = Path(path)
         self.inputs = (self.path,)
         #: the state dict's folders (``path`` alone, unless a store of several is given: a Trainer FSDP folder's)
-        self.store = store or DcpStore([(self.path, {})])
+        self.store: StateStore = store or DcpStore([(self.path, {})])
         self._paths: dict[tuple[Any, ...], Any] = self.store.paths  # key path -> its storage metadata
         self._model = {p[1]: s for p, s in self._paths.items() if len(p) == 2 and p[0] == MODEL}
         if not self._model:
@@ -310,6 +311,9 @@ class DcpSource(Reader):
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: self._model_tensor(name) for name in self.facts.buffer_names}
+
+    def close(self) -> None:
+        self.store.close()
 
     def extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {"lr_scheduler": self._extras.get(SCHEDULER), "client_state": {}}

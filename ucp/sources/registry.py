@@ -32,6 +32,8 @@ SOURCE_FORMATS: tuple[SourceFormat, ...] = (
     dcp.FORMAT,
     hf.TRAINER_FORMAT,
     hf.ACCELERATE_FORMAT,
+    hf.TRAINER_FSDP_FORMAT,
+    hf.ACCELERATE_FSDP_FORMAT,
     zero3.FORMAT,
     zero12.FORMAT,
     zero0.FORMAT,

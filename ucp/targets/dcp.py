@@ -51,7 +51,18 @@ from ucp.sources import opened
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
 
-__all__ = ["FORMAT", "write_dcp", "plan_dcp", "source_optimizer", "DcpPlan", "DCP_OPTIMIZERS", "DCP_LAYOUTS"]
+__all__ = [
+    "FORMAT",
+    "write_dcp",
+    "plan_dcp",
+    "prepare",
+    "save_state",
+    "Fetch",
+    "source_optimizer",
+    "DcpPlan",
+    "DCP_OPTIMIZERS",
+    "DCP_LAYOUTS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +205,12 @@ def plan_dcp(
     layout: str = "torch",
     step: int | None = None,
     reset: bool = False,
+    optim_key: str = OPTIM,
 ) -> DcpPlan:
     """Lay out the DCP state dict from the facts alone (no parameter is read). ``steps`` overrides
     single parameters' steps (torch keeps one per parameter); ``layout`` is one of DCP_LAYOUTS; ``step``
-    gives every parameter that step; ``reset``: the facts are of a reset reader (zero state, step 0)."""
+    gives every parameter that step; ``reset``: the facts are of a reset reader (zero state, step 0);
+    ``optim_key``: the optimizer's top-level key in the torch layout (Accelerate's FSDP save: ``optimizer``)."""
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
     optimizer = optimizer or source_optimizer(facts)
@@ -217,7 +230,7 @@ def plan_dcp(
         steps = {name: step for g in facts.groups for name in g.params}
     titan = layout == "torchtitan"
     model = _model(facts, buffers, plan, "" if titan else f"{MODEL}.")
-    prefix = f"{TT_OPTIMIZER}.state." if titan else f"{OPTIM}.state."
+    prefix = f"{TT_OPTIMIZER}.state." if titan else f"{optim_key}.state."
     optim = {
         "state": _optim_state(facts, kind, steps or {}, plan, prefix),
         "param_groups": _groups(facts, kind, adam_w, plan),
@@ -242,7 +255,7 @@ def plan_dcp(
         if layout == "torch":
             train["loss_scale"] = scale.scaler_fields()
     record = {"format_version": 1, "dtype": info.dtype, "tied": facts.tied, "buffers": list(facts.buffer_names)}
-    plan.state = {MODEL: model, OPTIM: optim, TRAIN_STATE: train, UCP_KEY: json.dumps(record, sort_keys=True)}
+    plan.state = {MODEL: model, optim_key: optim, TRAIN_STATE: train, UCP_KEY: json.dumps(record, sort_keys=True)}
     if titan:
         _torchtitan(plan, model, optim, extras)
     elif extras.get("lr_scheduler") is not None:
@@ -250,17 +263,19 @@ def plan_dcp(
     return plan
 
 
-class _Fetch:
-    """Reads a parameter when DCP's writer first asks for one of its tensors; keeps the last one."""
+class Fetch:
+    """Reads a parameter when a writer first asks for one of its tensors; keeps the last one. ``moments=False``:
+    the weights alone are asked for (a model file)."""
 
-    def __init__(self, reader: Reader) -> None:
+    def __init__(self, reader: Reader, *, moments: bool = True) -> None:
         self.reader = reader
+        self.moments = moments
         self.name: str | None = None
         self.state: ParamState | None = None
 
     def __call__(self, name: str, key: str) -> torch.Tensor:
         if self.name != name or self.state is None:
-            self.name, self.state = name, self.reader.read(name)
+            self.name, self.state = name, self.reader.read(name, moments=self.moments)
         state = self.state
         if key == "fp32":
             return state.fp32
@@ -270,12 +285,19 @@ class _Fetch:
         return tensor
 
 
-def _save(plan: DcpPlan, root: Path, fetch: Callable[[str, str], torch.Tensor], fsync: bool) -> None:
+def save_state(
+    state: dict[str, Any],
+    lazy: Mapping[str, tuple[str, str]],
+    root: Path,
+    fetch: Callable[[str, str], torch.Tensor],
+    fsync: bool,
+) -> None:
+    """``state`` saved by DCP's own writer into ``root`` (one file, this process): each meta tensor's data is
+    ``fetch(*lazy[key])``, asked for when the writer reaches it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    lazy = plan.lazy
     first: dict[str, int] = {}  # each parameter's place in the plan, so all its tensors are written together
     for name, _ in lazy.values():
         first.setdefault(name, len(first))
@@ -299,7 +321,35 @@ def _save(plan: DcpPlan, root: Path, fetch: Callable[[str, str], torch.Tensor], 
     writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
     with warnings.catch_warnings():  # no_dist is what we ask for; torch warns about it on every call
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(plan.state, storage_writer=writer, planner=Planner(), no_dist=True)
+        dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+
+
+def prepare(
+    reader: Reader,
+    optimizer: str | None,
+    step: StepPolicy,
+    *,
+    layout: str = "torch",
+    steps: Mapping[str, int | None] | None = None,
+    optim_key: str = OPTIM,
+) -> tuple[Reader, DcpPlan]:
+    """The reader to write from (``reader``, or it with its optimizer state reset when ``step`` says ``reset``) and
+    the plan of the state dict (:func:`plan_dcp`) by ``step``: ``keep``, ``reset``, or one step for all."""
+    policy = parse_step(step)
+    if policy == "reset":
+        reader = _reset(reader)
+    plan = plan_dcp(
+        reader.facts,
+        reader.buffers(),
+        reader.extras(),
+        optimizer,
+        steps=reader.param_steps() if steps is None else steps,
+        layout=layout,
+        step=policy if isinstance(policy, int) else None,
+        reset=policy == "reset",
+        optim_key=optim_key,
+    )
+    return reader, plan
 
 
 def write_dcp(
@@ -324,24 +374,12 @@ def write_dcp(
         _flavour(optimizer)  # refuse a bad name before anything is opened
     if layout not in DCP_LAYOUTS:
         raise ConfigError(f"--dcp-layout must be one of {', '.join(DCP_LAYOUTS)}, got {layout!r}")
-    policy = parse_step(step)
     with opened(source, tag=tag) as opened_reader:
-        reader = _reset(opened_reader) if policy == "reset" else opened_reader
-        fixed = policy if isinstance(policy, int) else None
-        plan = plan_dcp(
-            reader.facts,
-            reader.buffers(),
-            reader.extras(),
-            optimizer,
-            steps=reader.param_steps() if steps is None else steps,
-            layout=layout,
-            step=fixed,
-            reset=policy == "reset",
-        )
+        reader, plan = prepare(opened_reader, optimizer, step, layout=layout, steps=steps)
         size = universal_bytes(reader.facts)
         with guarded_output(out, reader.inputs, overwrite, size=size, durable=fsync, check=read_metadata) as root:
             with phase("write the DCP folder"):
-                _save(plan, root, _Fetch(reader), fsync)
+                save_state(plan.state, plan.lazy, root, Fetch(reader), fsync)
     logger.debug("wrote a DCP checkpoint (%s) to %s", plan.flavour, out)
     return plan
 

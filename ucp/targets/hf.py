@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ucp.deepspeed.layout import LATEST
 from ucp.errors import InputError
-from ucp.frameworks.hf import HfFolder, batch_advice, rng_plan
+from ucp.frameworks.hf import ACCELERATE, ACCELERATE_TAG, HfFolder, batch_advice, rng_plan
 from ucp.io.guard import OutputPolicy, guarded_output, weight_bytes
+from ucp.model.layouts import DEEPSPEED
 from ucp.model.options import RestoreOptions, zero_label
 from ucp.model.records import Facts, Reader
 from ucp.sources import opened
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.targets.native import NativePlan, mark_reset, plan_native, write_plan
+from ucp.targets.run_folder import folder_backend, folder_batch_note, folder_notes, place_files
 
 __all__ = ["FORMAT", "hf_options", "write_hf_plan", "HfResult", "write_hf"]
 
@@ -46,48 +47,30 @@ class HfResult:
 def hf_options(
     facts: Facts, folder: HfFolder, options: RestoreOptions | None, fields: dict[str, Any]
 ) -> RestoreOptions:
-    """The new run keeps the source's stage and tag name unless told otherwise."""
+    """The new run keeps the source's stage and tag name unless told otherwise; from an FSDP run's folder, the tag is
+    the one the framework's DeepSpeed save names (Trainer: ``global_step<N>``, Accelerate: ``pytorch_model``) and
+    the stage 3 (FSDP's full sharding)."""
     fields = {k: v for k, v in fields.items() if v is not None}
     fields.setdefault("stage", facts.info.zero_stage)
-    fields.setdefault("tag", folder.tag)
+    if folder.tag:
+        fields.setdefault("tag", folder.tag)
+    elif folder.kind == ACCELERATE:
+        fields.setdefault("tag", ACCELERATE_TAG)
     if options is None:
         return RestoreOptions(**fields)
     return replace(options, **{k: v for k, v in fields.items() if k not in ("stage", "tag")})
 
 
 def _batch_note(facts: Facts, new_dp: int) -> str | None:
-    """Trainer and Accelerate fill DeepSpeed's config with the real batch settings; read them there."""
+    """Trainer and Accelerate fill DeepSpeed's config with the real batch settings; read them there (an FSDP run's
+    folder has no DeepSpeed config: :func:`ucp.targets.run_folder.folder_batch_note` reads its trainer state)."""
+    if facts.folder is not None and facts.folder.fsdp:
+        return folder_batch_note(facts.folder, new_dp)
     cfg = facts.info.ds_config or {}
     micro, accum = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
     if not isinstance(micro, int) or not isinstance(accum, int):
         return None
     return batch_advice(micro, accum, facts.info.batch_ranks, new_dp)
-
-
-def _procs(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
-
-
-def _rng_notes(folder: HfFolder, world: int, rng: list[tuple[str, str]]) -> list[str]:
-    if not rng:
-        return [f"{folder.path} has no RNG files; the resumed run starts from its own seed"]
-    old = len(folder.rng_files)
-    if old == world:
-        return []
-    return [
-        f"RNG files: new process r takes old process r mod {old} "
-        f"({', '.join(f'{new} <- {src}' for src, new in rng)}); the old random streams are not "
-        f"reproduced exactly at {_procs(world)} (dropout and sampling draw differently)"
-    ]
-
-
-def _copy_entry(src: Path, dst: Path) -> None:
-    if src.is_symlink() or not (src.is_file() or src.is_dir()):
-        raise InputError(f"{src} is not a plain file or folder; ucp copies only those")
-    if src.is_dir():
-        shutil.copytree(src, dst, symlinks=False)
-    else:
-        shutil.copyfile(src, dst)
 
 
 def _fill(
@@ -99,10 +82,7 @@ def _fill(
     os.rename(native / plan.tag, root / plan.tag)
     os.rename(native / LATEST, root / LATEST)
     native.rmdir()
-    for name in folder.files:
-        _copy_entry(folder.path / name, root / name)
-    for old, new in rng:
-        shutil.copyfile(folder.path / old, root / new)
+    place_files(root, folder, rng)
 
 
 def write_hf(
@@ -160,12 +140,10 @@ def write_hf_plan(
         _fill(root, folder, reader, plan, rng, workers)
         mark_reset(root, plan)
     result = HfResult(folder, plan, out, world, rng, list(plan.notes))
-    result.notes += _rng_notes(folder, world, rng)
+    result.notes += folder_notes(folder, world, rng)
     batch = _batch_note(reader.facts, plan.dp)
     if batch:
         result.notes.append(batch)
-    if folder.skipped:
-        result.notes.append(f"not carried: {', '.join(folder.skipped)} (shards of another tag, for the old size)")
     for note in result.notes:
         logger.debug("%s", note)
     return result
@@ -200,5 +178,5 @@ FORMAT = TargetFormat(
     label="a Hugging Face Trainer or Accelerate folder",
     docs="format.md#7-hugging-face-trainer-and-accelerate-folders",
     write=_write,
-    serves=lambda reader, request: reader.facts.folder is not None,
+    serves=lambda reader, request: folder_backend(reader, request.get("backend")) == DEEPSPEED,
 )

@@ -14,7 +14,7 @@ from pathlib import Path
 from ucp.errors import ConfigError
 from ucp.model.option_table import not_taken
 from ucp.model.records import Reader
-from ucp.targets import autoep, dcp, hf, moe, native, pipeline
+from ucp.targets import autoep, dcp, hf, hf_fsdp, moe, native, pipeline
 from ucp.targets.format import Request, TargetFormat, Written
 
 __all__ = ["TARGET_FORMATS", "target_format", "choose", "refuse_options", "write"]
@@ -22,6 +22,7 @@ __all__ = ["TARGET_FORMATS", "target_format", "choose", "refuse_options", "write
 #: every target, in the order their ``serves`` is asked when no format is named (the plain DeepSpeed checkpoint,
 #: which serves any source, last; a DCP folder only when asked for)
 TARGET_FORMATS: tuple[TargetFormat, ...] = (
+    hf_fsdp.FORMAT,
     hf.FORMAT,
     autoep.FORMAT,
     moe.FORMAT,
