@@ -250,3 +250,20 @@ def test_migrate_plans_and_writes_an_fsdp_folder(tmp_path: Path, capsys: Any) ->
     assert "a whole trainer folder of an FSDP run (FULL_STATE_DICT) for 3 processes" in capsys.readouterr().out
     assert main(["migrate", str(config)]) == 0 and (out / "optimizer.bin").is_file()
     assert main(["diff", str(folder), str(out), "-q"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("entries", "needle"),
+    [
+        (["pytorch_model_fsdp_0/.metadata"], "no optimizer state (optimizer_0)"),
+        (["pytorch_model_fsdp.bin"], "no optimizer state (optimizer.bin)"),
+        (["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "optimizer_1/.metadata"], "several FSDP models"),
+    ],
+)
+def test_fsdp_folders_ucp_cannot_move_are_refused_in_one_line(entries: list[str], needle: str, tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoint-4"
+    for entry in ["trainer_state.json", *entries]:
+        (folder / entry).parent.mkdir(parents=True, exist_ok=True)
+        (folder / entry).write_text("{}")
+    with pytest.raises(UcpError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        open_reader(folder)
