@@ -42,28 +42,36 @@ MODEL, OPTIM, SCHEDULER, TRAIN_STATE, UCP_KEY = "model", "optim", "lr_scheduler"
 
 _DCP = "torch.distributed.checkpoint"
 #: the only globals a DCP .metadata pickle may name (torch 2.4 - 2.13 write these)
-_ALLOWED = {
-    (f"{_DCP}.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
+_ALLOWED = (
+    {
+        (f"{_DCP}.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        # Megatron-Core keeps every rank's save plan in the metadata (``all_local_plans``)
+        (f"{_DCP}.planner", name)
+        for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    }
+    | {
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 def is_dcp(path: str | os.PathLike) -> bool:
@@ -94,8 +102,8 @@ def read_metadata(path: Path) -> Any:
         raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file: {err}") from None
     if not isinstance(meta, Metadata) or not isinstance(meta.storage_data, dict):
         raise CorruptFileError(f"{file} is not a torch.distributed.checkpoint metadata file (no Metadata with storage)")
-    if not isinstance(meta.planner_data, dict):
-        raise InputError(f"{file} has no key paths (planner_data): save with DCP's default planner")
+    if meta.planner_data is not None and not isinstance(meta.planner_data, dict):
+        raise InputError(f"{file} holds key paths (planner_data) of an unknown kind")
     sizes: dict[str, int] = {}
     for index, info in meta.storage_data.items():
         rel = str(info.relative_path)
@@ -184,6 +192,10 @@ class DcpStore:
         self.paths: dict[tuple[Any, ...], Any] = {}
         self._home: dict[str, int] = {}  # renamed top-level key -> the part holding it
         for i, meta in enumerate(self._metas):
+            if meta.planner_data is None:
+                raise InputError(
+                    f"{self.folders[i]}/{METADATA} has no key paths (planner_data): save with DCP's default planner"
+                )
             for key, storage in meta.state_dict_metadata.items():
                 where = meta.planner_data.get(key)
                 if not isinstance(where, tuple) or not where:
@@ -193,13 +205,15 @@ class DcpStore:
                     raise InputError(f"{self.folders[i]} and {self.folders[self._home[top]]} both hold {top!r}")
                 self.paths[(top,) + tuple(where[1:])] = storage
 
-    def load(self, template: Mapping[str, Any]) -> None:
+    def load(self, template: dict[str, Any]) -> None:
         """Fill ``template`` (nested, renamed top-level keys) from the folders holding each part of it."""
         for i, meta in enumerate(self._metas):
             own = {v: k for k, v in self._renames[i].items()}
             part = {own.get(top, top): sub for top, sub in template.items() if self._home.get(top) == i}
             if part:
                 load_items(self.folders[i], meta, part)
+                for name, value in part.items():  # a top-level leaf (a byte item) is replaced, not filled
+                    template[self._renames[i].get(name, name)] = value
 
     def writers(self, top: str) -> int:
         """How many processes wrote the part holding ``top`` (its shard files): the world size that saved it."""
