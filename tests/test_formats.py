@@ -8,6 +8,7 @@ without a row here fails the coverage tests below.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 from collections.abc import Callable
@@ -92,6 +93,22 @@ def _accelerate_fsdp(tmp: Path) -> Path:
     return cached_run("accel-fsdp2-sharded-save", spec, module=ACCELERATE_WORKER).out / "state"
 
 
+def _verl(tmp: Path) -> Path:
+    pytest.importorskip("verl")
+    from tests.support.verl_runs import cached_verl
+    from tests.support.verl_worker import VerlSpec
+
+    return cached_verl("fsdp2-w2-save", VerlSpec(world=2, fsdp=2)).actor
+
+
+def _megatron(tmp: Path) -> Path:
+    if importlib.util.find_spec("megatron") is None:  # not imported here: it widens torch.load's allow-list
+        pytest.skip("megatron-core is not installed")
+    from tests.support.megatron_runs import cached_run, save_spec
+
+    return cached_run("tp1dp2-dpr", save_spec(1, 1, 2, "dp_reshardable")).out  # type: ignore[return-value]
+
+
 def _universal(tmp: Path) -> Path:
     ucp.to_universal(_zero3(tmp), tmp / "u")
     return tmp / "u"
@@ -110,6 +127,8 @@ SOURCES: dict[str, Callable[[Path], Path]] = {
     "hf-accelerate": _accelerate,
     "hf-trainer-fsdp": _trainer_fsdp,
     "hf-accelerate-fsdp": _accelerate_fsdp,
+    "megatron": _megatron,
+    "verl-fsdp": _verl,
     "deepspeed-zero3": _zero3,
     "deepspeed-zero12": lambda tmp: build(dp=2, stage=1, dtype="fp32", optimizer="torch-adamw").path,
     "deepspeed-zero0": lambda tmp: build(dp=2, stage=0, dtype="bf16", optimizer="torch-adamw").path,
@@ -125,6 +144,8 @@ TARGETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "dcp": ("deepspeed-zero3", {}, "dcp"),
     "hf-folder": ("hf-trainer", {"dp": 3}, "hf-trainer"),
     "hf-fsdp-folder": ("hf-trainer-fsdp", {"dp": 3}, "hf-trainer-fsdp"),
+    "megatron": ("megatron", {}, "megatron"),
+    "verl-fsdp": ("verl-fsdp", {"dp": 3}, "verl-fsdp"),
     "deepspeed-pipeline": (
         "deepspeed-pipeline",
         {"dp": 1, "pp": 2, "pp_parts": "0,3,6", "pp_tied": ["embed=0,5"]},
@@ -133,7 +154,7 @@ TARGETS: dict[str, tuple[str, dict[str, Any], str]] = {
     "deepspeed-moe": ("deepspeed-moe", {"dp": 4}, "deepspeed-moe"),
     "deepspeed-autoep": ("deepspeed-autoep", {"dp": 4}, "deepspeed-autoep"),
 }
-_ASKED = {"dcp": "dcp"}
+_ASKED = {"dcp": "dcp", "verl-fsdp": "verl-fsdp", "megatron": "megatron"}
 
 
 def _anchors(page: Path) -> set[str]:

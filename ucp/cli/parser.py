@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 from ucp import DISTRIBUTION, __version__
 from ucp.cli.restore import cmd_reshard, cmd_restore
 from ucp.cli.verbs import cmd_demo, cmd_diff, cmd_export, cmd_inspect, cmd_migrate, cmd_to_universal, cmd_verify
-from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, OPTIONS, Option
+from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FLAVOUR_NAMES, FORMAT_NAMES, OPTIONS, Option
 
 __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser"]
 
@@ -161,9 +161,10 @@ def _restore(verbs: _Verbs) -> None:
     p.add_argument("out", help="checkpoint folder to create (gets 'latest' and the tag folder)")
     p.add_argument(
         "--format",
-        choices=("deepspeed", "dcp"),
+        choices=FORMAT_NAMES,
         default="deepspeed",
-        help="deepspeed (default): a native ZeRO checkpoint; dcp: a torch.distributed.checkpoint folder for FSDP2",
+        help="deepspeed (default): a native ZeRO checkpoint; dcp: a torch.distributed.checkpoint folder for FSDP2; "
+        "megatron: a Megatron-Core torch_dist checkpoint",
     )
     _new_run_flags(p, dcp=True)
     p.set_defaults(func=cmd_restore)

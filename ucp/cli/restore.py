@@ -5,7 +5,6 @@ one, a whole Hugging Face Trainer or Accelerate folder, or a torch.distributed.c
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ucp.cli.output import done, output_policy
@@ -32,7 +31,7 @@ def _request(args: argparse.Namespace) -> Request:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from ucp.sources import open_reader
-    from ucp.targets.registry import choose, refuse_options, target_format
+    from ucp.targets.registry import choose, refuse_options, target_format, write_chosen
 
     request = _request(args)
     if args.format != "deepspeed":  # a format named outright is refused its options before anything is read
@@ -44,7 +43,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         target = choose(reader, request, args.format)
         refuse_options(target, request)
         if not args.distributed:
-            written = target.write(reader, Path(args.out), request)
+            written = write_chosen(target, reader, args.out, request)
             return done(args, written.summary, written.notes, **written.fields)
     return _distributed(args, request)
 

@@ -166,7 +166,7 @@ class StateStore(Protocol):
     #: every key path (top-level key first) to DCP's storage record of it (a tensor's size, dtype and chunks)
     paths: dict[tuple[Any, ...], Any]
 
-    def load(self, template: Mapping[str, Any]) -> None:
+    def load(self, template: dict[str, Any]) -> None:
         """Fill the nested ``template`` (any subset of :attr:`paths`): tensors in place, other leaves set."""
 
     def writers(self, top: str) -> int:

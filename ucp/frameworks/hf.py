@@ -45,6 +45,7 @@ __all__ = [
     "SHARDED",
     "FULL",
     "scheduler_file",
+    "CONFIG_DTYPES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ def model_files(folder: HfFolder) -> list[str]:
 
 
 #: ucp's dtype names -> the names transformers writes in config.json
-_CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers >= 4.56 writes dtype; earlier ones torch_dtype
 
 
@@ -216,13 +217,13 @@ def config_in_dtype(text: bytes, dtype: str) -> bytes | None:
         return None
     if not isinstance(config, dict):
         return None
-    name = _CONFIG_DTYPES[dtype]
+    name = CONFIG_DTYPES[dtype]
     changed = False
 
     def visit(node: dict[str, Any]) -> None:
         nonlocal changed
         for key, value in node.items():
-            if key in _DTYPE_KEYS and isinstance(value, str) and value in _CONFIG_DTYPES.values() and value != name:
+            if key in _DTYPE_KEYS and isinstance(value, str) and value in CONFIG_DTYPES.values() and value != name:
                 node[key] = name
                 changed = True
             elif isinstance(value, dict):

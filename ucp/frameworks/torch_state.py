@@ -75,7 +75,7 @@ class TorchStateStore:
             raise
         self.paths = {where: _storage(value) for where, value in self._leaves.items()}
 
-    def load(self, template: Mapping[str, Any]) -> None:
+    def load(self, template: dict[str, Any]) -> None:
         """Fill ``template`` (nested, any subset of the key paths): tensors in place, other leaves set."""
         for where, slot in flatten(template).items():
             value = self._leaves[where]

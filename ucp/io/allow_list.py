@@ -13,15 +13,27 @@ import logging
 import pickletools
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ucp.errors import CorruptFileError, UnsafeFileError
+from ucp.io.dist_standins import WrapperRecord
 from ucp.io.standins import STANDINS, DSObject
 
-__all__ = ["ALLOW_LOCK", "SAFE_GLOBALS", "allowed_globals", "check_globals", "check_tensors", "one_line", "refusal"]
+__all__ = [
+    "ALLOW_LOCK",
+    "SAFE_GLOBALS",
+    "allowed_globals",
+    "check_globals",
+    "check_tensors",
+    "one_line",
+    "only_globals",
+    "refusal",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +48,20 @@ _UNSUPPORTED = re.compile(
 # A tensor may address more bytes than its storage holds only by overlapping itself (stride 0,
 # expand()); a damaged file can use that to ask for terabytes. Small expanded tensors stay legal.
 _MAX_OVERLAP_BYTES = 1 << 20
+
+
+@contextmanager
+def only_globals(pairs: list[Any]) -> Iterator[None]:
+    """torch's weights_only allow-list set to ``pairs`` alone while it is held (call under :data:`ALLOW_LOCK`); the
+    process-wide set comes back after. torch's ``safe_globals`` only adds to that set."""
+    from torch import _weights_only_unpickler
+
+    saved = _weights_only_unpickler._marked_safe_globals_set
+    _weights_only_unpickler._marked_safe_globals_set = set(pairs)
+    try:
+        yield
+    finally:
+        _weights_only_unpickler._marked_safe_globals_set = saved
 
 
 def one_line(text: object, limit: int = 300) -> str:
@@ -66,13 +92,14 @@ def _global_name(arg: str) -> str:
     return f"{module}.{name}"
 
 
-def check_globals(stream: io.BytesIO, path: Path, pickles: int = 1) -> None:
-    """Refuse a pickle naming any global off the allow-list, before a single opcode runs.
+def check_globals(stream: io.BytesIO, path: Path, pickles: int = 1, extra: frozenset[str] = frozenset()) -> None:
+    """Refuse a pickle naming any global off the allow-list (and ``extra``: the names one reader adds), before a
+    single opcode runs.
 
     ``pickletools.genops`` only parses; nothing is imported or called. The weights_only unpickler
     checks again as it loads; this pass makes the allow-list ours alone and the refusal name the global.
     """
-    allowed = allowed_globals()
+    allowed = allowed_globals() | extra
     try:
         for _ in range(pickles):
             for opcode, arg, _pos in pickletools.genops(stream):
@@ -125,7 +152,9 @@ def check_tensors(obj: Any, path: Path) -> None:
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if torch.is_tensor(item):
+        if isinstance(item, WrapperRecord):  # a record of a DTensor / ShardedTensor: its fields hold the tensors
+            stack.extend(vars(item).values())
+        elif torch.is_tensor(item):
             if item.layout != torch.strided:
                 continue
             claimed = item.numel() * item.element_size()

@@ -1,4 +1,5 @@
-"""Inert stand-ins for the few DeepSpeed (and argparse) classes that ZeRO checkpoints pickle.
+"""Inert stand-ins for the few DeepSpeed (and argparse) classes that ZeRO checkpoints pickle, and the Megatron-Core
+enums and plain records that Megatron-LM's args in ``common.pt`` hold (megatron.core.safe_globals' list).
 
 The safe reader maps these names to the stand-ins instead of importing DeepSpeed; the writer
 pickles them back under DeepSpeed's own names, so a file written by ucp loads into stock
@@ -18,6 +19,7 @@ __all__ = [
     "DynamicLossScaler",
     "FragmentAddress",
     "Namespace",
+    "DSStrEnum",
     "STANDINS",
 ]
 
@@ -29,6 +31,15 @@ class DSEnum(int):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({int(self)})"
+
+
+class DSStrEnum(str):
+    """A str standing in for an enum member whose value is a string; pickles back as ``<ds_name>(value)``."""
+
+    ds_name = ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class ZeroStageEnum(DSEnum):
@@ -68,10 +79,33 @@ class Namespace(DSObject):
     ds_name = "argparse.Namespace"
 
 
-STANDINS: tuple[type[DSEnum] | type[DSObject], ...] = (
+def _enum(name: str, base: type[DSEnum] | type[DSStrEnum] = DSEnum) -> Any:
+    """A stand-in class for the enum ``name`` (a dotted path)."""
+    return type(name.rpartition(".")[2], (base,), {"ds_name": name, "__module__": __name__})
+
+
+#: Megatron-LM's args (``common.pt``) and what megatron-core lets torch.load take (megatron/core/safe_globals.py)
+MEGATRON_STANDINS: tuple[Any, ...] = (
+    _enum("megatron.core.transformer.enums.AttnBackend"),
+    _enum("megatron.core.transformer.enums.CudaGraphScope"),
+    _enum("megatron.core.enums.ModelType"),
+    _enum("megatron.core.rerun_state_machine.RerunState"),
+    _enum("megatron.core.rerun_state_machine.RerunMode", DSStrEnum),
+    _enum("megatron.core.rerun_state_machine.RerunDiagnostic", DSStrEnum),
+    _enum("signal.Signals"),
+    type("SimpleNamespace", (DSObject,), {"ds_name": "types.SimpleNamespace", "__module__": __name__}),
+    type(
+        "OptimizerConfig", (DSObject,), {"ds_name": "megatron.core.optimizer.OptimizerConfig", "__module__": __name__}
+    ),
+)
+for _cls in MEGATRON_STANDINS:
+    globals()[_cls.__name__] = _cls  # importable by the name the pickler writes before renaming
+
+STANDINS: tuple[Any, ...] = (
     ZeroStageEnum,
     LossScaler,
     DynamicLossScaler,
     FragmentAddress,
     Namespace,
+    *MEGATRON_STANDINS,
 )

@@ -17,7 +17,8 @@ import logging
 import mmap
 import os
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from ucp.io.allow_list import (
     check_globals,
     check_tensors,
     one_line,
+    only_globals,
     refusal,
 )
 from ucp.io.plain_pickle import NotPlain, load_plain, rebind
@@ -47,9 +49,15 @@ logger = logging.getLogger(__name__)
 _LEGACY_PICKLES = 5  # magic number, protocol, sys info, the object, storage keys (torch's _legacy_load)
 
 
-def load(path: str | os.PathLike, *, check: Callable[[mmap.mmap], None] | None = None) -> Any:
-    """Load a whole (small) torch file into memory, weights_only, with the DeepSpeed stand-ins."""
-    with TorchFile(path, check=check) as tf:
+def load(
+    path: str | os.PathLike,
+    *,
+    check: Callable[[mmap.mmap], None] | None = None,
+    allow: Sequence[tuple[Any, str]] = (),
+) -> Any:
+    """Load a whole (small) torch file into memory, weights_only, with the DeepSpeed stand-ins (and ``allow``'s,
+    see :class:`TorchFile`)."""
+    with TorchFile(path, check=check, allow=allow) as tf:
         try:
             return _detach(tf.obj)
         except RecursionError:
@@ -102,9 +110,18 @@ class TorchFile:
     (non-zip) files are loaded eagerly instead. :meth:`open_all` opens the rank files of one save.
     """
 
-    def __init__(self, path: str | os.PathLike, *, check: Callable[[mmap.mmap], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        check: Callable[[mmap.mmap], None] | None = None,
+        allow: Sequence[tuple[Any, str]] = (),
+    ) -> None:
         """``check(mapping)`` sees the file's bytes before anything is parsed (a checksum over the
-        same pages that then back the tensors: one pass over the file)."""
+        same pages that then back the tensors: one pass over the file). ``allow``: more (stand-in, dotted name)
+        pairs this file may name beyond the allow-list (a verl checkpoint's DTensors:
+        :data:`ucp.io.dist_standins.DIST_GLOBALS`)."""
+        self._allow = tuple(allow)
         self._open(path, check=check, like=None, remember=False)
 
     @classmethod
@@ -117,6 +134,7 @@ class TorchFile:
         try:
             for path in paths:
                 tf = cls.__new__(cls)
+                tf._allow = ()
                 tf._open(path, check=None, like=files[-1]._template if files else None, remember=True)
                 if files:
                     files[-1]._template = None  # only the last file read is copied from
@@ -181,9 +199,9 @@ class TorchFile:
         """Files written with _use_new_zipfile_serialization=False: torch's own (eager) reader."""
         if self._mm is None or self._mm[:1] != pickle.PROTO:
             raise CorruptFileError(f"{self.path} is not a torch checkpoint (neither a zip archive nor a pickle)")
-        check_globals(io.BytesIO(self._mm[:]), self.path, pickles=_LEGACY_PICKLES)
+        check_globals(io.BytesIO(self._mm[:]), self.path, pickles=_LEGACY_PICKLES, extra=self._extra_names())
         try:
-            with ALLOW_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
+            with ALLOW_LOCK, self._globals():
                 obj = torch.load(self.path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
             raise refusal(err, self.path) from None
@@ -256,12 +274,12 @@ class TorchFile:
         from torch import _weights_only_unpickler
 
         stream = io.BytesIO(data)
-        check_globals(stream, self.path)
+        check_globals(stream, self.path, extra=self._extra_names())
         stream.seek(0)
         unpickler = _weights_only_unpickler.Unpickler(stream, encoding="utf-8")
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # pickle's documented hook
         try:
-            with ALLOW_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
+            with ALLOW_LOCK, self._globals():
                 return unpickler.load()
         except (UnsafeFileError, CorruptFileError):
             raise
@@ -271,6 +289,17 @@ class TorchFile:
             raise CorruptFileError(
                 f"{self.path} could not be unpickled: {type(err).__name__}: {one_line(err, 160)}"
             ) from None
+
+    def _extra_names(self) -> frozenset[str]:
+        return frozenset(name for _, name in self._allow)
+
+    def _globals(self) -> AbstractContextManager[Any]:
+        """torch's weights_only unpickler sees the stand-ins; with ``allow``, those alone: torch keeps one process-wide
+        set, and a module imported earlier (``torch.distributed.tensor`` adds the real DTensor classes) would else
+        give its own class for a name a stand-in answers (torch 2.13 resolves a clash by set order)."""
+        if not self._allow:
+            return torch.serialization.safe_globals(SAFE_GLOBALS)
+        return only_globals([*SAFE_GLOBALS, *self._allow])
 
     def span(self, tensor: torch.Tensor) -> FileSpan | None:
         """Where a contiguous tensor of this file lies on disk, for a pread instead of touching its

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from ucp.io.standins import DSEnum, DSObject
+from ucp.io.standins import DSEnum, DSObject, DSStrEnum
 from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Pieces, part_numel
 
-__all__ = ["Chunk", "STREAMED", "StorageRef", "data_pickle", "pickle_object", "tensor_bytes"]
+__all__ = ["Chunk", "STREAMED", "StorageRef", "WrapperTensor", "data_pickle", "pickle_object", "tensor_bytes"]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -58,6 +58,8 @@ class _Tensors:
         return None
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, WrapperTensor):
+            return obj.reduce()
         if isinstance(obj, LazyTensor):
             numel = obj.nbytes // obj.dtype.itemsize
             return _rebuild(StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
@@ -89,9 +91,9 @@ class _FastPickler(_Tensors, pickle.Pickler):
         self.used: set[type] = set()
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, DSEnum):
+        if isinstance(obj, (DSEnum, DSStrEnum)):
             self.used.add(type(obj))
-            return (type(obj), (int(obj),))
+            return (type(obj), (int(obj) if isinstance(obj, DSEnum) else str(obj),))
         if isinstance(obj, DSObject):
             self.used.add(type(obj))
             return (_NEWOBJ, (type(obj),), dict(obj.__dict__))
@@ -113,9 +115,9 @@ class _Pickler(_Tensors, _PyPickler):
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         if isinstance(obj, _GlobalRef):
             self.write(pickle.GLOBAL + obj.module.encode() + b"\n" + obj.name.encode() + b"\n")
-        elif isinstance(obj, DSEnum):
+        elif isinstance(obj, (DSEnum, DSStrEnum)):
             self.save(_GlobalRef(obj.ds_name))
-            self.save((int(obj),))
+            self.save((int(obj) if isinstance(obj, DSEnum) else str(obj),))
             self.write(pickle.REDUCE)
         elif isinstance(obj, DSObject):
             self.save(_GlobalRef(obj.ds_name))
@@ -200,6 +202,24 @@ def _storage_type_name(dtype: torch.dtype) -> str:
         return _STORAGE_TYPES[dtype]
     except KeyError:
         raise TypeError(f"cannot write tensors of dtype {dtype}") from None
+
+
+@dataclass(frozen=True)
+class WrapperTensor:
+    """A tensor subclass pickled as ``torch.save`` pickles a storage-less wrapper (a ``DTensor``): a call of
+    ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, cls, (cls, dtype, shape, stride, 0, strided, cpu, False),
+    state)``, ``state`` its fields (a ``DTensor``'s ``_local_tensor``, which may be a :class:`LazyTensor`, and
+    ``_spec``). Only the written file holds the object: no instance of ``cls`` is made here."""
+
+    cls: type
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    state: dict[str, Any]
+
+    def reduce(self) -> tuple[Any, tuple[Any, ...]]:
+        stride = _contiguous_strides(self.shape)
+        args = (self.cls, self.dtype, self.shape, stride, 0, torch.strided, torch.device("cpu"), False)
+        return torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_wrapper_subclass, self.cls, args, self.state)
 
 
 @dataclass

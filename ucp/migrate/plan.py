@@ -96,9 +96,11 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
         native = dcp = hf = fsdp = None
         target = config.target
         if isinstance(target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
-            hf = reader.facts.folder if target.format != "dcp" else None
+            hf = reader.facts.folder if target.format == "deepspeed" else None
             fsdp = fsdp_backend(target, hf, issues)
-            if target.format == "dcp" or fsdp is not None:
+            if target.format == "megatron":
+                pass  # nothing to decide: fully_reshardable state, for any layout (ucp.targets.megatron)
+            elif target.format == "dcp" or fsdp is not None:
                 dcp = plan_dcp_target(target, reader, tplan, param_steps(reader, tplan), issues)
             else:
                 native = plan_native_target(config, target, reader, tplan, issues, hf)
@@ -265,6 +267,11 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"
         )
         out += [f"             note: {note}" for note in native.notes]
+    if config.target is not None and config.target.format == "megatron":
+        out.append(
+            f"write      {config.target.output}: a Megatron-Core torch_dist checkpoint, optimizer state "
+            "fully_reshardable (Megatron-LM resumes it at any TP, PP and DP)"
+        )
     if plan.dcp is not None and config.target is not None:
         whole = None if plan.hf is None or plan.fsdp is None else (plan.hf.kind, plan.fsdp)
         out += describe_dcp(plan.dcp, config.target, _counts(plan.facts), plan.dcp_steps, folder=whole)

@@ -12,7 +12,7 @@ from typing import Any
 from ucp.errors import ConfigError
 from ucp.migrate.checking import Check, Node, checked
 from ucp.migrate.issues import Issue, KeyPath, Origin
-from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FOLDERS, OPTIONS, Option, not_taken
+from ucp.model.option_table import DCP_OPTIMIZER_NAMES, FOLDERS, FORMAT_NAMES, OPTIONS, Option, not_taken
 from ucp.model.options import RestoreOptions
 from ucp.model.records import DTYPES, Facts
 from ucp.model.stages import METHODS
@@ -211,7 +211,7 @@ class PipelineConfig(Node):
 
 #: the target formats a migration names (``format:``); the others follow from the source (a Trainer folder) or
 #: from ``pipeline``
-TARGET_FORMATS = ("deepspeed", "dcp")
+TARGET_FORMATS = FORMAT_NAMES
 
 
 def _option_check(o: Option) -> Check:
@@ -256,6 +256,8 @@ class TargetConfig(Node):
     round_robin_gradients: bool | None = _option("round_robin_gradients")  # ZeRO-1/2 round-robin order
     zenflow: bool | None = _option("zenflow")  # the new run uses ZenFlow: its ZeRO-3 matrices transposed
     backend: str | None = _option("backend")  # a Trainer / Accelerate folder: deepspeed, fsdp-sharded or fsdp-full
+    model_config: str | None = _option("model_config")  # megatron from a Llama run: its Hugging Face config.json
+    pad_vocab: int = _option("pad_vocab")  # megatron from a Llama run: the vocabulary padded to a multiple of it
     pipeline: PipelineConfig | None = None  # a PipelineEngine checkpoint (ZeRO-1) for this partition
 
     def cross_issues(self) -> Iterator[Issue]:

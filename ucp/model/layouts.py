@@ -91,3 +91,34 @@ class RunFolder:
             "skipped": list(self.skipped),
             "train_batch_size": None if self.trainer_state is None else self.trainer_state.get("train_batch_size"),
         }
+
+
+@dataclass(frozen=True)
+class MegatronRun:
+    """What a Megatron-LM run's torch_dist checkpoint holds besides its parameters' state, read once from
+    ``common.pt`` and the byte items: ``args`` (the model's config and the parallel sizes, as Megatron-LM's argparse
+    namespace had them), the optimizer's sharding type, the run's sizes, ``common`` (the rest of ``common.pt``:
+    ``opt_param_scheduler``, ``checkpoint_version``, ``content_metadata``, counters) and ``objects`` (the per-layer
+    ShardedObjects, ``_extra_state``, by key and layer), ``rng`` (the RNG state's items, as bytes)."""
+
+    args: Mapping[str, Any]
+    sharding: str
+    tp: int
+    pp: int
+    dp: int
+    common: Mapping[str, Any]
+    objects: Mapping[str, Any]
+    #: the RNG state's items as saved (torch.save blobs holding numpy state, never unpickled), by key
+    rng: Mapping[str, bytes]
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON summary ``ucp inspect`` shows."""
+        model = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "padded_vocab_size", "normalization", "swiglu", "position_embedding_type")  # fmt: skip
+        return {
+            "sharding": self.sharding,
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "model": {k: self.args[k] for k in model if isinstance(self.args.get(k), (int, float, str, bool))},
+        }

@@ -19,6 +19,7 @@ __all__ = [
     "DCP_LAYOUTS",
     "NATIVE",
     "FOLDERS",
+    "FORMAT_NAMES",
     "Option",
     "OPTIONS",
     "option",
@@ -41,12 +42,17 @@ DCP_OPTIMIZER_NAMES = (
 #: ``torch``: get_state_dict's {"model", "optim", ...}; ``torchtitan``: what its CheckpointManager reads
 DCP_LAYOUTS = ("torch", "torchtitan")
 
+#: what ``ucp restore --format`` and a migration's ``target.format`` name: DeepSpeed's own files (whichever DeepSpeed
+#: target the source and options call for), a torch.distributed.checkpoint folder, a Megatron-Core checkpoint
+FORMAT_NAMES = ("deepspeed", "dcp", "megatron", "verl-fsdp")
 #: the targets that write DeepSpeed's own files (a bare checkpoint, one inside a Trainer or Accelerate folder, a
 #: pipeline one, a legacy MoE or AutoEP one)
 NATIVE = frozenset({"deepspeed", "hf-folder", "deepspeed-pipeline", "deepspeed-moe", "deepspeed-autoep"})
 _PIPELINE = frozenset({"deepspeed-pipeline"})
 _EXPERTS = frozenset({"deepspeed-moe", "deepspeed-autoep"})
 _DCP = frozenset({"dcp"})
+#: a verl FSDP actor folder (ucp.targets.verl)
+_VERL = frozenset({"verl-fsdp"})
 #: a Trainer or Accelerate folder of an FSDP run, and both kinds of folder (which one a source gets, the registry
 #: decides from the source and ``backend``)
 _FSDP = frozenset({"hf-fsdp-folder"})
@@ -82,7 +88,7 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("dp", "--dp", "data-parallel size of the new run (restore needs it unless --format dcp); for an FSDP "
-           "folder its number of processes", "positive", NATIVE | _FSDP, yaml="dp"),
+           "folder its number of processes", "positive", NATIVE | _FSDP | _VERL, yaml="dp"),
     Option("stage", "--stage", "ZeRO stage of the new run, 0 without ZeRO (default: the source's; 3 for an FSDP2 / "
            "DCP source)", "choice", NATIVE, choices=(0, 1, 2, 3), yaml="stage"),
     Option("tp", "--tp", "tensor-parallel degree of the new run (default 1; > 1 needs --stage 0, 1 or 2)", "positive",
@@ -100,14 +106,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("ep", "--ep", "expert-parallel size of the new run: a legacy DeepSpeed MoE or AutoEP checkpoint (ZeRO-1/2; "
            "default for a source with experts: its own ep_size or autoep_size, and its stage)", "positive", _EXPERTS),
     Option("optimizer", "--optimizer", "optimizer of the new run (default: the source's; for --format dcp or an FSDP "
-           "folder its torch optimizer, AdamW for Adam's)", "choice", NATIVE | _DCP | _FSDP,
+           "folder its torch optimizer, AdamW for Adam's)", "choice", NATIVE | _DCP | _FSDP | _VERL,
            choices=tuple(dict.fromkeys((*FLAVOUR_NAMES, *DCP_OPTIMIZER_NAMES))), yaml="optimizer"),
     Option("dtype", "--dtype", "model dtype of the new run (default: source's)", "choice", NATIVE,
            choices=("fp32", "bf16", "fp16"), yaml="dtype"),
     Option("tag", "--tag", "tag folder name (default: global_step<N>)", "tag", NATIVE, yaml="tag"),
     Option("sub_group_size", "--sub-group-size", "ZeRO-3 sub_group_size of the new run (default: source's)",
            "positive", NATIVE, yaml="sub_group_size"),
-    Option("step", "--step", "keep (default), reset, or an integer", "step", NATIVE | _DCP | _FSDP, unset="keep",
+    Option("step", "--step", "keep (default), reset, or an integer", "step", NATIVE | _DCP | _FSDP | _VERL, unset="keep",
            yaml="step"),
     Option("offload", "--offload", "the new run offloads its optimizer (offload_optimizer): DeepSpeed Muon lays its "
            "ZeRO-1/2 momentum out by it (default: as the source did)", "tristate", NATIVE, yaml="offload"),
@@ -119,8 +125,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend", "--backend", "a Trainer or Accelerate folder: what the new run checkpoints with: deepspeed, "
            "fsdp-sharded or fsdp-full (its fsdp_config state_dict_type: SHARDED_STATE_DICT, FULL_STATE_DICT); default: "
            "the source folder's", "choice", FOLDERS, choices=BACKENDS, yaml="backend"),
+    Option("model_config", "--model-config", "--format megatron from another framework's Llama-family run: its "
+           "Hugging Face config.json (default: the source folder's)", "text", frozenset({"megatron"}),
+           yaml="model_config", metavar="FILE"),
+    Option("pad_vocab", "--pad-vocab", "--format megatron from another framework's Llama-family run: pad the "
+           "vocabulary to a multiple of N, as the new run's make_vocab_size_divisible_by x TP does (its rows start at "
+           "zero, and they enter the softmax); default 1: no padding, the same model", "positive",
+           frozenset({"megatron"}), unset=1, yaml="pad_vocab", metavar="N"),
     Option("dcp_layout", "--dcp-layout", "--format dcp: torch (default; get_state_dict's model/optim) or torchtitan "
            "(its CheckpointManager's keys)", "choice", _DCP, choices=DCP_LAYOUTS, yaml="layout"),
+    Option("fsdp_version", "--fsdp-version", "--format verl-fsdp: the new run's FSDP, 1 or 2 (default: a verl "
+           "source's, else 2)", "choice", _VERL, choices=(1, 2)),
+    Option("mesh_device", "--mesh-device", "--format verl-fsdp: the device type of the new run's device mesh, which "
+           "its DTensors record (default: a verl source's, else cuda)", "choice", _VERL, choices=("cuda", "cpu", "npu")),
     Option("distributed", "--distributed", "split the rank files across torch.distributed ranks (launch with "
            "torchrun; OUT on a shared file system)", "flag", frozenset({"deepspeed"}), unset=False),
 )  # fmt: skip

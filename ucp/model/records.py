@@ -19,7 +19,7 @@ import torch
 
 from ucp.model.flavours import check_keys
 from ucp.model.hyper import Hyper
-from ucp.model.layouts import RunFolder, SourceLayout
+from ucp.model.layouts import MegatronRun, RunFolder, SourceLayout
 from ucp.model.pieces import Pieces
 
 __all__ = [
@@ -172,6 +172,8 @@ class Facts:
     layout: SourceLayout | None = None
     #: the training framework's run folder the checkpoint came in (a Trainer or Accelerate folder), if any
     folder: RunFolder | None = None
+    #: a Megatron-LM run's config and the unsharded rest of its checkpoint, for a Megatron target (None: not one)
+    megatron: MegatronRun | None = None
 
     def __post_init__(self) -> None:
         # every source's facts pass here: state its flavour does not keep is refused, never carried as Adam's

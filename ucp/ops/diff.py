@@ -24,6 +24,7 @@ from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.io.timing import phase
 from ucp.model.records import Facts, Reader
 from ucp.sources import open_reader
+from ucp.transforms.megatron_llama import MegatronAsLlama
 
 __all__ = ["TensorDiff", "ParamDiff", "DiffReport", "diff", "diff_readers"]
 
@@ -214,7 +215,10 @@ def _counters(fa: Facts, fb: Facts) -> dict[str, tuple[Any, Any]]:
 def diff_readers(
     ra: Reader, rb: Reader, *, atol: float = 0.0, a: str = "A", b: str = "B", workers: int | None = None
 ) -> DiffReport:
-    """Compare two open readers; see :func:`diff`."""
+    """Compare two open readers; see :func:`diff`. A Megatron-Core checkpoint against any other is compared as the
+    Llama it is (``ucp.transforms.megatron_llama``)."""
+    if (ra.facts.megatron is None) != (rb.facts.megatron is None):
+        ra, rb = (MegatronAsLlama(r) if r.facts.megatron is not None else r for r in (ra, rb))
     names_a = [m.name for m in ra.facts.params]
     names_b = {m.name for m in rb.facts.params}
     report = DiffReport(a, b, atol)

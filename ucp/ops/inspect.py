@@ -129,6 +129,8 @@ def inspect_reader(reader: Reader, *, path: str | os.PathLike | None = None) -> 
         report["created_by"] = reader.manifest.get("created_by")
     if facts.folder is not None:
         report["hf"] = facts.folder.describe()
+    if facts.megatron is not None:
+        report["megatron"] = facts.megatron.describe()
     return report
 
 
@@ -200,6 +202,14 @@ def _hf_lines(hf: dict[str, Any]) -> list[str]:
 
 def _layout_line(report: dict[str, Any]) -> str:
     """Where the state came from: a DCP folder has no ZeRO stage, DeepSpeed version or tag to show."""
+    megatron = report.get("megatron")
+    if megatron:
+        model = megatron["model"]
+        sizes = ", ".join(f"{k} {model[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads") if k in model)
+        return (
+            f"  Megatron-Core torch_dist, saved at tp={megatron['tp']} pp={megatron['pp']} dp={megatron['dp']}, "
+            f"optimizer state {megatron['sharding']}, dtype {report['dtype']}" + (f"; {sizes}" if sizes else "")
+        )
     if report.get("hf", {}).get("backend") == "fsdp-full":
         return f"  whole torch files, saved at {report['dp_world_size']} process(es), dtype {report['dtype']}"
     if report["format"] == "dcp" or report.get("source_format") == "dcp":

@@ -17,7 +17,21 @@ from ucp.errors import InputError
 from ucp.io.timing import phase
 from ucp.model.layouts import RunFolder
 from ucp.model.records import Reader
-from ucp.sources import autoep, dcp, ds_universal, hf, moe, pipeline, tensor_parallel, universal, zero0, zero3, zero12
+from ucp.sources import (
+    autoep,
+    dcp,
+    ds_universal,
+    hf,
+    megatron,
+    moe,
+    pipeline,
+    tensor_parallel,
+    universal,
+    verl,
+    zero0,
+    zero3,
+    zero12,
+)
 from ucp.sources.format import OPEN_OPTIONS, How, Probe, SourceFormat
 
 if TYPE_CHECKING:
@@ -30,10 +44,12 @@ SOURCE_FORMATS: tuple[SourceFormat, ...] = (
     universal.FORMAT,
     ds_universal.FORMAT,
     dcp.FORMAT,
+    megatron.FORMAT,
     hf.TRAINER_FORMAT,
     hf.ACCELERATE_FORMAT,
     hf.TRAINER_FSDP_FORMAT,
     hf.ACCELERATE_FSDP_FORMAT,
+    verl.FORMAT,
     zero3.FORMAT,
     zero12.FORMAT,
     zero0.FORMAT,

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from ucp.errors import ConfigError, InputError, OutputExistsError, UcpError
-from ucp.frameworks.hf import config_in_dtype, model_files
+from ucp.frameworks.hf import CONFIG_DTYPES, config_in_dtype, model_files
+from ucp.frameworks.verl import config_files
 from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree
 from ucp.io.guard import Inputs, OutputPolicy, guarded, guarded_output, weight_bytes
 from ucp.io.pool import default_workers, parallel_map
@@ -43,6 +44,7 @@ from ucp.model.records import DTYPES, Facts, Reader, torch_dtype
 from ucp.sources import opened
 from ucp.sources.registry import run_folder
 from ucp.transforms import Rename, TransformedReader, plan_transforms
+from ucp.transforms.megatron_llama import MegatronAsLlama
 
 __all__ = ["export", "parse_size", "plan_shards", "FORMATS", "TIED_KEY"]
 
@@ -219,12 +221,21 @@ def export(
     with opened(src, tag=tag) as source:
         run = source.facts.folder if folder is None else run_folder(folder)
         carried = [run.path / name for name in model_files(run)] if run is not None and file_name is None else []
+        if source.format == "verl-fsdp" and not carried and file_name is None:  # its huggingface/ files
+            carried = config_files(folder if folder is not None else source.inputs[0])
         inputs = [*source.inputs, *([folder] if folder is not None else [])]
         reader = _unwrapped(source)
+        llama = MegatronAsLlama(reader) if reader.facts.megatron is not None else None
+        reader = llama or reader
         with _staged(target, file_name, inputs, overwrite, weight_bytes(reader.facts, dtype)) as stage, phase("export"):
-            return _export(
+            files = _export(
                 reader, stage, target, file_name, format, dtype, max_bytes, workers or default_workers(), carried
             )
+            if llama is not None and file_name is None:  # a Megatron run's model, as the Llama config builds it
+                config = {**llama.shape.hf_config(), "torch_dtype": CONFIG_DTYPES[dtype or reader.facts.info.dtype]}
+                (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+                files.insert(-1 if len(files) > 1 else len(files), target / "config.json")
+            return files
 
 
 UNWRAPPED_NOTE = (

@@ -8,16 +8,21 @@ it takes, and one line in :data:`TARGET_FORMATS` (docs/design.md lists the steps
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from ucp.errors import ConfigError
+from ucp.frameworks.megatron_llama import LlamaShape
+from ucp.io.small_files import read_small
 from ucp.model.option_table import not_taken
 from ucp.model.records import Reader
-from ucp.targets import autoep, dcp, hf, hf_fsdp, moe, native, pipeline
+from ucp.targets import autoep, dcp, hf, hf_fsdp, megatron, moe, native, pipeline, verl
 from ucp.targets.format import Request, TargetFormat, Written
+from ucp.transforms.megatron_llama import LlamaAsMegatron, MegatronAsLlama
 
-__all__ = ["TARGET_FORMATS", "target_format", "choose", "refuse_options", "write"]
+__all__ = ["TARGET_FORMATS", "target_format", "choose", "refuse_options", "write", "write_chosen", "across"]
 
 #: every target, in the order their ``serves`` is asked when no format is named (the plain DeepSpeed checkpoint,
 #: which serves any source, last; a DCP folder only when asked for)
@@ -28,6 +33,8 @@ TARGET_FORMATS: tuple[TargetFormat, ...] = (
     moe.FORMAT,
     pipeline.FORMAT,
     dcp.FORMAT,
+    megatron.FORMAT,
+    verl.FORMAT,
     native.FORMAT,
 )
 
@@ -61,4 +68,43 @@ def write(reader: Reader, out: str | os.PathLike[str], request: Request, asked: 
     """Choose the target, refuse what it does not take, write OUT; what the write reports."""
     target = choose(reader, request, asked)
     refuse_options(target, request)
-    return target.write(reader, Path(out), request)
+    return write_chosen(target, reader, out, request)
+
+
+def write_chosen(target: TargetFormat, reader: Reader, out: str | os.PathLike[str], request: Request) -> Written:
+    """``target`` writes OUT from ``reader`` as it needs to see it (:func:`across`)."""
+    return target.write(across(reader, target, request), Path(out), request)
+
+
+def across(reader: Reader, target: TargetFormat, request: Request) -> Reader:
+    """``reader`` as ``target`` takes it across the Megatron border: a Megatron run as the Llama it is for any other
+    target, a Llama run as Megatron-Core GPT for a Megatron one (its shape from ``--model-config`` or the source
+    folder's ``config.json``)."""
+    is_megatron = reader.facts.megatron is not None
+    if target.name == megatron.FORMAT.name and not is_megatron:
+        config = _model_config(reader, request)
+        return LlamaAsMegatron(reader, LlamaShape.from_hf(config, int(request.get("pad_vocab"))))
+    if target.name != megatron.FORMAT.name and is_megatron:
+        return MegatronAsLlama(reader)
+    return reader
+
+
+def _model_config(reader: Reader, request: Request) -> dict[str, Any]:
+    given = request.get("model_config")
+    folder = reader.facts.folder
+    if given:
+        path = Path(given)
+    elif folder is not None and "config.json" in folder.files:
+        path = folder.path / "config.json"
+    else:
+        raise ConfigError(
+            "a Llama-family run written as Megatron-Core needs its Hugging Face config.json: give --model-config FILE "
+            "(the source is no Trainer folder holding one)"
+        )
+    try:
+        config = json.loads(read_small(path, 1 << 20, "config.json"))
+    except ValueError as err:
+        raise ConfigError(f"{path} is not JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds no JSON object")
+    return config
