@@ -62,9 +62,10 @@ def refuse_in_fast_tier(what: Path | str) -> None:
         pytest.fail(f"a test of the fast tier needs the real run {Path(what).name}: mark it slow", pytrace=False)
 
 
-def build_once(folder: Path, make: Callable[[], None]) -> None:
-    """Fill ``folder`` with ``make()`` unless an earlier build finished it (its ``DONE`` mark): one
-    builder per fixture, even across test processes; a half-built folder is started again."""
+def build_once(folder: Path, make: Callable[[], object]) -> str:
+    """Fill ``folder`` with ``make()`` unless an earlier build finished it (its ``DONE`` mark, holding the text
+    ``make`` returned, or "ok"): one builder per fixture, even across test processes; a half-built folder is started
+    again. Returns the mark's text."""
     refuse_in_fast_tier(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
@@ -72,8 +73,9 @@ def build_once(folder: Path, make: Callable[[], None]) -> None:
         if not (folder / "DONE").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
-            make()
-            (folder / "DONE").write_text("ok")
+            made = make()
+            (folder / "DONE").write_text(made if isinstance(made, str) else "ok")
+    return (folder / "DONE").read_text()
 
 
 def _key(spec: RunSpec) -> str:

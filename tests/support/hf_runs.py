@@ -7,17 +7,15 @@ that resumes from a folder ucp wrote is never cached, since it tests ucp's curre
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.support.fixtures import cache_root, refuse_in_fast_tier
+from tests.support.fixtures import build_once, cache_root
 from tests.support.hf_worker import HfSpec
 from ucp.harness.launch import free_port, launch
 
@@ -122,14 +120,6 @@ def cached_run(name: str, spec: HfSpec, *, module: str = _TRAINER_WORKER) -> HfR
     worker = "" if module == _TRAINER_WORKER else module  # Trainer runs keep their keys
     key = hashlib.sha1(f"{_VERSION}{raw}{worker}".encode()).hexdigest()[:16]
     folder = cache_root() / f"hf-{name}-{key}"
-    refuse_in_fast_tier(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     spec = replace(spec, out=str(folder / "out"), record=str(folder / "record"))
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "DONE").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            run_hf(spec, module=module)
-            (folder / "DONE").write_text("ok")
+    build_once(folder, lambda: run_hf(spec, module=module))
     return HfRun(spec)

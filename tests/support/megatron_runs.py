@@ -18,10 +18,8 @@ layout; :func:`checkpoint_key` gives a name's key and layer index on disk.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tests.support.fixtures import cache_root, refuse_in_fast_tier
+from tests.support.fixtures import build_once, cache_root, refuse_in_fast_tier
 from tests.support.megatron_worker import SHARDINGS, MegatronSpec
 from ucp.harness.launch import free_port, launch
 
@@ -174,16 +172,9 @@ def cached_run(name: str, spec: MegatronSpec) -> MegatronRun:
     raw = replace(spec, out="", record="", port=0).to_json()
     key = hashlib.sha1(f"{_VERSION}{raw}".encode()).hexdigest()[:16]
     folder = cache_root() / f"megatron-{name}-{key}"
-    refuse_in_fast_tier(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     spec = replace(spec, out=str(folder / "out"), record=str(folder / "record"))
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "DONE").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            (folder / "DONE").write_text(f"{run_megatron(spec).wall:.1f}")  # the build's seconds
-    return MegatronRun(spec, float((folder / "DONE").read_text() or 0))
+    done = build_once(folder, lambda: f"{run_megatron(spec).wall:.1f}")  # the build's seconds
+    return MegatronRun(spec, float(done) if done.replace(".", "", 1).isdigit() else 0.0)
 
 
 def save_spec(tp: int, pp: int, dp: int, sharding: str, **fields: Any) -> MegatronSpec:

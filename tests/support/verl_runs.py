@@ -6,17 +6,15 @@ loads a folder ucp wrote is never cached, since it tests ucp's current code. The
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.support.fixtures import cache_root, refuse_in_fast_tier
+from tests.support.fixtures import build_once, cache_root
 from tests.support.verl_worker import VerlSpec
 from ucp.harness.launch import free_port, launch
 
@@ -77,14 +75,6 @@ def cached_verl(name: str, spec: VerlSpec) -> VerlRun:
     raw = replace(spec, out="", record="", port=0).to_json()
     key = hashlib.sha1(f"{_VERSION}{raw}".encode()).hexdigest()[:16]
     folder = cache_root() / f"verl-{name}-{key}"
-    refuse_in_fast_tier(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     spec = replace(spec, out=str(folder / "out"), record=str(folder / "record"))
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "DONE").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            run_verl(spec)
-            (folder / "DONE").write_text("ok")
+    build_once(folder, lambda: run_verl(spec))
     return VerlRun(spec)

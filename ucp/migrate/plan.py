@@ -98,8 +98,8 @@ def plan_with(config: MigrationConfig, overwrite: bool, known: list[Issue]) -> M
         if isinstance(target, TargetConfig) and not broken & {"target", "transforms"} and not tplan.problems:
             hf = reader.facts.folder if target.format == "deepspeed" else None
             fsdp = fsdp_backend(target, hf, issues)
-            if target.format == "megatron":
-                pass  # nothing to decide: fully_reshardable state, for any layout (ucp.targets.megatron)
+            if target.format not in ("deepspeed", "dcp"):
+                pass  # a format named outright plans itself when it writes (Megatron, verl): nothing to decide here
             elif target.format == "dcp" or fsdp is not None:
                 dcp = plan_dcp_target(target, reader, tplan, param_steps(reader, tplan), issues)
             else:
@@ -204,6 +204,14 @@ def _output_issues(config: MigrationConfig, *, overwrite: bool) -> tuple[list[Is
 
 
 # -- describing -------------------------------------------------------------------------------
+#: what a migration names by ``target.format`` and plans when it writes (the target's own module decides it all)
+_LABELS = {
+    "megatron": "a Megatron-Core torch_dist checkpoint, optimizer state fully_reshardable (Megatron-LM resumes it at "
+    "any TP, PP and DP)",
+    "verl-fsdp": "a verl FSDP actor folder for target.dp processes (verl's FSDPCheckpointManager loads it)",
+}
+
+
 def _counts(facts: Facts) -> str:
     trained = sum(1 for p in facts.params if not p.frozen)
     frozen = len(facts.params) - trained
@@ -267,11 +275,8 @@ def _describe_plan(plan: MigrationPlan, dry_run: bool) -> str:
             f"{native.flavour.name}, {native.dtype}, tag {native.tag}, step {step_text}{layout}"
         )
         out += [f"             note: {note}" for note in native.notes]
-    if config.target is not None and config.target.format == "megatron":
-        out.append(
-            f"write      {config.target.output}: a Megatron-Core torch_dist checkpoint, optimizer state "
-            "fully_reshardable (Megatron-LM resumes it at any TP, PP and DP)"
-        )
+    if config.target is not None and config.target.format not in ("deepspeed", "dcp"):
+        out.append(f"write      {config.target.output}: {_LABELS[config.target.format]}")
     if plan.dcp is not None and config.target is not None:
         whole = None if plan.hf is None or plan.fsdp is None else (plan.hf.kind, plan.fsdp)
         out += describe_dcp(plan.dcp, config.target, _counts(plan.facts), plan.dcp_steps, folder=whole)
