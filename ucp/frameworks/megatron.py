@@ -65,31 +65,14 @@ BUCKET = re.compile(
 #: where each layer's tensors sit among the layer's parameters (``named_parameters`` order), by the sub-key the
 #: checkpoint names them with: Megatron's local layer spec (norms as modules of their own) and Transformer Engine's
 #: (norms fused into the next linear); a bias follows its weight
+_ATTN_NORM = ("self_attention.linear_qkv.layer_norm_weight",)
+_PROJ = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_MLP = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight",
+        "mlp.linear_fc2.bias")  # fmt: skip
 LAYER_ORDERS: dict[str, tuple[str, ...]] = {
-    "local": (
-        "self_attention.linear_qkv.layer_norm_weight",
-        "self_attention.linear_proj.weight",
-        "self_attention.linear_proj.bias",
-        "self_attention.linear_qkv.weight",
-        "self_attention.linear_qkv.bias",
-        "mlp.linear_fc1.layer_norm_weight",
-        "mlp.linear_fc1.weight",
-        "mlp.linear_fc1.bias",
-        "mlp.linear_fc2.weight",
-        "mlp.linear_fc2.bias",
-    ),
-    "transformer-engine": (
-        "self_attention.linear_proj.weight",
-        "self_attention.linear_proj.bias",
-        "self_attention.linear_qkv.layer_norm_weight",
-        "self_attention.linear_qkv.weight",
-        "self_attention.linear_qkv.bias",
-        "mlp.linear_fc1.layer_norm_weight",
-        "mlp.linear_fc1.weight",
-        "mlp.linear_fc1.bias",
-        "mlp.linear_fc2.weight",
-        "mlp.linear_fc2.bias",
-    ),
+    "local": _ATTN_NORM + _PROJ + _QKV + _MLP,
+    "transformer-engine": _PROJ + _ATTN_NORM + _QKV + _MLP,
 }
 
 

@@ -19,7 +19,7 @@ import torch
 from ucp.errors import InputError
 from ucp.io.torchfile import TorchFile
 
-__all__ = ["TorchStateStore", "flatten"]
+__all__ = ["TorchStateStore", "flatten", "set_leaf"]
 
 
 def flatten(obj: Any, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:
@@ -35,6 +35,14 @@ def flatten(obj: Any, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any
     for key, value in items:
         out.update(flatten(value, (*prefix, key)))
     return out
+
+
+def set_leaf(template: Any, where: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at key path ``where`` of the nested ``template`` (a leaf that is no tensor to fill)."""
+    node = template
+    for part in where[:-1]:
+        node = node[part]
+    node[where[-1]] = value
 
 
 def _storage(value: Any) -> Any:
@@ -81,11 +89,8 @@ class TorchStateStore:
             value = self._leaves[where]
             if torch.is_tensor(slot) and torch.is_tensor(value):
                 slot.copy_(value)
-                continue
-            node: Any = template
-            for part in where[:-1]:
-                node = node[part]
-            node[where[-1]] = value
+            else:
+                set_leaf(template, where, value)
 
     def writers(self, top: str) -> int:
         """Whole files: one writer, whatever the world size that saved them."""

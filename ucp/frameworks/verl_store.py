@@ -17,7 +17,7 @@ import torch
 
 from ucp.errors import CorruptFileError, InputError
 from ucp.frameworks.dcp import MODEL, OPTIM, SCHEDULER, TRAIN_STATE
-from ucp.frameworks.torch_state import flatten
+from ucp.frameworks.torch_state import flatten, set_leaf
 from ucp.frameworks.verl import EXTRA, VerlFolder
 from ucp.frameworks.verl import MODEL as MODEL_FILES
 from ucp.frameworks.verl import OPTIM as OPTIM_FILES
@@ -148,10 +148,7 @@ class VerlStore:
                         if files is not None:
                             files.release(piece)
                 continue
-            node: Any = template
-            for part in where[:-1]:
-                node = node[part]
-            node[where[-1]] = value
+            set_leaf(template, where, value)
 
     def writers(self, top: str) -> int:
         return self.folder.world

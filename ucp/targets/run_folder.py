@@ -13,7 +13,7 @@ from ucp.errors import InputError
 from ucp.model.layouts import RunFolder
 from ucp.model.records import Reader
 
-__all__ = ["folder_backend", "place_files", "folder_notes", "folder_batch_note", "processes"]
+__all__ = ["folder_backend", "copy_entry", "place_files", "folder_notes", "folder_batch_note", "processes"]
 
 
 def processes(n: int) -> str:
@@ -26,7 +26,8 @@ def folder_backend(reader: Reader, asked: str | None) -> str | None:
     return None if folder is None else asked or folder.backend
 
 
-def _copy_entry(src: Path, dst: Path) -> None:
+def copy_entry(src: Path, dst: Path) -> None:
+    """A plain file or folder of the source, copied as bytes (a link or a device is refused in one line)."""
     if src.is_symlink() or not (src.is_file() or src.is_dir()):
         raise InputError(f"{src} is not a plain file or folder; ucp copies only those")
     if src.is_dir():
@@ -41,7 +42,7 @@ def place_files(
     """Every other entry of the source folder but ``skip`` (files the target writes itself), and the RNG files."""
     for name in folder.files:
         if name not in skip:
-            _copy_entry(folder.path / name, root / name)
+            copy_entry(folder.path / name, root / name)
     for old, new in rng:
         shutil.copyfile(folder.path / old, root / new)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucp.errors import ConfigError, InputError
+from ucp.errors import ConfigError
 from ucp.frameworks.hf import model_files
 from ucp.frameworks.verl import EXTRA, FSDP_CONFIG, HF_DIR, MODEL, OPTIM, VerlFolder, find_verl, fsdp_config_text
 from ucp.frameworks.verl import rank_file as verl_file
@@ -39,7 +39,7 @@ from ucp.model.records import Reader
 from ucp.sources import opened
 from ucp.targets.dcp import Fetch, prepare
 from ucp.targets.format import Request, TargetFormat, Written
-from ucp.targets.run_folder import processes
+from ucp.targets.run_folder import copy_entry, processes
 from ucp.targets.verl_ranks import VerlLayout, model_file, optim_file, verl_layout
 
 __all__ = ["FORMAT", "VerlResult", "write_verl", "MESH_DEVICES"]
@@ -96,21 +96,12 @@ def _extra_states(root: Path, world: int, source: VerlFolder | None, extras: Map
     return notes
 
 
-def _copy(src: Path, dst: Path) -> None:
-    if src.is_symlink() or not (src.is_file() or src.is_dir()):
-        raise InputError(f"{src} is not a plain file or folder; ucp copies only those")
-    if src.is_dir():
-        shutil.copytree(src, dst, symlinks=False)
-    else:
-        shutil.copyfile(src, dst)
-
-
 def _place_files(root: Path, reader: Reader, source: VerlFolder | None) -> list[str]:
     """The actor folder's other entries of a verl source (``huggingface/``, ...), or a Trainer / Accelerate folder's
     model files as ``huggingface/``; a note when there is no ``huggingface/config.json`` (verl's merger reads it)."""
     if source is not None:
         for name in source.files:
-            _copy(source.actor / name, root / name)
+            copy_entry(source.actor / name, root / name)
         if source.has_hf:
             return []
     else:
@@ -119,7 +110,7 @@ def _place_files(root: Path, reader: Reader, source: VerlFolder | None) -> list[
         if names:
             (root / HF_DIR).mkdir()
             for name in names:
-                _copy(folder.path / name, root / HF_DIR / name)  # type: ignore[union-attr]  # names: a folder's
+                copy_entry(folder.path / name, root / HF_DIR / name)  # type: ignore[union-attr]  # names: a folder's
             return []
     return [f"no {HF_DIR}/ (the source has no model config): verl's load does not need it, its model merger does"]
 
