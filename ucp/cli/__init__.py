@@ -52,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"ucp: interrupted by {name} while starting; nothing was written")
         return 128 + held[0]
     try:
+        if getattr(args, "workers", None):  # one budget of threads: parameters in parallel, and a big one's ranges
+            from ucp.io.span_copy import set_copy_threads
+
+            set_copy_threads(args.workers)
         with stop_on_signals(), phase(f"ucp {args.verb} in all"):
             code = args.func(args)
             raise_if_stopped()  # a library swallowed the signal's exception: the command still ends as stopped

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ucp.io.crc import crc32_combine
+from ucp.io.span_copy import PARALLEL_MIN, copy_spans, copy_threads
 from ucp.io.torchpickle import STREAMED, Chunk, pickle_object, tensor_bytes
 from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Span
 
@@ -168,6 +169,13 @@ class _ZipStream:
             crc = zlib.crc32(part, crc)  # type: ignore[arg-type]
         header = _local_header(full, size, crc, start)
         self._add(header)
+        spans = sum(p.nbytes for p in parts if isinstance(p, (FileSpan, PathSpan)))
+        if spans >= PARALLEL_MIN and copy_threads() > 1 and not any(isinstance(p, LazyTensor) for p in parts):
+            self._flush()  # a big tensor: its ranges copied by several threads at their own offsets
+            crc = copy_spans(self.fd, parts, self.offset, 0)  # type: ignore[arg-type]  # no LazyTensor here
+            self.offset += size
+            os.lseek(self.fd, self.offset, os.SEEK_SET)
+            parts = ()
         for part in parts:
             if isinstance(part, LazyTensor):
                 data = _lazy_bytes(part)
