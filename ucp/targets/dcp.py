@@ -26,12 +26,10 @@ writes it and the reader reads that parameter then: memory stays near one parame
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,8 +44,9 @@ from ucp.io.timing import phase
 from ucp.model import flavours
 from ucp.model.option_table import DCP_LAYOUTS, Option
 from ucp.model.options import StepPolicy, parse_step
-from ucp.model.records import Facts, ParamState, Reader
+from ucp.model.records import Facts, Reader
 from ucp.sources import opened
+from ucp.targets.dcp_save import Fetch, save_state
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.transforms import ResetOptimizer, TransformedReader, plan_transforms
 
@@ -56,8 +55,6 @@ __all__ = [
     "write_dcp",
     "plan_dcp",
     "prepare",
-    "save_state",
-    "Fetch",
     "source_optimizer",
     "DcpPlan",
     "DCP_OPTIMIZERS",
@@ -261,67 +258,6 @@ def plan_dcp(
     elif extras.get("lr_scheduler") is not None:
         plan.state[SCHEDULER] = extras["lr_scheduler"]
     return plan
-
-
-class Fetch:
-    """Reads a parameter when a writer first asks for one of its tensors; keeps the last one. ``moments=False``:
-    the weights alone are asked for (a model file)."""
-
-    def __init__(self, reader: Reader, *, moments: bool = True) -> None:
-        self.reader = reader
-        self.moments = moments
-        self.name: str | None = None
-        self.state: ParamState | None = None
-
-    def __call__(self, name: str, key: str) -> torch.Tensor:
-        if self.name != name or self.state is None:
-            self.name, self.state = name, self.reader.read(name, moments=self.moments)
-        state = self.state
-        if key == "fp32":
-            return state.fp32
-        tensor = state.optim.get(key) if key in state.optim else state.scalars.get(key)
-        if tensor is None:
-            raise InputError(f"{name}: the checkpoint holds no optimizer state {key!r} for it")
-        return tensor
-
-
-def save_state(
-    state: dict[str, Any],
-    lazy: Mapping[str, tuple[str, str]],
-    root: Path,
-    fetch: Callable[[str, str], torch.Tensor],
-    fsync: bool,
-) -> None:
-    """``state`` saved by DCP's own writer into ``root`` (one file, this process): each meta tensor's data is
-    ``fetch(*lazy[key])``, asked for when the writer reaches it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    first: dict[str, int] = {}  # each parameter's place in the plan, so all its tensors are written together
-    for name, _ in lazy.values():
-        first.setdefault(name, len(first))
-
-    class Planner(DefaultSavePlanner):
-        def finish_plan(self, new_plan: Any) -> Any:
-            # DCP writes items in plan order: grouped by parameter, each one is read once, not once for
-            # the model entry and again for its optimizer state
-            def rank(item: Any) -> int:
-                where = lazy.get(item.index.fqn)
-                return -1 if where is None else first[where[0]]
-
-            return super().finish_plan(dataclasses.replace(new_plan, items=sorted(new_plan.items, key=rank)))
-
-        def resolve_data(self, write_item: Any) -> Any:
-            where = lazy.get(write_item.index.fqn)
-            if where is None:
-                return super().resolve_data(write_item)
-            return fetch(*where).detach().contiguous()
-
-    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
-    with warnings.catch_warnings():  # no_dist is what we ask for; torch warns about it on every call
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
 
 
 def prepare(

@@ -45,7 +45,8 @@ from ucp.model.options import StepPolicy
 from ucp.model.pieces import LazyTensor
 from ucp.model.records import Reader
 from ucp.sources import opened
-from ucp.targets.dcp import DcpPlan, Fetch, prepare, save_state
+from ucp.targets.dcp import DcpPlan, prepare
+from ucp.targets.dcp_save import Fetch, save_state
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.targets.run_folder import folder_backend, folder_batch_note, folder_notes, place_files, processes
 

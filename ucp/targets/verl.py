@@ -37,7 +37,8 @@ from ucp.model.option_table import Option
 from ucp.model.options import StepPolicy
 from ucp.model.records import Reader
 from ucp.sources import opened
-from ucp.targets.dcp import Fetch, prepare
+from ucp.targets.dcp import prepare
+from ucp.targets.dcp_save import Fetch
 from ucp.targets.format import Request, TargetFormat, Written
 from ucp.targets.run_folder import copy_entry, processes
 from ucp.targets.verl_ranks import VerlLayout, model_file, optim_file, verl_layout
