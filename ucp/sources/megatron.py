@@ -43,8 +43,8 @@ from ucp.sources.megatron_buckets import BucketMap
 
 __all__ = ["FORMAT", "MegatronSource"]
 
-#: common.pt entries carried to a Megatron target in :attr:`MegatronRun.common`
-_COMMON_KEPT = ("checkpoint_version", "opt_param_scheduler", "num_floating_point_operations_so_far", "content_metadata")
+#: common.pt entries a Megatron target writes anew; every other one is carried as it is (:attr:`MegatronRun.common`)
+_COMMON_REWRITTEN = ("args", "iteration", "optimizer")
 
 
 def _int(args: Mapping[str, Any], key: str, default: int = 1) -> int:
@@ -105,7 +105,7 @@ class MegatronSource(Reader):
             states = sorted({k.split(".")[2] for k in tensors if k.startswith("optimizer.state.")} - {"param"})
         objects = {k: self.chunks.item(k) for k in entries if "._extra_state/shard_" in k}
         rng = {k: self.chunks.raw(k) for k in entries if k.startswith("rng_state/shard_")}
-        kept = {k: common[k] for k in _COMMON_KEPT if k in common}
+        kept = {k: v for k, v in common.items() if k not in _COMMON_REWRITTEN}
         run = MegatronRun(args, self.sharding, self.tp, self.pp, dp, kept, objects, rng)
         self.facts = self._facts(args, run, groups, states, optimizer)
 

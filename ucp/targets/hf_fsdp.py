@@ -105,6 +105,18 @@ def _write_sharded(plan: DcpPlan, root: Path, reader: Reader, fsync: bool) -> No
     save_state({_OPTIMIZER: plan.state[_OPTIMIZER]}, lazy, root / FSDP_OPTIM_DIR, Fetch(reader), fsync)
 
 
+def _not_carried(reader: Reader) -> list[str]:
+    """What a DeepSpeed source keeps that an FSDP run's folder has no place for (Trainer counts in
+    trainer_state.json; its own GradScaler keeps an fp16 run's scale in scaler.pt)."""
+    info = reader.facts.info
+    kept = [f"global_samples {info.global_samples}"] if info.global_samples else []
+    kept += [f"skipped_steps {info.skipped_steps}"] if info.skipped_steps else []
+    kept += ["the fp16 loss scale"] if info.dtype == "fp16" and reader.extras().get("loss_scaler") is not None else []
+    if not kept:
+        return []
+    return [f"not carried: DeepSpeed's {', '.join(kept)}, which an FSDP folder has no place for"]
+
+
 def _scheduler(root: Path, folder: RunFolder, extras: Mapping[str, Any]) -> str | None:
     """The scheduler's state where the framework reads it, when the source folder has no such file; a note when
     there is none to write."""
@@ -154,7 +166,7 @@ def write_fsdp_folder(
             )
         reader, plan = prepare(source, optimizer, step, optim_key=_OPTIMIZER)
         rng = rng_plan(folder, dp)
-        notes = list(plan.notes)
+        notes = [n for n in plan.notes if "train_state" not in n] + _not_carried(reader)
         with guarded_output(
             out, [folder.path, *source.inputs], overwrite, size=universal_bytes(reader.facts), durable=fsync
         ) as root:

@@ -70,11 +70,19 @@ class MegatronAsLlama(ReaderView):
             for g in facts.groups
         ]
         order = [by_name[n] for g in groups for n in g.params] + [m for m in metas if m.group is None]
-        note = (
+        notes = [
             "not carried out of Megatron: its lr schedule (opt_param_scheduler: Megatron's own, by samples) and its "
             "RNG state"
+        ]
+        if self.shape.vocab < self.shape.padded_vocab:
+            notes.append(
+                f"the vocabulary's padding rows {self.shape.vocab}..{self.shape.padded_vocab - 1} of the embedding and "
+                f"output layer (Megatron's make_vocab_size_divisible_by), their weights and state, are not carried: the "
+                f"Llama has the tokenizer's {self.shape.vocab} (the args' vocab_size)"
+            )
+        facts = dataclasses.replace(
+            facts, params=order, groups=groups, megatron=None, warnings=[*facts.warnings, *notes]
         )
-        facts = dataclasses.replace(facts, params=order, groups=groups, megatron=None, warnings=[*facts.warnings, note])
         super().__init__(inner, facts)
         self._lock = threading.Lock()
         self._cached: tuple[str, bool, list[ParamState]] | None = None
