@@ -55,6 +55,7 @@ NAMES = {
     "restored": ("restored_dp4",),
     "tp_universal": ("tp-universal",),  # of a run saved with TP=2: its rules let a restore cut it again
     "trainer": ("out/checkpoint-500",),
+    "megatron": ("MEGATRON_RUN",),
 }
 #: tags the docs make up -> the world checkpoint's own
 TAGS = ("global_step1000", "global_step600")
@@ -152,6 +153,19 @@ def _trainer_folder() -> Path:
     return cached_run("trainer-z3-save", HfSpec(world=2, stage=3)).out / f"checkpoint-{SAVED_AT}"
 
 
+def _megatron_run() -> Path:
+    """A Megatron-Core run folder (built once by tests/test_megatron.py's cache)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed")
+    from tests.support.megatron_runs import cached_run, save_spec
+
+    run = cached_run("tp1dp2-dpr", save_spec(1, 1, 2, "dp_reshardable"))
+    assert run.out is not None
+    return run.out
+
+
 def _build_world(root: Path, sources: dict[str, Path], argv: list[str]) -> None:
     """Lay out in ``root`` every name of :data:`NAMES` but the line's OUT, the configs, two model
     builders and a migration file."""
@@ -241,6 +255,8 @@ def test_every_shell_example_of_the_docs_runs(where, world_sources, tmp_path, mo
     sources = dict(world_sources)
     if any(needs in line.text for line in lines for needs in ("checkpoint-500", "move.yaml")):
         sources["trainer"] = _trainer_folder()
+    if any("MEGATRON_RUN" in line.text for line in lines):
+        sources["megatron"] = _megatron_run()
     for i, line in enumerate(lines):  # each line an example of its own, in a world of its own
         argv, jq = _argv(line, tags)
         world = tmp_path / f"line{i}"
