@@ -39,7 +39,11 @@ def _async_io() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _async_io(), reason="DeepSpeed's async_io op needs libaio (libaio-dev)")
+# every test trains a real NVMe-offload run (the real-run tier), and only where the op builds
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _async_io(), reason="DeepSpeed's async_io op needs libaio (libaio-dev)"),
+]
 
 # 2.7M elements in group 0 cut in sub-groups of 300,000 per rank (three of them swapped), group 1 small (kept in
 # the optim files): both kinds in one save

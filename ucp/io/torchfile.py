@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ucp.errors import CorruptFileError, UnsafeFileError
+from ucp.io import descriptors
 from ucp.io.allow_list import (
     ALLOW_LOCK,
     SAFE_GLOBALS,
@@ -130,6 +131,9 @@ class TorchFile:
         byte (a ZeRO-3 model-states file repeats the module dict on every rank) is not unpickled again:
         the tree read before, untouched yet, is copied onto this file's storages. If one fails, those
         already open are closed."""
+        paths = list(paths)
+        if paths:
+            descriptors.reserve(len(paths), f"the save in {Path(paths[0]).parent}")
         files: list[TorchFile] = []
         try:
             for path in paths:

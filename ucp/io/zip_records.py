@@ -31,10 +31,11 @@ Records = dict[str, tuple[int, int]]
 def zip_records(path: Path, mm: mmap.mmap, size: int) -> tuple[Records, str]:
     """Map each zip member to (data offset, length); members are stored uncompressed by torch. Also returns
     the name of the pickle (``.../data.pkl``)."""
-    if not zipfile.is_zipfile(path):
+    # read from the mapping, not the path: no second descriptor, no second read of the directory's pages
+    if not zipfile.is_zipfile(mm):  # type: ignore[arg-type]  # mmap is a seekable file object
         raise CorruptFileError(f"{path} is truncated or corrupt: its zip directory is missing or damaged")
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(mm) as zf:  # type: ignore[call-overload]
             infos = zf.infolist()
     except Exception as err:  # zipfile raises BadZipFile, ValueError, struct.error, UnicodeDecodeError...
         raise CorruptFileError(f"{path} is truncated or corrupt: {one_line(err, 120)}") from None
