@@ -126,11 +126,17 @@ class TorchFile:
         self._open(path, check=check, like=None, remember=False)
 
     @classmethod
-    def open_all(cls, paths: Iterable[str | os.PathLike]) -> list[TorchFile]:
+    def open_all(
+        cls,
+        paths: Iterable[str | os.PathLike],
+        each: Callable[[list[TorchFile], TorchFile], None] | None = None,
+    ) -> list[TorchFile]:
         """Open the rank files of one save in order; a file whose pickle repeats the one before it byte for
         byte (a ZeRO-3 model-states file repeats the module dict on every rank) is not unpickled again:
-        the tree read before, untouched yet, is copied onto this file's storages. If one fails, those
-        already open are closed."""
+        the tree read before, untouched yet, is copied onto this file's storages. ``each(opened, file)``
+        sees every file as it is opened (``opened``: those before it), to check it and trim its ``obj`` to
+        what is kept, so that memory holds one whole tree, not one per rank. If one fails, those already
+        open are closed."""
         paths = list(paths)
         if paths:
             descriptors.reserve(len(paths), f"the save in {Path(paths[0]).parent}")
@@ -143,6 +149,8 @@ class TorchFile:
                 if files:
                     files[-1]._template = None  # only the last file read is copied from
                 files.append(tf)
+                if each is not None:
+                    each(files[:-1], tf)
         except BaseException:
             for tf in files:
                 tf.close()

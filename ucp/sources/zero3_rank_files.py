@@ -19,6 +19,7 @@ from ucp.io.torchfile import TorchFile
 
 __all__ = [
     "Inner",
+    "check_model_rank",
     "check_models",
     "check_partitions",
     "check_scalers",
@@ -73,35 +74,43 @@ def check_partitions(optim: list[TorchFile], blocks: list[Mapping[str, Any]], su
                 )
 
 
-def check_models(model: list[TorchFile], optim: list[TorchFile]) -> list[Mapping[str, Any]]:
-    """Each rank's model-states object, checked to come from one save of one run."""
-    models = []
-    for tf in model:
-        obj = tf.obj
-        check_model_states(obj, tf.path.name, "not a ZeRO-3 model-states file")
-        models.append(obj)
-    head, first = models[0], model[0].path.name
-    stamped = models + [tf.obj for tf in optim if isinstance(tf.obj, Mapping)]
-    check_one_version(stamped)
-    counters = engine_counters(head)
-    for tf, other_model in zip(model[1:], models[1:]):
-        other = engine_counters(other_model)
-        for key in ("global_steps", "global_samples", "skipped_steps"):
-            if other[key] != counters[key]:
-                raise InputError(
-                    f"{tf.path.name} is at {key}={other[key]} but {first} is at {counters[key]}: "
-                    "rank files from different saves (tags) are mixed in one folder"
-                )
-    shapes = head["param_shapes"]
-    if any(m["param_shapes"] != shapes for m in models[1:]):
+#: what is read from the model-states file of a rank after the first, once it is checked against the first
+RANK_MODEL_KEYS = ("frozen_param_fragments", "ds_config", "ds_version")
+
+
+def check_model_rank(opened: list[TorchFile], tf: TorchFile) -> None:
+    """Check one rank's model-states file as it is opened (``opened``: the ranks before it) and, after the
+    first, keep only :data:`RANK_MODEL_KEYS` of its tree. Every rank repeats the module dict and
+    ``param_shapes``: kept for every rank they would cost ranks x parameters objects (4096 x 10^5 for a MoE
+    saved at DP 4096), so memory would follow the model instead of one rank's metadata."""
+    obj = check_model_states(tf.obj, tf.path.name, "not a ZeRO-3 model-states file")
+    if not opened:
+        return
+    head_tf = opened[0]
+    head, first = head_tf.obj, head_tf.path.name
+    counters, other = engine_counters(head), engine_counters(obj)
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        if other[key] != counters[key]:
+            raise InputError(
+                f"{tf.path.name} is at {key}={other[key]} but {first} is at {counters[key]}: "
+                "rank files from different saves (tags) are mixed in one folder"
+            )
+    if obj["param_shapes"] != head["param_shapes"]:
         raise InputError("model-states files disagree on param_shapes: ranks from different runs are mixed")
     frozen = {k: tensor_shape(v) for k, v in (head.get("frozen_param_shapes") or {}).items()}
-    for tf, other_model in zip(model[1:], models[1:]):
-        theirs = {k: tensor_shape(v) for k, v in (other_model.get("frozen_param_shapes") or {}).items()}
-        if theirs != frozen:
-            raise InputError(
-                f"{tf.path.name} and {first} disagree on frozen_param_shapes: ranks from different runs are mixed"
-            )
+    theirs = {k: tensor_shape(v) for k, v in (obj.get("frozen_param_shapes") or {}).items()}
+    if theirs != frozen:
+        raise InputError(
+            f"{tf.path.name} and {first} disagree on frozen_param_shapes: ranks from different runs are mixed"
+        )
+    tf.obj = {key: obj[key] for key in RANK_MODEL_KEYS if key in obj}
+
+
+def check_models(model: list[TorchFile], optim: list[TorchFile]) -> list[Mapping[str, Any]]:
+    """Each rank's model-states object (checked one by one as opened, :func:`check_model_rank`), and one
+    DeepSpeed version across every file of the save."""
+    models = [tf.obj for tf in model]
+    check_one_version(models + [tf.obj for tf in optim if isinstance(tf.obj, Mapping)])
     return models
 
 
