@@ -55,6 +55,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per tool run")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep built points above 2 GB (disk)")
     parser.add_argument("--plot", action="store_true", help="draw scale.png (matplotlib)")
+    parser.add_argument("--again", action="store_true", help="measure points an earlier run saved under points/")
     return parser.parse_args(argv)
 
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info(notes[-1])
             continue
         logger.info("measuring %s: %s", point.series, point.label)
-        scale.measure(point, root, cfg)
+        scale.measure(point, root, cfg, args.again)
         done.append(point.result)
         large = point.spec.shard_bytes() > 2.5 * scale.GB
         if large and not args.keep_checkpoints:

@@ -10,6 +10,7 @@ not checksummed again unless it changed.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import zlib
 from pathlib import Path
@@ -83,6 +84,21 @@ def test_pieces_slice_and_join_are_exact(tmp_path: Path, start: int, end: int) -
         wider = torch.empty(end - start, dtype=torch.float64)
         part.copy_to(wider)
         assert torch.equal(wider, tensor.reshape(-1)[start:end].double())
+
+
+def test_a_slice_found_by_bisection_is_every_slice_of_many_parts_empty_ones_included() -> None:
+    """Pieces.slice starts at its first part by bisection (a parameter cut across thousands of ranks): every
+    range of parts of sizes 0 to 17, empty parts at either end and in the middle, gives the joined elements."""
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([0, 0, 1, 2, 5, 17]) for _ in range(rng.randint(0, 9))]
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        parts = tuple(torch.arange(bounds[i], bounds[i + 1], dtype=torch.float32) for i in range(len(sizes)))
+        pieces = Pieces(parts, (bounds[-1],), torch.float32)
+        for _ in range(8):
+            start = rng.randint(0, bounds[-1])
+            end = rng.randint(start, bounds[-1])
+            assert torch.equal(pieces.slice(start, end).join(), torch.arange(start, end, dtype=torch.float32))
 
 
 def test_pieces_refuse_parts_that_do_not_make_the_shape() -> None:

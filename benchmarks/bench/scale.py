@@ -69,7 +69,13 @@ def plan(
     ]
     points += [Point("ranks", f"DP {dp}", SynthSpec(layers_for_bytes(GB), dp=dp, label="ranks"), 3) for dp in ranks]
     points += [
-        Point("tensors", f"{n:,} tensors", SynthSpec(many_tensors(n, GB // 12), dp=8, label=f"tensors{n}"), 3)
+        Point(
+            "tensors",
+            f"{n:,} tensors",
+            SynthSpec(many_tensors(n, GB // 12), dp=8, label=f"tensors{n}"),
+            3 if n <= 1000 else 1,  # 10^5 tensors: minutes per run on this disk
+            MANY_FILES_TOOLS,
+        )
         for n in tensors
     ]
     if big_tensor:
@@ -134,8 +140,26 @@ def _units(point: Point, ckpt: Path, work: Path) -> dict[str, Callable[[], tuple
     }
 
 
-def measure(point: Point, root: Path, cfg: BenchConfig) -> None:
-    """Build the point, make the universal folder restore reads, then run every tool ``rounds`` times."""
+def _saved(point: Point, root: Path) -> Path:
+    """Where a measured point's result is kept, named for everything that decides it."""
+    how = "-".join([point.series, *point.tools, *point.flags, f"n{point.nproc}", f"r{point.rounds}"])
+    return root / "points" / f"{point.key}-{hashlib.sha1(how.encode()).hexdigest()[:8]}.json"
+
+
+def measure(point: Point, root: Path, cfg: BenchConfig, again: bool = False) -> None:
+    """Build the point, make the universal folder restore reads, then run every tool ``rounds`` times; a point
+    measured by an earlier run of the series is taken from its saved result unless ``again``."""
+    saved = _saved(point, root)
+    if saved.is_file() and not again:
+        point.result = json.loads(saved.read_text())
+        logger.info("%s: %s taken from %s", point.series, point.label, saved.name)
+        return
+    _measure(point, root, cfg)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(point.result))
+
+
+def _measure(point: Point, root: Path, cfg: BenchConfig) -> None:
     ckpt, build_s = build(point, root)
     work = root / "work" / point.key
     remove(work)

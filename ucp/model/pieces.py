@@ -6,11 +6,13 @@ target rank's flat buffer) without ever joining them in memory.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -175,21 +177,33 @@ class Pieces:
                 target.copy_(part.reshape(-1))
             offset += n
 
+    @cached_property
+    def _starts(self) -> list[int]:
+        """Each part's first flat element, and the total last: found once, so that a slice starts at its first
+        part by bisection (a parameter cut across 4096 ranks, sliced for each of 2048 new ones)."""
+        starts, offset = [], 0
+        for part in self.parts:
+            starts.append(offset)
+            offset += part_numel(part, self.dtype.itemsize)
+        starts.append(offset)
+        return starts
+
     def slice(self, start: int, end: int) -> Pieces:
         """Flat elements ``[start, end)`` as pieces (shape ``(end - start,)``), still without a copy."""
         item = self.dtype.itemsize
+        starts = self._starts
         parts: list[Part] = []
-        offset = 0
-        for part in self.parts:
-            n = part_numel(part, item)
-            lo, hi = max(start - offset, 0), min(end - offset, n)
+        index = max(bisect.bisect_right(starts, start) - 1, 0)
+        while index < len(self.parts) and starts[index] < end:
+            part, offset = self.parts[index], starts[index]
+            lo, hi = max(start - offset, 0), min(end, starts[index + 1]) - offset
             if hi > lo:
                 parts.append(
                     part.narrow(lo * item, (hi - lo) * item)
                     if isinstance(part, (FileSpan, PathSpan))
                     else part.reshape(-1)[lo:hi]
                 )
-            offset += n
+            index += 1
         return Pieces(tuple(parts), (end - start,), self.dtype)
 
 
