@@ -163,16 +163,16 @@ def render(result: dict[str, Any]) -> str:
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['holds'] else '**no**'} |" for t in result["targets"]]
     lines += [
         "",
-        "Cost model (seconds = fixed + per_gb x GB + per_kfile x kfiles written + per_krank x source DP / 1000):",
+        "Cost model (seconds = fixed + per_gb x GB + per_ktensor x ktensors + per_kfile x kfiles written + per_krank x source DP / 1000):",
         "",
     ]
     lines += [
-        "| tool | fixed s | per GB s | per 1000 files s | per 1000 ranks s | max relative error |",
-        "|---|---|---|---|---|---|",
+        "| tool | fixed s | per GB s | per 1000 tensors s | per 1000 files s | per 1000 ranks s | max relative error |",
+        "|---|---|---|---|---|---|---|",
     ]
     for tool, c in result["cost_model"].items():
         lines.append(
-            f"| {tool} | {c['fixed']:.2f} | {c['per_gb']:.3f} | {c['per_kfile']:.3f} | {c['per_krank']:.3f} | {c['max_rel_error']:.0%} |"
+            f"| {tool} | {c['fixed']:.2f} | {c['per_gb']:.3f} | {c['per_ktensor']:.3f} | {c['per_kfile']:.3f} | {c['per_krank']:.3f} | {c['max_rel_error']:.0%} |"
         )
     lines += ["", f"Projected (fitted per-GB cost of this machine / bytes at {cost_model.DISK_GBPS:g} GB/s):", ""]
     lines += [

@@ -1,6 +1,7 @@
 """A cost model fitted to the scale series, and what it projects for checkpoints this machine cannot hold.
 
-Per tool: ``seconds = fixed + per_gb * GB + per_kfile * (files written / 1000) + per_krank * (source DP / 1000)``,
+Per tool: ``seconds = fixed + per_gb * GB + per_ktensor * (tensors / 1000) + per_kfile * (files written / 1000)
++ per_krank * (source DP / 1000)``,
 least squares over the series' points with every coefficient kept non-negative (a term that would fit negative
 is dropped and the rest refitted). Projections apply it to a real model's ZeRO-3 bf16 Adam save, once with the
 fitted per-GB cost (this machine: page-cached reads, 2 cores) and once with the bytes at a stated disk bandwidth.
@@ -13,15 +14,15 @@ from typing import Any
 
 from .shapes import PROJECTIONS, Projection
 
-TERMS = ("fixed", "per_gb", "per_kfile", "per_krank")
+TERMS = ("fixed", "per_gb", "per_ktensor", "per_kfile", "per_krank")
 FIT_TOOLS = ("to-universal", "restore", "reshard")
 DISK_GBPS = 2.0  # stated bandwidth for the disk-bound projection: a data-centre NVMe copying (read + write)
 # DeepSpeed's zero_to_fp32 with mmap (DeepSpeed PR #6658), weights only, no optimizer state: (label, seconds, peak GB)
 ZERO_TO_FP32 = {"Llama-3-70B": (20 * 60 + 45, 159), "Llama-3-405B": (2 * 3600 + 9 * 60 + 59, 262)}
 
 
-def _features(gb: float, files: int, dp: int) -> list[float]:
-    return [1.0, gb, files / 1000, dp / 1000]
+def _features(gb: float, tensors: int, files: int, dp: int) -> list[float]:
+    return [1.0, gb, tensors / 1000, files / 1000, dp / 1000]
 
 
 def fit(points: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -33,7 +34,7 @@ def fit(points: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         rows = [p for p in points if p["series"] != "workers" and tool in p["tools"]]
         if len(rows) < len(TERMS):
             continue
-        x = np.array([_features(p["bytes"] / 1e9, p["tools"][tool]["files_out"], p["dp"]) for p in rows])
+        x = np.array([_features(p["bytes"] / 1e9, p["tensors"], p["tools"][tool]["files_out"], p["dp"]) for p in rows])
         y = np.array([p["tools"][tool]["wall_s"] for p in rows])
         active = list(range(len(TERMS)))
         while True:
@@ -64,7 +65,12 @@ def project(model: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"model": target.label, "params": target.params, "tensors": target.tensors, "gb": gb}
         for tool, c in model.items():
             files = _files_out(tool, target)
-            overhead = c["fixed"] + c["per_kfile"] * files / 1000 + c["per_krank"] * target.dp / 1000
+            overhead = (
+                c["fixed"]
+                + c["per_ktensor"] * target.tensors / 1000
+                + c["per_kfile"] * files / 1000
+                + c["per_krank"] * target.dp / 1000
+            )
             row[tool] = {"fitted_s": overhead + c["per_gb"] * gb, "disk_s": overhead + gb / DISK_GBPS}
         row["zero_to_fp32"] = ZERO_TO_FP32.get(name)
         rows.append(row)
