@@ -145,7 +145,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         "# ucp scale series",
         "",
-        f"{env.get('date', '')}, commit {env.get('commit', '?')}, {os.cpu_count()} cores, python {sys.version.split()[0]}. "
+        f"{env.get('date', '')}, commit {env.get('ucp_commit', '?')}, {os.cpu_count()} cores, python {sys.version.split()[0]}. "
         f"`import torch`: {imp['wall_s']:.2f} s, {imp['maxrss_mib']:.0f} MiB (subtracted as start-up and memory floor).",
         "",
         "| series | point | GB | DP | tensors | tool | rounds | wall s (median) | work / cp -r | peak RSS MiB (above torch) | files out | files/s | load |",
@@ -209,7 +209,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         pts = [p for p in result["points"] if p["series"] == series]
         if not pts:
             continue
-        for tool in scale.TOOLS:
+        for tool in pts[0]["tools"]:  # cp-universal too, where measured
             xs = [x(p) for p in pts]
             axes[0][col].plot(xs, [p["tools"][tool]["wall_s"] for p in pts], "o-", label=tool)
             if tool in scale.TOOLS[:3]:
@@ -245,7 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     points = [p for p in points if p.series in only or (p.series == "bytes" and "workers" in only and p is points[0])]
     notes: list[str] = []
-    torch_import = scale.import_torch(cfg, root)
+    kept = root / "points" / "import-torch.json"  # measured with the points, kept with them
+    if kept.is_file() and not args.again:
+        torch_import = json.loads(kept.read_text())
+    else:
+        torch_import = scale.import_torch(cfg, root)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(torch_import))
     done: list[dict[str, Any]] = []
     for point in points:
         free = shutil.disk_usage(root).free
