@@ -44,6 +44,7 @@ from ucp.deepspeed.optim_states import (
     zero12_layouts,
 )
 from ucp.errors import InputError
+from ucp.io import descriptors
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, offloads_optimizer, round_robin_gradients, unsaved_state_note
 from ucp.model.options import zero_label
@@ -109,6 +110,7 @@ class Zero12Source(Reader):
         self._model: TorchFile | None = None
 
         def build() -> Facts:
+            descriptors.reserve(len(files.optim[mp_rank]) + 1, f"the save in {files.tag_dir}")
             for path in files.optim[mp_rank]:
                 self._optim.append(TorchFile(path))
             self._model = TorchFile(files.model[mp_rank][0])
