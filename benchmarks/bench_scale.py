@@ -120,22 +120,14 @@ def targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for tool in scale.TOOLS[:3]:
             r = p["tools"][tool]["work_vs_cp"]
             out.append({"target": f"{p['label']}: {tool} work / cp -r <= 1.0", "value": f"{r:.2f}", "holds": r <= 1.0})
-    ranks = [p for p in points if p["series"] == "ranks"]
-    if len(ranks) >= 2:
-        lo, hi = ranks[0], ranks[-1]
-        for tool in scale.TOOLS[:3]:
-            r = hi["tools"][tool]["wall_s"] / lo["tools"][tool]["wall_s"]
-            out.append(
-                {"target": f"{tool}: {hi['label']} / {lo['label']} time <= 1.5", "value": f"{r:.2f}", "holds": r <= 1.5}
-            )
-    many = [p for p in points if p["series"] == "tensors"]
-    if len(many) >= 2:
-        lo, hi = many[0], many[-1]
-        for tool in scale.TOOLS[:3]:
-            r = hi["tools"][tool]["wall_s"] / lo["tools"][tool]["wall_s"]
-            out.append(
-                {"target": f"{tool}: {hi['label']} / {lo['label']} time <= 2", "value": f"{r:.2f}", "holds": r <= 2.0}
-            )
+    for series, limit in (("ranks", 1.5), ("tensors", 2.0)):  # the series' last point against its first
+        ends = [p for p in points if p["series"] == series]
+        if len(ends) >= 2:
+            lo, hi = ends[0], ends[-1]
+            for tool in scale.TOOLS[:3]:
+                r = hi["tools"][tool]["wall_s"] / lo["tools"][tool]["wall_s"]
+                what = f"{tool}: {hi['label']} / {lo['label']} time <= {limit:g}"
+                out.append({"target": what, "value": f"{r:.2f}", "holds": r <= limit})
     return out
 
 
