@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.support.megatron_model import Built
+from tests.support.megatron_model import ADAM, Built
 
 __all__ = ["TRACKER", "iteration_dir", "load_checkpoint", "megatron_args", "save_checkpoint"]
 
@@ -60,19 +60,10 @@ _FIXED_ARGS: dict[str, Any] = dict(
     skipped_train_samples=0,
     consumed_valid_samples=0,
     data_parallel_random_init=False,
-    optimizer="adam",
+    **ADAM,
     lr=1e-2,
     min_lr=1e-2,
     lr_decay_style="constant",
-    weight_decay=0.01,
-    adam_beta1=0.9,
-    adam_beta2=0.95,
-    adam_eps=1e-8,
-    clip_grad=1.0,
-    bf16=False,
-    fp16=False,
-    params_dtype=torch.float32,
-    use_distributed_optimizer=True,
     ckpt_format="torch_dist",
     use_dist_ckpt=True,
     distrib_optim_fully_reshardable_mem_efficient=False,

@@ -47,6 +47,21 @@ class Built:
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])[0]
 
 
+#: The harness's distributed Adam: its OptimizerConfig, and the same values in the args its checkpoints record
+ADAM: dict[str, Any] = dict(
+    optimizer="adam",
+    weight_decay=0.01,
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_eps=1e-8,
+    clip_grad=1.0,
+    bf16=False,
+    fp16=False,
+    params_dtype=torch.float32,
+    use_distributed_optimizer=True,
+)
+
+
 def init_parallel(tp: int, pp: int, seed: int) -> None:
     """gloo, Megatron's model-parallel groups, and Megatron-LM's ``_set_random_seed`` (seed + 100 * pp_rank
     for python/numpy/torch and the tracker); then the default generator at ``seed`` on every rank, so the CPU
@@ -131,20 +146,7 @@ def build(model: dict[str, Any], tp: int, pp: int, seed: int, bucket_size: int |
     )
     ddp = DistributedDataParallel(config, ddp_config, gpt)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            min_lr=lr,
-            weight_decay=0.01,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_eps=1e-8,
-            clip_grad=1.0,
-            bf16=False,
-            fp16=False,
-            params_dtype=torch.float32,
-            use_distributed_optimizer=True,
-        ),
+        OptimizerConfig(lr=lr, min_lr=lr, **ADAM),
         [ddp],
     )
     scheduler = OptimizerParamScheduler(
