@@ -81,3 +81,43 @@ def test_real_checkpoints_cross_with_every_tensor_copied_in_ranges(
         assert ucp.diff(src, tmp_path / "dp3").equal
     finally:
         span_copy.set_copy_threads(default)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_many_small_spans_and_bytes_between_them_are_one_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """A rank's flat buffer cut from thousands of parameters' slices: spans of two files and zero padding between
+    them, in tasks that end inside spans, load as the joined tensor; every span's witness hears its own crc32."""
+    monkeypatch.setattr(span_copy, "PARALLEL_MIN", 1)
+    monkeypatch.setattr(span_copy, "_RANGE", 4096 + 8)
+    monkeypatch.setattr(span_copy, "_CHUNK", 1024)
+    src, tensor = _source(tmp_path, 50_000)
+    stamp = file_stamp(src.stat())
+    heard: dict[int, int] = {}
+    parts: list = []
+    expected: list[torch.Tensor] = []
+    at = 0
+    for i in range(600):
+        n = 1 + (i * 37) % 150
+        if at + n > tensor.numel():
+            break
+        parts.append(PathSpan(str(src), 100 + 4 * at, 4 * n, stamp, witness=lambda o, n, c: heard.__setitem__(o, c)))
+        expected.append(tensor[at : at + n])
+        at += n
+        if i % 7 == 0:
+            zeros = torch.zeros(1 + i % 5)
+            parts.append(zeros)
+            expected.append(zeros)
+    numel = sum(t.numel() for t in expected)
+    default = span_copy.copy_threads()
+    span_copy.set_copy_threads(threads)
+    try:
+        out, crc = _write(tmp_path, "rank", tuple(parts), numel)
+    finally:
+        span_copy.set_copy_threads(default)
+    assert crc == f"{zlib.crc32(out.read_bytes()) & 0xFFFFFFFF:08x}"
+    assert torch.equal(torch.load(out, weights_only=True)["t"], torch.cat(expected))
+    data = src.read_bytes()
+    spans = [p for p in parts if isinstance(p, PathSpan)]
+    assert heard == {p.offset: zlib.crc32(data[p.offset : p.offset + p.nbytes]) for p in spans}

@@ -1,10 +1,14 @@
-"""Copying one large record's spans with several threads: a tensor of gigabytes (an embedding, stacked experts) is
-cut into ranges that threads copy with ``pread`` / ``pwrite`` at their own offsets, each range CRC'd while hot;
-the range CRCs are combined in order, so the record's crc32 is the one a single pass gives.
+"""Copying a record's parts (byte spans of files, bytes in memory) into an output file: in tasks of about
+``_RANGE`` bytes, each filling one reused buffer and writing it with one ``pwrite``, every part CRC'd while hot.
 
-The writer that owns the output file (:mod:`ucp.io.torchzip`) hands a record's parts here when they are big enough
-to be worth it; its file position is left untouched (every write is positional), the caller moves it past the
-record. One shared pool serves every writer thread: a parameter's writer waits on its ranges, never the reverse.
+A record of many small spans (a rank's flat buffer cut from 10^5 parameters' slices) costs a read per span and a
+write per buffer, not a write and a task per span. A record of at least ``PARALLEL_MIN`` bytes (an embedding,
+stacked experts) has its tasks copied by a pool of threads at their own offsets; the parts' CRCs are combined in
+order, so the record's crc32 is the one a single pass gives, and each :class:`PathSpan` witness learns its span's.
+
+The writer that owns the output file (:mod:`ucp.io.torchzip`) hands a record's parts here; its file position is
+left untouched (every write is positional), the caller moves it past the record. One shared pool serves every
+writer thread: a parameter's writer waits on its tasks, never the reverse.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 from ucp.io.crc import crc32_combine
 from ucp.model.pieces import FileSpan, PathSpan, Span
@@ -24,11 +29,14 @@ __all__ = ["PARALLEL_MIN", "copy_threads", "set_copy_threads", "copy_spans"]
 PARALLEL_MIN = 64 << 20
 #: the bytes one task copies
 _RANGE = 16 << 20
+#: one buffer per thread; a bytes part at least this big is written from its own memory
 _CHUNK = 2 << 20
 _SCRATCH = threading.local()
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 _THREADS = max(1, min(8, os.cpu_count() or 1))
+
+Part = Span | bytes | memoryview
 
 
 def copy_threads() -> int:
@@ -54,6 +62,16 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """Bytes ``[skip, skip + nbytes)`` of part ``index`` (a span, or bytes in memory)."""
+
+    index: int
+    part: Part
+    skip: int
+    nbytes: int
+
+
 def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
     while len(view):
         done = os.pwrite(fd, view, at)
@@ -62,48 +80,92 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
         view, at = view[done:], at + done
 
 
-def _copy_range(fd: int, span: Span, skip: int, nbytes: int, at: int) -> int:
-    """Bytes ``[skip, skip + nbytes)`` of ``span`` to ``fd`` at ``at``; their crc32."""
+def _scratch() -> memoryview:
     buf = getattr(_SCRATCH, "buf", None)
-    if buf is None:
+    if buf is None or len(buf) != _CHUNK:
         buf = _SCRATCH.buf = memoryview(bytearray(_CHUNK))
-    done, crc = 0, 0
-    with span.opened() as source:
-        while done < nbytes:
-            chunk = buf[: min(_CHUNK, nbytes - done)]
-            source.read_into(chunk, skip + done)
-            crc = zlib.crc32(chunk, crc)
-            _pwrite_all(fd, chunk, at + done)
-            done += len(chunk)
-    return crc
+    return buf
 
 
-def copy_spans(fd: int, parts: Sequence[Span | bytes | memoryview], at: int, crc: int) -> int:
-    """Write ``parts`` (spans and small byte strings) to ``fd`` from offset ``at`` on, the spans in ranges by the
-    pool; returns ``crc`` extended by everything written. Each :class:`PathSpan` witness learns its span's crc32."""
-    pieces: list[tuple[list[tuple[Future[int] | int, int]], Span | None]] = []
-    pool = _pool()
-    for part in parts:
-        if isinstance(part, (FileSpan, PathSpan)):
-            ranges: list[tuple[Future[int] | int, int]] = []
-            for skip in range(0, part.nbytes, _RANGE):
-                n = min(_RANGE, part.nbytes - skip)
-                ranges.append((pool.submit(_copy_range, fd, part, skip, n, at + skip), n))
-            pieces.append((ranges, part))
-            at += part.nbytes
-        else:
-            view = memoryview(part).cast("B")
-            _pwrite_all(fd, view, at)
-            pieces.append(([(zlib.crc32(view), len(view))], None))
-            at += len(view)
-    # every range is done before any result is read: a failed one must not leave others writing to ``fd``
-    wait([done for ranges, _ in pieces for done, _ in ranges if isinstance(done, Future)])
-    for ranges, span in pieces:
-        own = 0
-        for done, n in ranges:
-            own = crc32_combine(own, done.result() if isinstance(done, Future) else done, n)
-        witness = getattr(span, "witness", None)
-        if witness is not None and span is not None:
-            witness(span.offset, span.nbytes, own)
-        crc = crc32_combine(crc, own, sum(n for _, n in ranges))
+def _copy_task(fd: int, segments: Sequence[_Segment], at: int) -> list[int]:
+    """Write ``segments`` one after another from offset ``at`` on; returns each one's crc32."""
+    buf, fill, crcs = _scratch(), 0, []
+    for seg in segments:
+        crc, done = 0, 0
+        if not isinstance(seg.part, (FileSpan, PathSpan)):
+            view = memoryview(seg.part).cast("B")[seg.skip : seg.skip + seg.nbytes]
+            if seg.nbytes >= _CHUNK:  # big enough to go from its own memory
+                _pwrite_all(fd, buf[:fill], at)
+                at, fill = at + fill, 0
+                _pwrite_all(fd, view, at)
+                at += seg.nbytes
+                crcs.append(zlib.crc32(view))
+                continue
+            while done < seg.nbytes:
+                n = min(_CHUNK - fill, seg.nbytes - done)
+                buf[fill : fill + n] = view[done : done + n]
+                crc = zlib.crc32(buf[fill : fill + n], crc)
+                fill, done = fill + n, done + n
+                if fill == _CHUNK:
+                    _pwrite_all(fd, buf[:fill], at)
+                    at, fill = at + fill, 0
+            crcs.append(crc)
+            continue
+        with seg.part.opened() as source:
+            while done < seg.nbytes:
+                n = min(_CHUNK - fill, seg.nbytes - done)
+                source.read_into(buf[fill : fill + n], seg.skip + done)
+                crc = zlib.crc32(buf[fill : fill + n], crc)
+                fill, done = fill + n, done + n
+                if fill == _CHUNK:
+                    _pwrite_all(fd, buf[:fill], at)
+                    at, fill = at + fill, 0
+        crcs.append(crc)
+    _pwrite_all(fd, buf[:fill], at)
+    return crcs
+
+
+def _tasks(parts: Sequence[Part], at: int) -> list[tuple[list[_Segment], int]]:
+    """The parts cut into tasks of about ``_RANGE`` bytes each, with each task's first output offset."""
+    tasks: list[tuple[list[_Segment], int]] = []
+    current: list[_Segment] = []
+    start, fill = at, 0
+    for index, part in enumerate(parts):
+        size = part.nbytes if isinstance(part, (FileSpan, PathSpan)) else memoryview(part).nbytes
+        skip = 0
+        while skip < size:
+            n = min(_RANGE - fill, size - skip)
+            current.append(_Segment(index, part, skip, n))
+            skip, fill = skip + n, fill + n
+            if fill == _RANGE:
+                tasks.append((current, start))
+                current, start, fill = [], start + fill, 0
+    if current:
+        tasks.append((current, start))
+    return tasks
+
+
+def copy_spans(fd: int, parts: Sequence[Part], at: int, crc: int, *, parallel: bool = True) -> int:
+    """Write ``parts`` (spans and byte strings) to ``fd`` from offset ``at`` on, by the pool when ``parallel`` and
+    the pool has more than one thread, else in the caller; returns ``crc`` extended by everything written. Each
+    :class:`PathSpan` witness learns its span's crc32."""
+    tasks = _tasks(parts, at)
+    results: list[list[int]]
+    if parallel and copy_threads() > 1 and len(tasks) > 1:
+        pool = _pool()
+        futures: list[Future[list[int]]] = [pool.submit(_copy_task, fd, segs, start) for segs, start in tasks]
+        # every task is done before any result is read: a failed one must not leave others writing to ``fd``
+        wait(futures)
+        results = [f.result() for f in futures]
+    else:
+        results = [_copy_task(fd, segs, start) for segs, start in tasks]
+    own = [0] * len(parts)
+    for (segments, _), crcs in zip(tasks, results):
+        for seg, seg_crc in zip(segments, crcs):
+            own[seg.index] = crc32_combine(own[seg.index], seg_crc, seg.nbytes)
+    for part, part_crc in zip(parts, own):
+        size = part.nbytes if isinstance(part, (FileSpan, PathSpan)) else memoryview(part).nbytes
+        if isinstance(part, PathSpan) and part.witness is not None:
+            part.witness(part.offset, part.nbytes, part_crc)
+        crc = crc32_combine(crc, part_crc, size)
     return crc

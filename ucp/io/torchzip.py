@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ucp.io.crc import crc32_combine
-from ucp.io.span_copy import PARALLEL_MIN, copy_spans, copy_threads
+from ucp.io.span_copy import PARALLEL_MIN, copy_spans
 from ucp.io.torchpickle import STREAMED, Chunk, pickle_object, tensor_bytes
-from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Span
+from ucp.model.pieces import FileSpan, LazyTensor, PathSpan
 
 __all__ = ["WrittenFile", "write_torch_file"]
 
@@ -147,8 +146,8 @@ def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
 
 
 class _ZipStream:
-    """Zip records, in order, onto ``fd``: small buffers go out together in one ``writev``; a
-    :class:`FileSpan` streams through a per-thread buffer, CRC'd while hot, and its record's local
+    """Zip records, in order, onto ``fd``: small buffers go out together in one ``writev``; a record
+    of spans is copied through reused buffers, CRC'd while hot (:mod:`ucp.io.span_copy`), and its local
     header, written first with a zero CRC, is patched once the CRC is known."""
 
     def __init__(self, fd: int, prefix: bytes) -> None:
@@ -169,10 +168,11 @@ class _ZipStream:
             crc = zlib.crc32(part, crc)  # type: ignore[arg-type]
         header = _local_header(full, size, crc, start)
         self._add(header)
-        spans = sum(p.nbytes for p in parts if isinstance(p, (FileSpan, PathSpan)))
-        if spans >= PARALLEL_MIN and copy_threads() > 1 and not any(isinstance(p, LazyTensor) for p in parts):
-            self._flush()  # a big tensor: its ranges copied by several threads at their own offsets
-            crc = copy_spans(self.fd, parts, self.offset, 0)  # type: ignore[arg-type]  # no LazyTensor here
+        if streamed and not any(isinstance(p, LazyTensor) for p in parts):
+            # spans (and the bytes between them) in buffered tasks; a big record's tasks by several threads
+            self._flush()
+            spans = sum(p.nbytes for p in parts if isinstance(p, (FileSpan, PathSpan)))
+            crc = copy_spans(self.fd, parts, self.offset, 0, parallel=spans >= PARALLEL_MIN)  # type: ignore[arg-type]
             self.offset += size
             os.lseek(self.fd, self.offset, os.SEEK_SET)
             parts = ()
@@ -184,8 +184,9 @@ class _ZipStream:
                 self._flush()  # the tensor goes as soon as it is written
             elif isinstance(part, (FileSpan, PathSpan)):
                 self._flush()
-                crc = _stream_span(self.fd, part, crc)
+                crc = copy_spans(self.fd, [part], self.offset, crc, parallel=False)
                 self.offset += part.nbytes
+                os.lseek(self.fd, self.offset, os.SEEK_SET)
             else:
                 if streamed:
                     crc = zlib.crc32(part, crc)
@@ -223,33 +224,6 @@ def _lazy_bytes(lazy: LazyTensor) -> memoryview:
     if tuple(tensor.shape) != tuple(lazy.shape) or tensor.dtype != lazy.dtype:
         raise ValueError(f"a lazy tensor promised {lazy.dtype} {lazy.shape}, made {tensor.dtype} {tuple(tensor.shape)}")
     return tensor_bytes(tensor)
-
-
-_CHUNK = 2 << 20
-# One scratch buffer per writer thread, reused across files: allocating (and zero-filling) a fresh
-# one per file would cost as much as the copy it serves. It dies with its thread.
-_SCRATCH = threading.local()
-
-
-def _stream_span(fd: int, span: Span, crc: int) -> int:
-    """Copy a span onto ``fd`` chunk by chunk, CRC'ing each chunk while it is in cache; returns
-    ``crc`` extended by the span. A :class:`PathSpan`'s file is open for just this copy, and its
-    witness learns the span's own crc32 (its reader checks the source file with it, no second read)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None:
-        buf = _SCRATCH.buf = memoryview(bytearray(_CHUNK))
-    done, own = 0, 0
-    with span.opened() as source:
-        while done < source.nbytes:
-            chunk = buf[: min(_CHUNK, source.nbytes - done)]
-            source.read_into(chunk, done)
-            own = zlib.crc32(chunk, own)
-            _write_all(fd, [chunk])
-            done += len(chunk)
-    witness = getattr(span, "witness", None)
-    if witness is not None:
-        witness(span.offset, span.nbytes, own)
-    return crc32_combine(crc, own, span.nbytes)
 
 
 _IOV_MAX = 1024

@@ -11,7 +11,7 @@ import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -21,7 +21,7 @@ from ucp.errors import ChecksumError, CorruptFileError
 __all__ = ["FileSpan", "PathSpan", "Span", "Part", "Pieces", "LazyTensor", "part_numel", "file_stamp"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileSpan:
     """``nbytes`` bytes at ``offset`` of an open file, copied with ``pread`` through a small reused
     buffer: nothing is mapped, so a span adds nothing to resident memory, and CRC and write both
@@ -53,7 +53,7 @@ class FileSpan:
         yield self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PathSpan:
     """``nbytes`` bytes at ``offset`` of the file at ``path``, opened only while they are copied.
 
@@ -73,7 +73,7 @@ class PathSpan:
 
     def narrow(self, skip: int, nbytes: int) -> PathSpan:
         """``nbytes`` of this span from byte ``skip`` on."""
-        return replace(self, offset=self.offset + skip, nbytes=nbytes)
+        return PathSpan(self.path, self.offset + skip, nbytes, self.stamp, self.witness)
 
     @contextmanager
     def opened(self) -> Iterator[FileSpan]:
@@ -137,13 +137,26 @@ class Pieces:
         numel = 1
         for d in self.shape:
             numel *= d
-        item = self.dtype.itemsize
-        if (
-            any(isinstance(p, (FileSpan, PathSpan)) and p.nbytes % item for p in self.parts)
-            or any(torch.is_tensor(p) and p.dtype != self.dtype for p in self.parts)
-            or sum(part_numel(p, item) for p in self.parts) != numel
-        ):
+        item, total, whole = self.dtype.itemsize, 0, True
+        for p in self.parts:  # one pass: a restore makes one per parameter, state and rank
+            if isinstance(p, (FileSpan, PathSpan)):
+                whole = whole and p.nbytes % item == 0
+                total += p.nbytes // item
+            else:
+                whole = whole and p.dtype == self.dtype
+                total += p.numel()
+        if not whole or total != numel:
             raise ValueError(f"pieces {self.parts!r:.200} do not make a {self.dtype} tensor of shape {self.shape}")
+
+    @classmethod
+    def _trusted(cls, parts: tuple[Part, ...], shape: tuple[int, ...], dtype: torch.dtype) -> Pieces:
+        """Pieces made from pieces already checked (a slice): the checks of ``__init__`` would cost more than the
+        slicing itself, once per parameter, state and rank."""
+        made = object.__new__(cls)
+        object.__setattr__(made, "parts", parts)
+        object.__setattr__(made, "shape", shape)
+        object.__setattr__(made, "dtype", dtype)
+        return made
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Pieces:
@@ -204,7 +217,9 @@ class Pieces:
                     else part.reshape(-1)[lo:hi]
                 )
             index += 1
-        return Pieces(tuple(parts), (end - start,), self.dtype)
+        if not 0 <= start <= end <= starts[-1]:
+            raise ValueError(f"elements [{start}, {end}) are not inside pieces of {starts[-1]}")
+        return Pieces._trusted(tuple(parts), (end - start,), self.dtype)
 
 
 def part_numel(part: Part, itemsize: int) -> int:
