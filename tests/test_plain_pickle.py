@@ -83,6 +83,8 @@ def assert_same(got: Any, want: Any, where: str = "obj") -> None:
             assert_same(a, b, f"{where}[{i}]")
     elif isinstance(want, float) and math.isnan(want):
         assert math.isnan(got), where
+    elif isinstance(want, standins.DSObject):
+        assert_same(vars(got), vars(want), f"{where}.__dict__")
     else:
         assert got == want, (where, got, want)
 
@@ -232,3 +234,32 @@ def test_open_all_reports_a_broken_repeat_as_opening_it_alone_does(tmp_path: Pat
     with pytest.raises(torchfile.CorruptFileError) as together:
         torchfile.TorchFile.open_all([tmp_path / "rank0.pt", tmp_path / "rank1.pt"])
     assert str(together.value) == str(alone.value) and "missing from the archive" in str(alone.value)
+
+
+@pytest.mark.slow
+def test_open_all_reads_the_optim_files_of_a_real_save_once(z3_bf16_dp2: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ZeRO-3 save's optim files name DeepSpeed's classes (the full unpickler reads them) and repeat each other's
+    pickle: the first is unpickled, the rest re-bound, stand-ins included, each onto its own file's tensors."""
+    paths = sorted(z3_bf16_dp2.tag_dir.glob("*optim_states.pt"))
+    assert len(paths) == 2
+    alone = [torchfile.TorchFile(path) for path in paths]
+    full: list[int] = []
+    counted = torchfile.TorchFile._unpickle_full
+
+    def count(self: torchfile.TorchFile, *args: Any) -> Any:
+        full.append(1)
+        return counted(self, *args)
+
+    monkeypatch.setattr(torchfile.TorchFile, "_unpickle_full", count)
+    files = torchfile.TorchFile.open_all(paths)
+    try:
+        assert len(full) == 1
+        for tf, want in zip(files, alone):
+            assert_same(tf.obj, want.obj, tf.path.name)
+            flat = tf.obj["optimizer_state_dict"]["fp32_flat_groups"][0]
+            assert tf.span(flat) is not None  # a view on its own file
+        scaler = [tf.obj["optimizer_state_dict"].get("loss_scaler") for tf in files]
+        assert scaler[0] is not None and scaler[0] is not scaler[1]  # each file its own stand-in object
+    finally:
+        for tf in files + alone:
+            tf.close()

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ucp.io.standins import DSEnum, DSObject, DSStrEnum
+
 __all__ = ["NotPlain", "load_plain", "rebind"]
 
 _UNPACK = struct.unpack_from
@@ -319,7 +321,8 @@ def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) ->
     them again: ``obj`` (a tree load_plain returned, untouched since) copied with each tensor and storage
     moved onto ``storage_of(its storage's _cdata)``, and what it shared still shared. Ranks of one save
     often pickle byte-identical metadata (ZeRO-3 model-states files); this is how the repeats are read.
-    :class:`NotPlain` for anything load_plain does not build.
+    DeepSpeed's stand-ins (:mod:`ucp.io.standins`, which the full unpickler builds) are copied too.
+    :class:`NotPlain` for anything else load_plain does not build.
     """
     plain_globals = tuple(_plain_globals().values())
     memo: dict[int, Any] = {}
@@ -336,6 +339,12 @@ def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) ->
             if memo[id(item)] is _BUILDING:
                 raise NotPlain("a tuple that holds itself")
             return memo[id(item)]
+        if isinstance(item, (DSEnum, DSStrEnum)):
+            return item  # an int or str standing in for a DeepSpeed enum member: immutable
+        if isinstance(item, DSObject):  # a DeepSpeed object's stand-in (a loss scaler): its fields copied
+            memo[id(item)] = made = object.__new__(kind)
+            made.__dict__.update(copy(vars(item)))
+            return made
         if kind is torch.Tensor:
             storage = storage_of(item.untyped_storage()._cdata)
             raw = storage._untyped_storage

@@ -37,6 +37,7 @@ from ucp.io.allow_list import (
     only_globals,
     refusal,
 )
+from ucp.io.memory import give_back_freed
 from ucp.io.plain_pickle import NotPlain, load_plain, rebind
 from ucp.io.standins import DSObject
 from ucp.io.zip_records import ZIP_MAGIC, Handed, Records, storage_loader, zip_records
@@ -157,6 +158,7 @@ class TorchFile:
             raise
         if files:
             files[-1]._template = None  # the trees are the caller's from here: none may be copied from
+        give_back_freed()  # the trees trimmed by ``each`` leave freed pages behind
         return files
 
     def _open(
@@ -252,6 +254,8 @@ class TorchFile:
                 logger.debug("%s: read by the full unpickler (%s)", self.path, why)
                 load_storage, sizes = self._storage_loader(records, prefix)  # fresh: nothing of the attempt is kept
                 obj = self._unpickle_full(data, load_storage)
+                if remember:  # the optim files of a save name DeepSpeed's classes and repeat each other too
+                    self._template = _Template(data, tuple(s[3] for s in sizes), _keys(sizes), obj)
         for key, raw, nbytes, _ in sizes:
             if raw.nbytes() != nbytes:
                 raise CorruptFileError(

@@ -45,6 +45,7 @@ def check_stage_and_ranks(
 ) -> None:
     """Every optim file says stage 3, and the rank count adds up (``limited``: some param groups only, where
     a save recording its partition groups is checked by :func:`check_partitions` instead)."""
+    names = [t.path.name for t in optim]  # once: a save of 4096 ranks checks each against all
     for tf, block in zip(optim, blocks):
         try:
             stage = stage_of(block)
@@ -56,7 +57,7 @@ def check_stage_and_ranks(
                 "(per-rank zero_pp_rank_*_model_states.pt); the checkpoint mixes stages"
             )
         if not limited or PARTITION_GROUPS not in block:  # else checked by check_partitions
-            check_rank_count(block, tf.path.name, [t.path.name for t in optim], rank_file, tag_dir)
+            check_rank_count(block, tf.path.name, names, rank_file, tag_dir)
 
 
 def check_partitions(optim: list[TorchFile], blocks: list[Mapping[str, Any]], subs: list[int]) -> None:

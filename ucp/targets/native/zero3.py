@@ -24,6 +24,7 @@ from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.autoep import PARTITION_GROUPS, partition_group_entry
 from ucp.deepspeed.layout import optim_file, zero3_model_file
 from ucp.errors import InputError
+from ucp.io.memory import give_back_freed
 from ucp.io.pool import parallel_map
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
@@ -108,6 +109,7 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
             for s, size in _sizes(layout)
         ]
         writer.write_rank(rank, fp32, optim, located.scalars)
+        give_back_freed()  # the rank's pieces and pickled tree, freed
 
     size = sum(4 * numel * (1 + len(k)) for numel, k in zip(layout.sub_group_numel, keys))  # one rank's file
     for _ in parallel_map(one, ranks, max(1, min(workers, len(ranks))), desc="write", weight=lambda r: size):
