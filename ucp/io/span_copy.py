@@ -18,6 +18,7 @@ import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from ucp.io.crc import crc32_combine
@@ -111,7 +112,7 @@ def _copy_task(fd: int, segments: Sequence[_Segment], at: int) -> list[int]:
                     at, fill = at + fill, 0
             crcs.append(crc)
             continue
-        with seg.part.opened() as source:
+        with nullcontext(seg.part) if isinstance(seg.part, FileSpan) else seg.part.opened() as source:
             while done < seg.nbytes:
                 n = min(_CHUNK - fill, seg.nbytes - done)
                 source.read_into(buf[fill : fill + n], seg.skip + done)
