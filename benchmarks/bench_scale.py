@@ -140,6 +140,13 @@ def render(result: dict[str, Any]) -> str:
         f"{env.get('date', '')}, commit {env.get('ucp_commit', '?')}, {os.cpu_count()} cores, python {sys.version.split()[0]}. "
         f"`import torch`: {imp['wall_s']:.2f} s, {imp['maxrss_mib']:.0f} MiB (subtracted as start-up and memory floor).",
         "",
+        "Measured at commit: "
+        + "; ".join(
+            f"{c}: {', '.join(dict.fromkeys(p['series'] for p in result['points'] if p.get('commit', '?') == c))}"
+            for c in dict.fromkeys(p.get("commit", "?") for p in result["points"])
+        )
+        + ".",
+        "",
         "| series | point | GB | DP | tensors | tool | rounds | wall s (median) | work / cp -r | peak RSS MiB (above torch) | files out | files/s | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -26,7 +26,7 @@ def tool_env() -> dict[str, str]:
     return env
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     """The checkout's short commit, ``+dirty`` when ucp/ has uncommitted changes; "" without git."""
     try:
         commit = subprocess.run(
@@ -62,7 +62,7 @@ def _ucp_cli_imports() -> list[str] | None:
 
 def environment() -> dict[str, Any]:
     """What the numbers depend on, recorded next to them (library versions from metadata, not imports)."""
-    commit = _git_commit()
+    commit = git_commit()
     cli_imports = _ucp_cli_imports()
     return {
         "python": platform.python_version(),

@@ -23,7 +23,7 @@ from typing import Any
 
 from .common import REPO, BenchConfig, dir_bytes, logger
 from .disk import prewarm, remove
-from .environment import tool_env
+from .environment import git_commit, tool_env
 from .process import Sample, run_measured
 from .shapes import SynthSpec, layers_for_bytes, many_tensors, one_tensor
 
@@ -205,6 +205,7 @@ def _measure(point: Point, root: Path, cfg: BenchConfig) -> None:
         "rounds": point.rounds,
         "flags": list(point.flags),
         "nproc": point.nproc,
+        "commit": git_commit(),  # a rerun of some series leaves the others as they were measured
         "tools": {tool: _stats([s for s in samples if s.tool == tool], files_out.get(tool, 0)) for tool in point.tools},
     }
 
