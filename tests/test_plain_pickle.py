@@ -223,6 +223,27 @@ def test_open_all_reads_a_repeated_pickle_once_and_gives_each_file_its_own_tenso
             tf.close()
 
 
+def test_open_all_keeps_only_the_named_keys_of_a_repeat_on_its_own_storages(tmp_path: Path) -> None:
+    """``keep``: a repeated pickle re-binds just those top-level keys (a ZeRO-3 rank's frozen fragments, not its
+    module of placeholders); the first file stays whole, and a file that does not repeat is read whole."""
+    paths = [tmp_path / f"rank{r}.pt" for r in range(3)]
+    for rank, path in enumerate(paths[:2]):
+        torch.save(_rank_like(rank), path)
+    torch.save({**_rank_like(2), "extra": 1}, paths[2])  # another pickle: read the ordinary way
+    alone = [torchfile.TorchFile(path) for path in paths]
+    files = torchfile.TorchFile.open_all(paths, keep=("frozen", "absent"))
+    try:
+        assert [tf.repeats for tf in files] == [False, True, False]
+        assert_same(files[0].obj, alone[0].obj)
+        assert list(files[1].obj) == ["frozen"]
+        assert_same(files[1].obj["frozen"], alone[1].obj["frozen"])
+        assert files[1].span(files[1].obj["frozen"]["w"]) is not None  # a view on its own file
+        assert_same(files[2].obj, alone[2].obj)
+    finally:
+        for tf in files + alone:
+            tf.close()
+
+
 def test_open_all_reports_a_broken_repeat_as_opening_it_alone_does(tmp_path: Path) -> None:
     torch.save(_rank_like(0), tmp_path / "rank0.pt")
     pickled, _ = _archive(tmp_path / "rank0.pt")

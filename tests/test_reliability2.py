@@ -741,7 +741,7 @@ def _oversized(root: Path) -> None:
 
 def _deep(root: Path) -> None:
     text = (root / MANIFEST).read_text()
-    (root / MANIFEST).write_text(text[:-1] + ', "x": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    (root / MANIFEST).write_text(text.rstrip()[:-1] + ', "x": ' + "[" * 50_000 + "]" * 50_000 + "}")
 
 
 def _missing_file(root: Path) -> None:

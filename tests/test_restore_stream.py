@@ -14,6 +14,7 @@ import json
 import shutil
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +31,11 @@ from ucp.universal.reader import open_universal
 pytestmark = pytest.mark.slow
 
 
-def _victim(root: Path) -> Path:
-    """The largest exp_avg.pt of a universal directory (its tensor spans several ranks' partitions)."""
+def _victim(root: Path, pick: Any = max) -> Path:
+    """The largest exp_avg.pt of a universal directory (its tensor spans several ranks' partitions), or with
+    ``pick=min`` the smallest (read whole by the fast path, so checked at once rather than from the copies)."""
     manifest = json.loads((root / MANIFEST).read_text())
-    entry = max(
+    entry = pick(
         (p for p in manifest["params"] if "exp_avg.pt" in p["files"]), key=lambda p: p["files"]["exp_avg.pt"]["bytes"]
     )
     return root / "zero" / entry["folder"] / "exp_avg.pt"
@@ -66,6 +68,23 @@ def test_a_damaged_universal_file_fails_the_restore_in_one_line_with_nothing_wri
     _flip(victim, where)
     out = tmp_path / "restored"
     code, err = run_cli(capsys, "restore", str(root), str(out), "--dp", "3", "--stage", stage)
+    line = assert_one_line_error(code, err, victim.parent.name)
+    assert "checksum" in line or "corrupt" in line, line
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u"], "a staging folder was left behind"
+
+
+@pytest.mark.parametrize("where", ["tensor", "pickle", "directory"])
+def test_a_damaged_small_universal_file_fails_the_restore_in_one_line_with_nothing_written(
+    universals, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    root = tmp_path / "u"
+    shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
+    victim = _victim(root, min)
+    assert victim.stat().st_size <= 8192  # read whole by the fast path
+    _flip(victim, where)
+    out = tmp_path / "restored"
+    code, err = run_cli(capsys, "restore", str(root), str(out), "--dp", "3")
     line = assert_one_line_error(code, err, victim.parent.name)
     assert "checksum" in line or "corrupt" in line, line
     assert not out.exists()

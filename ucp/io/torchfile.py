@@ -124,6 +124,7 @@ class TorchFile:
         pairs this file may name beyond the allow-list (a verl checkpoint's DTensors:
         :data:`ucp.io.dist_standins.DIST_GLOBALS`)."""
         self._allow = tuple(allow)
+        self._keep: tuple[str, ...] | None = None
         self._open(path, check=check, like=None, remember=False)
 
     @classmethod
@@ -131,13 +132,16 @@ class TorchFile:
         cls,
         paths: Iterable[str | os.PathLike],
         each: Callable[[list[TorchFile], TorchFile], None] | None = None,
+        keep: tuple[str, ...] | None = None,
     ) -> list[TorchFile]:
         """Open the rank files of one save in order; a file whose pickle repeats the one before it byte for
         byte (a ZeRO-3 model-states file repeats the module dict on every rank) is not unpickled again:
         the tree read before, untouched yet, is copied onto this file's storages. ``each(opened, file)``
         sees every file as it is opened (``opened``: those before it), to check it and trim its ``obj`` to
         what is kept, so that memory holds one whole tree, not one per rank. If one fails, those already
-        open are closed."""
+        open are closed. ``keep``: of a file that repeats the one before (``repeats``), re-bind only these top-level
+        keys of its dict, and load only the storages they reach: the rest is the file before's, byte for byte
+        (a ZeRO-3 rank's module of 10^5 placeholder tensors, never read again)."""
         paths = list(paths)
         if paths:
             descriptors.reserve(len(paths), f"the save in {Path(paths[0]).parent}")
@@ -146,6 +150,7 @@ class TorchFile:
             for path in paths:
                 tf = cls.__new__(cls)
                 tf._allow = ()
+                tf._keep = keep
                 tf._open(path, check=None, like=files[-1]._template if files else None, remember=True)
                 if files:
                     files[-1]._template = None  # only the last file read is copied from
@@ -172,6 +177,8 @@ class TorchFile:
         """What ``__init__`` does; ``like``: how the file before was read (to re-bind a repeat of its
         pickle); ``remember``: keep how this one was read, for the file after it."""
         self.path = Path(path)
+        #: the pickle repeats the file's before it byte for byte (open_all): only its tensors can differ
+        self.repeats = False
         self._template: _Template | None = None
         self._mm: mmap.mmap | None = None
         self._file: io.RawIOBase | None = None
@@ -244,6 +251,7 @@ class TorchFile:
         obj, sizes = (
             self._rebound(like, data, records, prefix) if like is not None and like.data == data else (None, [])
         )
+        self.repeats = obj is not None
         if obj is None:
             load_storage, sizes = self._storage_loader(records, prefix)
             try:
@@ -269,9 +277,15 @@ class TorchFile:
         when that fails in any way, so that unpickling it reports the failure in its own words."""
         load_storage, sizes = self._storage_loader(records, prefix)
         try:
-            # every storage the unpickler would ask for, in its order: the same checks, the same first error
-            by_key = {saved_id[2]: load_storage(saved_id) for saved_id in like.saved_ids}
-            obj = rebind(like.obj, lambda cdata: by_key[like.keys[cdata]])
+            if self._keep is not None and isinstance(like.obj, dict):
+                # only the kept keys, and only the storages they reach (load_storage checks each as it comes)
+                ids = {saved_id[2]: saved_id for saved_id in like.saved_ids}
+                kept = type(like.obj)((key, like.obj[key]) for key in self._keep if key in like.obj)
+                obj = rebind(kept, lambda cdata: load_storage(ids[like.keys[cdata]]))
+            else:
+                # every storage the unpickler would ask for, in its order: the same checks, the same first error
+                by_key = {saved_id[2]: load_storage(saved_id) for saved_id in like.saved_ids}
+                obj = rebind(like.obj, lambda cdata: by_key[like.keys[cdata]])
         except Exception as why:  # noqa: BLE001 - any failure: read this file the ordinary way
             logger.debug("%s: not re-bound from the rank before (%s)", self.path, one_line(why, 120))
             return None, []

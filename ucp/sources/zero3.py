@@ -51,6 +51,7 @@ from ucp.sources.format import How, Probe, SourceFormat
 from ucp.sources.zero3_nvme import SwapFiles, swap_in
 from ucp.sources.zero3_rank_files import (
     Inner,
+    RANK_MODEL_KEYS,
     check_model_rank,
     check_models,
     check_partitions,
@@ -98,7 +99,7 @@ class Zero3Source(Reader):
         def build() -> Facts:
             # rank by rank: each model-states file repeats the module dict, read once and re-bound after
             self._optim = TorchFile.open_all(files.optim[mp_rank])
-            self._model = TorchFile.open_all(files.model[mp_rank], each=check_model_rank)
+            self._model = TorchFile.open_all(files.model[mp_rank], each=check_model_rank, keep=RANK_MODEL_KEYS)
             return self._facts(optimizer)
 
         self.facts = build_facts(

@@ -83,7 +83,12 @@ def check_model_rank(opened: list[TorchFile], tf: TorchFile) -> None:
     """Check one rank's model-states file as it is opened (``opened``: the ranks before it) and, after the
     first, keep only :data:`RANK_MODEL_KEYS` of its tree. Every rank repeats the module dict and
     ``param_shapes``: kept for every rank they would cost ranks x parameters objects (4096 x 10^5 for a MoE
-    saved at DP 4096), so memory would follow the model instead of one rank's metadata."""
+    saved at DP 4096), so memory would follow the model instead of one rank's metadata. A file that repeats the
+    pickle of the rank before byte for byte (``TorchFile.repeats``) passed these checks with it; opened with
+    ``keep=RANK_MODEL_KEYS`` it holds just those."""
+    if opened and tf.repeats:
+        tf.obj = {key: tf.obj[key] for key in RANK_MODEL_KEYS if key in tf.obj}
+        return
     obj = check_model_states(tf.obj, tf.path.name, "not a ZeRO-3 model-states file")
     if not opened:
         return

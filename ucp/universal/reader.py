@@ -65,12 +65,14 @@ class UniversalReader(Reader):
         version = raw.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
-        self.manifest = raw
+        # its top-level fields (format, created_by, ...); the per-parameter list lives on as the parsed entries
+        self.manifest = {k: v for k, v in raw.items() if k != "params"}
         self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
         self._memo: dict[Path, tuple[tuple[int, ...] | None, Any]] = {}  # path -> (_stamp, what parsing it told)
         self._pending: dict[str, SpanCheck] | None = None  # inside deferred_checks: files not checked yet
         self._elsewhere: Callable[[str], bool] | None = None  # inside deferred_checks: names another process checks
         self.facts, entries, self._files = facts_from_manifest(raw)
+        del raw
         self._entries = {e.name: e for e in entries}
         root = (path / "zero").resolve()
         for entry in entries:
@@ -248,7 +250,13 @@ class UniversalReader(Reader):
             record = find_tensor_record(path, param_pickle(shape), math.prod(shape) * FP32_BYTES)
             if record is not None and record.size == claim.bytes:
                 elsewhere = self._elsewhere is not None and self._elsewhere(name)
-                if self.verify and self._pending is not None and not elsewhere:
+                if self.verify and record.data is not None:  # read whole already: checked now, nothing kept
+                    if f"{record.file_crc(zlib.crc32(record.data)) & 0xFFFFFFFF:08x}" != claim.crc32:
+                        raise ChecksumError(
+                            f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt"
+                        )
+                    self._verified[path] = record.stamp
+                elif self.verify and self._pending is not None and not elsewhere:
                     self._pending[str(path)] = SpanCheck(str(path), record, claim.crc32)
                 self._memo[path] = (record.stamp, (record.offset, record.nbytes))
                 return self._span(path, record.offset, record.nbytes, record.stamp, shape)

@@ -16,7 +16,6 @@ it), else a reversible percent-encoding; ucp.json maps names to folders either w
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ from ucp.universal.manifest import (
     ParamEntry,
     folder_for,
     manifest_json,
+    manifest_text,
     source_layouts,
     state_file,
 )
@@ -160,6 +160,6 @@ def finish_universal(
     _ds_compat_files(root, facts, extras, buffers)
     manifest = manifest_json(facts, entries, files, layouts)
     tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.write_text(manifest_text(manifest))
     os.replace(tmp, root / MANIFEST)
     return manifest
