@@ -258,7 +258,9 @@ def test_open_all_reports_a_broken_repeat_as_opening_it_alone_does(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_open_all_reads_the_optim_files_of_a_real_save_once(z3_bf16_dp2: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_open_all_reads_the_optim_files_of_a_real_save_once(
+    z3_bf16_dp2: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A ZeRO-3 save's optim files name DeepSpeed's classes (the full unpickler reads them) and repeat each other's
     pickle: the first is unpickled, the rest re-bound, stand-ins included, each onto its own file's tensors."""
     paths = sorted(z3_bf16_dp2.tag_dir.glob("*optim_states.pt"))

@@ -50,8 +50,8 @@ from ucp.sources.common import SpanSource, file_pieces, group_meta, zero3_gather
 from ucp.sources.format import How, Probe, SourceFormat
 from ucp.sources.zero3_nvme import SwapFiles, swap_in
 from ucp.sources.zero3_rank_files import (
-    Inner,
     RANK_MODEL_KEYS,
+    Inner,
     check_model_rank,
     check_models,
     check_partitions,
