@@ -67,8 +67,10 @@ class UniversalReader(Reader):
             raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
         # its top-level fields (format, created_by, ...); the per-parameter list lives on as the parsed entries
         self.manifest = {k: v for k, v in raw.items() if k != "params"}
+        self._zero = path / "zero"
         self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
-        self._memo: dict[Path, tuple[tuple[int, ...] | None, Any]] = {}  # path -> (_stamp, what parsing it told)
+        # str(path) -> (_stamp, what parsing it told): one entry per file read, 4 x 10^5 of them for a MoE
+        self._memo: dict[str, tuple[tuple[int, ...] | None, Any]] = {}
         self._pending: dict[str, SpanCheck] | None = None  # inside deferred_checks: files not checked yet
         self._elsewhere: Callable[[str], bool] | None = None  # inside deferred_checks: names another process checks
         self.facts, entries, self._files = facts_from_manifest(raw)
@@ -107,7 +109,7 @@ class UniversalReader(Reader):
             check_file(self.path / key, claim)
 
     def file_path(self, name: str, key: str) -> Path:
-        return self.path / "zero" / self._entries[name].folder / key
+        return self._zero.joinpath(self._entries[name].folder, key)  # one join: called per file, per rank
 
     def _check(self, path: Path, entry: FileEntry | None) -> Callable[[mmap.mmap], None] | None:
         """What a file must match before it is parsed: its size now, its crc32 over the very pages that
@@ -173,7 +175,7 @@ class UniversalReader(Reader):
             return entry.step
         path = self.file_path(name, STEP_FILE)
         stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
-        known = self._memo.get(path)
+        known = self._memo.get(str(path))
         if known is not None and stamp is not None and known[0] == stamp:
             return known[1]
         value = small_step(path, entry.files[STEP_FILE], verify=self.verify)
@@ -182,7 +184,7 @@ class UniversalReader(Reader):
             value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
         if not isinstance(value, (int, float)) or value != entry.step:
             raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
-        self._memo[path] = (stamp, int(value))
+        self._memo[str(path)] = (stamp, int(value))
         return int(value)
 
     def _keys(self, entry: ParamEntry, moments: bool) -> tuple[str, ...]:
@@ -241,7 +243,7 @@ class UniversalReader(Reader):
         shape = tuple(entry.shape)
         path = self.file_path(name, key)
         stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
-        known = self._memo.get(path)
+        known = self._memo.get(str(path))
         if known is not None and stamp is not None and known[0] == stamp:
             offset, nbytes = known[1]
             return self._span(path, offset, nbytes, stamp, shape)
@@ -255,10 +257,9 @@ class UniversalReader(Reader):
                         raise ChecksumError(
                             f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt"
                         )
-                    self._verified[path] = record.stamp
                 elif self.verify and self._pending is not None and not elsewhere:
                     self._pending[str(path)] = SpanCheck(str(path), record, claim.crc32)
-                self._memo[path] = (record.stamp, (record.offset, record.nbytes))
+                self._memo[str(path)] = (record.stamp, (record.offset, record.nbytes))
                 return self._span(path, record.offset, record.nbytes, record.stamp, shape)
         tf, tensor = self._open_tensor(name, key)
         try:
@@ -267,13 +268,14 @@ class UniversalReader(Reader):
             tf.close()
         if span is None or stamp is None:
             return Pieces.of(tensor)
-        self._memo[path] = (stamp, (span.offset, span.nbytes))
+        self._memo[str(path)] = (stamp, (span.offset, span.nbytes))
         return self._span(path, span.offset, span.nbytes, stamp, shape)
 
     def _span(self, path: Path, offset: int, nbytes: int, stamp: tuple[int, ...], shape: tuple[int, ...]) -> Pieces:
-        pending = self._pending.get(str(path)) if self._pending is not None else None
+        where = str(path)
+        pending = self._pending.get(where) if self._pending is not None else None
         witness = pending.witness if pending is not None else None
-        return Pieces((PathSpan(str(path), offset, nbytes, stamp, witness),), shape, torch.float32)
+        return Pieces((PathSpan(where, offset, nbytes, stamp, witness),), shape, torch.float32)
 
     @contextmanager
     def deferred_checks(self, elsewhere: Callable[[str], bool] | None = None) -> Iterator[None]:
@@ -300,7 +302,7 @@ class UniversalReader(Reader):
                 self._verified[Path(path)] = check.record.stamp
         except BaseException:
             for path in self._pending:
-                self._memo.pop(Path(path), None)
+                self._memo.pop(path, None)
             raise
         finally:
             self._pending = None
