@@ -64,15 +64,9 @@ class _Tensors:
             numel = obj.nbytes // obj.dtype.itemsize
             return _rebuild(StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
         if isinstance(obj, torch.Tensor):  # written from its own memory; no Pieces to build and check
-            numel = obj.numel()
-            own: list[Chunk] = [tensor_bytes(obj.detach())] if numel else []
-            return _rebuild(StorageRef(_storage_type(obj.dtype), own, numel), tuple(obj.shape))
+            return _rebuild(StorageRef(_storage_type(obj.dtype), _chunks(obj), obj.numel()), tuple(obj.shape))
         if isinstance(obj, Pieces):
-            item = obj.dtype.itemsize
-            data = [
-                p if isinstance(p, (FileSpan, PathSpan)) else tensor_bytes(p) for p in obj.parts if part_numel(p, item)
-            ]
-            return _rebuild(StorageRef(_storage_type(obj.dtype), data, obj.numel), obj.shape)
+            return _rebuild(StorageRef(_storage_type(obj.dtype), _chunks(obj), obj.numel), obj.shape)
         return NotImplemented
 
 
@@ -132,10 +126,52 @@ class _Pickler(_Tensors, _PyPickler):
 _STANDIN_MODULE = DSObject.__module__.encode()
 
 
+#: data.pkl of ``{key: one tensor}`` by (key, shape, dtype): it holds no values, and a universal directory writes
+#: one such file per parameter and state key (4 x 10^5 of them for a MoE)
+_SINGLE: dict[tuple[str, tuple[int, ...], torch.dtype], bytes] = {}
+_SINGLE_MAX = 4096
+
+
 def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
     """``obj``'s data.pkl and its storage records: the C pickler (tens of times faster on a
     model-states file's thousands of small objects), or the pure-Python one when a stand-in's
-    name also turns up somewhere a GLOBAL opcode did not put it."""
+    name also turns up somewhere a GLOBAL opcode did not put it. A dict of one tensor (or
+    :class:`Pieces`) under a string key reuses the pickle of an earlier one of its shape."""
+    single = _single_tensor(obj)
+    if single is None:
+        return _pickle_any(obj)
+    known = _SINGLE.get(single)
+    if known is not None:
+        value = next(iter(obj.values()))
+        return known, [("0", _chunks(value))]
+    data, records = _pickle_any(obj)
+    if len(_SINGLE) >= _SINGLE_MAX:
+        _SINGLE.clear()
+    _SINGLE[single] = data
+    return data, records
+
+
+def _single_tensor(obj: Any) -> tuple[str, tuple[int, ...], torch.dtype] | None:
+    """(key, shape, dtype) of ``{key: tensor or Pieces}``, whose data.pkl depends on nothing else; else None."""
+    if type(obj) is not dict or len(obj) != 1:
+        return None
+    key, value = next(iter(obj.items()))
+    if type(key) is not str or type(value) not in (torch.Tensor, Pieces):
+        return None
+    return key, tuple(value.shape), value.dtype
+
+
+def _chunks(value: torch.Tensor | Pieces) -> list[Chunk]:
+    """The record's bytes of a tensor or :class:`Pieces`, as the reducer hands them to the writer."""
+    if isinstance(value, Pieces):
+        item = value.dtype.itemsize
+        return [
+            p if isinstance(p, (FileSpan, PathSpan)) else tensor_bytes(p) for p in value.parts if part_numel(p, item)
+        ]
+    return [tensor_bytes(value.detach())] if value.numel() else []
+
+
+def _pickle_any(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
     buffer = io.BytesIO()
     fast = _FastPickler(buffer)
     fast.dump(obj)
