@@ -229,3 +229,14 @@ def test_tensors_stay_valid_after_the_file_is_closed(tmp_path: Path) -> None:
     assert torch.equal(kept, torch.arange(10.0, 20.0)) and float(scale) == 8.0
     loaded = torchfile.load(tmp_path / "f.pt")
     assert float(loaded["scaler"].cur_scale) == 8.0
+
+
+def test_a_zero_dim_counter_is_copied_out_of_the_mapping(tmp_path: Path) -> None:
+    """A step counter read after the file's pages were dropped must not map a folio of the file back in (a save of
+    4096 ranks kept 500 MiB resident for them): 0-dim storages are copies, the rest stay views on the file."""
+    path = tmp_path / "optim.pt"
+    torch.save({"step": torch.tensor(7, dtype=torch.int64), "flat": torch.arange(1000.0), "few": torch.ones(3)}, path)
+    with torchfile.TorchFile(path) as tf:
+        assert tf.obj["step"].item() == 7 and tf.span(tf.obj["step"]) is None
+        assert tf.span(tf.obj["flat"]) is not None and tf.span(tf.obj["few"]) is not None
+        assert torch.equal(tf.obj["flat"], torch.arange(1000.0))

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 ZIP_MAGIC = b"PK\x03\x04"
 #: What a storage loader hands out, per storage: (key, storage, bytes the record must hold, persistent id).
 Handed = tuple[str, torch.UntypedStorage, int, Any]
+#: storages of at most this many bytes (one 0-dim tensor) are copied out of the mapping, not viewed
+COPY_MAX = 8
 #: each zip member's (data offset, length) in the file
 Records = dict[str, tuple[int, int]]
 
@@ -94,12 +96,15 @@ def storage_loader(
         if numel < 0 or nbytes > record[1]:
             raise CorruptFileError(f"{path}: storage {key} holds {record[1]} bytes, needs {nbytes}")
         # A frombuffer view per record: zero-copy like a slice of the whole mapping, but copying from
-        # a slice of one big UntypedStorage was measured 10-30x slower (torch 2.13, CPU).
-        raw = (
-            torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
-            if nbytes
-            else torch.UntypedStorage(0)
-        )
+        # a slice of one big UntypedStorage was measured 10-30x slower (torch 2.13, CPU). A 0-dim counter
+        # or scalar is copied instead: read after the file's pages were dropped, it would map a whole folio
+        # of the file back in (DP 4096: 500 MiB of RSS for one step counter per rank file).
+        if nbytes > COPY_MAX:
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
+        elif nbytes:
+            raw = torch.frombuffer(bytearray(mm[record[0] : record[0] + nbytes]), dtype=torch.uint8).untyped_storage()
+        else:
+            raw = torch.UntypedStorage(0)
         typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
         storages[key] = typed
         sizes.append((key, raw, nbytes, saved_id))
