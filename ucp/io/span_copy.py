@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 from ucp.io.crc import crc32_combine
 from ucp.model.pieces import FileSpan, PathSpan, Span
@@ -92,38 +93,48 @@ def _copy_task(fd: int, segments: Sequence[_Segment], at: int) -> list[int]:
     """Write ``segments`` one after another from offset ``at`` on; returns each one's crc32."""
     buf, fill, crcs = _scratch(), 0, []
     for seg in segments:
-        crc, done = 0, 0
-        if not isinstance(seg.part, (FileSpan, PathSpan)):
-            view = memoryview(seg.part).cast("B")[seg.skip : seg.skip + seg.nbytes]
-            if seg.nbytes >= _CHUNK:  # big enough to go from its own memory
+        part = seg.part
+        if isinstance(part, (FileSpan, PathSpan)):
+            with nullcontext(part) if isinstance(part, FileSpan) else part.opened() as source:
+                fill, at, crc = _fill(fd, buf, fill, at, seg.nbytes, partial(_read, source, seg.skip))
+        else:
+            view = memoryview(part).cast("B")[seg.skip : seg.skip + seg.nbytes]
+            if seg.nbytes < _CHUNK:
+                fill, at, crc = _fill(fd, buf, fill, at, seg.nbytes, partial(_put, view))
+            else:  # big enough to go from its own memory
                 _pwrite_all(fd, buf[:fill], at)
                 at, fill = at + fill, 0
                 _pwrite_all(fd, view, at)
-                at += seg.nbytes
-                crcs.append(zlib.crc32(view))
-                continue
-            while done < seg.nbytes:
-                n = min(_CHUNK - fill, seg.nbytes - done)
-                buf[fill : fill + n] = view[done : done + n]
-                crc = zlib.crc32(buf[fill : fill + n], crc)
-                fill, done = fill + n, done + n
-                if fill == _CHUNK:
-                    _pwrite_all(fd, buf[:fill], at)
-                    at, fill = at + fill, 0
-            crcs.append(crc)
-            continue
-        with nullcontext(seg.part) if isinstance(seg.part, FileSpan) else seg.part.opened() as source:
-            while done < seg.nbytes:
-                n = min(_CHUNK - fill, seg.nbytes - done)
-                source.read_into(buf[fill : fill + n], seg.skip + done)
-                crc = zlib.crc32(buf[fill : fill + n], crc)
-                fill, done = fill + n, done + n
-                if fill == _CHUNK:
-                    _pwrite_all(fd, buf[:fill], at)
-                    at, fill = at + fill, 0
+                at, crc = at + seg.nbytes, zlib.crc32(view)
         crcs.append(crc)
     _pwrite_all(fd, buf[:fill], at)
     return crcs
+
+
+def _put(view: memoryview, dst: memoryview, done: int) -> None:
+    dst[:] = view[done : done + len(dst)]
+
+
+def _read(source: FileSpan, skip: int, dst: memoryview, done: int) -> None:
+    source.read_into(dst, skip + done)
+
+
+def _fill(
+    fd: int, buf: memoryview, fill: int, at: int, nbytes: int, read: Callable[[memoryview, int], None]
+) -> tuple[int, int, int]:
+    """Move ``nbytes`` into ``buf`` behind its first ``fill`` bytes (``read(dst, done)`` fills ``dst`` with the
+    bytes from ``done`` on), CRC'ing them, writing ``buf`` at ``at`` each time it is full; returns the new fill,
+    the new offset of ``buf`` and the bytes' crc32."""
+    crc, done = 0, 0
+    while done < nbytes:
+        n = min(_CHUNK - fill, nbytes - done)
+        read(buf[fill : fill + n], done)
+        crc = zlib.crc32(buf[fill : fill + n], crc)
+        fill, done = fill + n, done + n
+        if fill == _CHUNK:
+            _pwrite_all(fd, buf[:fill], at)
+            at, fill = at + fill, 0
+    return fill, at, crc
 
 
 def _tasks(parts: Sequence[Part], at: int) -> list[tuple[list[_Segment], int]]:
