@@ -137,3 +137,11 @@ def test_a_span_check_needs_every_byte_of_the_tensor_and_reads_what_was_not_copi
     lying = SpanCheck(str(path), record, written.crc32)
     lying.witness(record.offset, 4000, crc(0, 4000) ^ 1)  # a copy that saw other bytes
     assert not lying.confirm()
+    ranks = SpanCheck(str(path), record, written.crc32)
+    for lo in range(0, 4000, 500):  # eight ranks' slices in order: kept as one entry
+        ranks.witness(record.offset + lo, 500, crc(lo, lo + 500))
+    assert len(ranks._seen) == 1 and ranks.confirm()
+    merged_lie = SpanCheck(str(path), record, written.crc32)
+    merged_lie.witness(record.offset, 2000, crc(0, 2000))
+    merged_lie.witness(record.offset + 2000, 2000, crc(2000, 4000) ^ 1)
+    assert not merged_lie.confirm()

@@ -149,7 +149,11 @@ class SpanCheck:
 
     def witness(self, offset: int, nbytes: int, crc: int) -> None:
         with self._lock:
-            self._seen.append((offset, nbytes, crc))
+            last = self._seen[-1] if self._seen else None
+            if last is not None and last[0] + last[1] == offset:  # rank after rank: one entry, not one per rank
+                self._seen[-1] = (last[0], last[1] + nbytes, crc32_combine(last[2], crc, nbytes))
+            else:
+                self._seen.append((offset, nbytes, crc))
 
     def confirm(self) -> bool:
         """True when the file's crc32 is the manifest's: the spans copied, plus what nobody copied

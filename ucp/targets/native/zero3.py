@@ -91,7 +91,8 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
     writer.settle(located.steps)
 
     def one(rank: int) -> None:
-        placed: list[list[tuple[str | None, int, Pieces]]] = [[] for _ in layout.sub_group_numel]
+        # (sub-group, state key or None for the masters) -> this rank's slices at their offsets
+        placed: dict[tuple[int, str | None], list[tuple[int, Pieces]]] = {}
         for g in range(len(plan.group_names)):
             names, _, part = _held(plan, g, rank)
             for i, name in enumerate(names):
@@ -100,14 +101,11 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
                 if end <= start:
                     continue
                 state = located.states[name]
-                placed[slot.sub_group].append((None, slot.offset, state.fp32.slice(start, end)))
+                placed.setdefault((slot.sub_group, None), []).append((slot.offset, state.fp32.slice(start, end)))
                 for key, pieces in state.optim.items():
-                    placed[slot.sub_group].append((key, slot.offset, pieces.slice(start, end)))
-        fp32 = [flat_pieces(size, [(o, p) for k, o, p in placed[s] if k is None]) for s, size in _sizes(layout)]
-        optim = [
-            {key: flat_pieces(size, [(o, p) for k, o, p in placed[s] if k == key]) for key in keys[s]}
-            for s, size in _sizes(layout)
-        ]
+                    placed.setdefault((slot.sub_group, key), []).append((slot.offset, pieces.slice(start, end)))
+        fp32 = [flat_pieces(size, placed.pop((s, None), [])) for s, size in _sizes(layout)]
+        optim = [{key: flat_pieces(size, placed.pop((s, key), [])) for key in keys[s]} for s, size in _sizes(layout)]
         writer.write_rank(rank, fp32, optim, located.scalars)
         give_back_freed()  # the rank's pieces and pickled tree, freed
 
