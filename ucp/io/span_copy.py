@@ -38,7 +38,8 @@ _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 
-Part = Span | bytes | memoryview
+#: what a record is copied from: spans of files, or bytes already in memory
+Copied = Span | bytes | memoryview
 
 
 def copy_threads() -> int:
@@ -69,7 +70,7 @@ class _Segment:
     """Bytes ``[skip, skip + nbytes)`` of part ``index`` (a span, or bytes in memory)."""
 
     index: int
-    part: Part
+    part: Copied
     skip: int
     nbytes: int
 
@@ -137,13 +138,17 @@ def _fill(
     return fill, at, crc
 
 
-def _tasks(parts: Sequence[Part], at: int) -> list[tuple[list[_Segment], int]]:
+def _nbytes(part: Copied) -> int:
+    return part.nbytes if isinstance(part, (FileSpan, PathSpan)) else memoryview(part).nbytes
+
+
+def _tasks(parts: Sequence[Copied], at: int) -> list[tuple[list[_Segment], int]]:
     """The parts cut into tasks of about ``_RANGE`` bytes each, with each task's first output offset."""
     tasks: list[tuple[list[_Segment], int]] = []
     current: list[_Segment] = []
     start, fill = at, 0
     for index, part in enumerate(parts):
-        size = part.nbytes if isinstance(part, (FileSpan, PathSpan)) else memoryview(part).nbytes
+        size = _nbytes(part)
         skip = 0
         while skip < size:
             n = min(_RANGE - fill, size - skip)
@@ -157,7 +162,7 @@ def _tasks(parts: Sequence[Part], at: int) -> list[tuple[list[_Segment], int]]:
     return tasks
 
 
-def copy_spans(fd: int, parts: Sequence[Part], at: int, crc: int, *, parallel: bool = True) -> int:
+def copy_spans(fd: int, parts: Sequence[Copied], at: int, crc: int, *, parallel: bool = True) -> int:
     """Write ``parts`` (spans and byte strings) to ``fd`` from offset ``at`` on, by the pool when ``parallel`` and
     the pool has more than one thread, else in the caller; returns ``crc`` extended by everything written. Each
     :class:`PathSpan` witness learns its span's crc32."""
@@ -176,7 +181,7 @@ def copy_spans(fd: int, parts: Sequence[Part], at: int, crc: int, *, parallel: b
         for seg, seg_crc in zip(segments, crcs):
             own[seg.index] = crc32_combine(own[seg.index], seg_crc, seg.nbytes)
     for part, part_crc in zip(parts, own):
-        size = part.nbytes if isinstance(part, (FileSpan, PathSpan)) else memoryview(part).nbytes
+        size = _nbytes(part)
         if isinstance(part, PathSpan) and part.witness is not None:
             part.witness(part.offset, part.nbytes, part_crc)
         crc = crc32_combine(crc, part_crc, size)
