@@ -4,7 +4,7 @@
     python benchmarks/bench_scale.py --plot          # the whole series (about 40 min and 45 GB free here)
     python benchmarks/bench_scale.py --only ranks    # one series
 
-Builds synthetic ZeRO-3 bf16 Adam saves in DeepSpeed's exact layout (benchmarks/synth_checkpoint.py; held to real
+Builds synthetic ZeRO-3 (and, for the stages series, ZeRO-1/2) bf16 Adam saves in DeepSpeed's exact layout (benchmarks/synth_checkpoint.py; held to real
 DeepSpeed by tests/test_bench_synth.py) and measures ``ucp to-universal``, ``ucp restore``, ``ucp reshard`` and
 ``cp -r`` of the same bytes on each, every tool its own process (see bench/scale.py). Writes
 ``<out>/scale/results-scale.{json,md}`` (and ``scale.png`` with --plot): per point the median time, work (time
@@ -36,7 +36,7 @@ else:  # python benchmarks/bench_scale.py: this folder is sys.path[0]
     from bench.environment import environment
 
 RSS_BUDGET_MIB = 256  # issue 40: peak RSS above `import torch`, any path, any point
-SERIES = ("bytes", "ranks", "tensors", "tensor", "workers")
+SERIES = ("bytes", "ranks", "tensors", "tensor", "workers", "stages")
 
 
 def _ints(text: str) -> list[int]:
@@ -50,6 +50,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tensors", default="1000,10000,100000", help="series (c): tensor counts at 1 GB, DP 8")
     parser.add_argument("--no-big-tensor", action="store_true", help="skip (d): one 128256 x 8192 tensor (12.6 GB)")
     parser.add_argument("--nprocs", default="1,2,4", help="series (e): torchrun processes with --distributed")
+    parser.add_argument("--stages", default="1,2,3", help="series (f): ZeRO stages at 1 GB and --stages-dp")
+    parser.add_argument("--stages-dp", type=int, default=512, help="series (f): the DP size (default 512)")
     parser.add_argument("--only", default="", help=f"comma-separated series to run ({','.join(SERIES)})")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "out")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per tool run")
@@ -147,15 +149,15 @@ def render(result: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "| series | point | GB | DP | tensors | tool | rounds | wall s (median) | work / cp -r | peak RSS MiB (above torch) | files out | files/s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| series | point | GB | DP | stage | tensors | tool | rounds | wall s (median) | work / cp -r | peak RSS MiB (above torch) | files out | files/s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
         for tool, t in p["tools"].items():
             ratio = "" if t["work_vs_cp"] is None else f"{t['work_vs_cp']:.2f}"
             above = "" if t["rss_above_torch_mib"] is None else f" ({t['rss_above_torch_mib']:+.0f})"
             lines.append(
-                f"| {p['series']} | {p['label']} | {p['bytes'] / 1e9:.2f} | {p['dp']} | {p['tensors']:,} | {tool} | {p['rounds']} "
+                f"| {p['series']} | {p['label']} | {p['bytes'] / 1e9:.2f} | {p['dp']} | {p.get('stage', 3)} | {p['tensors']:,} | {tool} | {p['rounds']} "
                 f"| {t['wall_s']:.2f} | {ratio} | {t['maxrss_mib']:.0f}{above} | {t['files_out']:,} | {t['files_per_s'] or 0:,.0f} | {t['loadavg']:.1f} |"
             )
     lines += ["", "| target | measured | holds |", "|---|---|---|"]
@@ -223,7 +225,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[1][col].axhline(RSS_BUDGET_MIB, color="red", ls="--", lw=1, label="budget")
         axes[0][col].legend(fontsize=8)
         axes[1][col].legend(fontsize=8)
-    fig.suptitle("ucp on synthetic ZeRO-3 bf16 Adam saves (DeepSpeed layout), 2 cores")
+    fig.suptitle(f"ucp on synthetic ZeRO-3 bf16 Adam saves (DeepSpeed layout), {os.cpu_count()} cores")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         _ints(args.tensors) if "tensors" in only else [],
         "tensor" in only and not args.no_big_tensor,
         _ints(args.nprocs) if "workers" in only else [],
+        _ints(args.stages) if "stages" in only else [],
+        args.stages_dp,
     )
     points = [p for p in points if p.series in only or (p.series == "bytes" and "workers" in only and p is points[0])]
     notes: list[str] = []

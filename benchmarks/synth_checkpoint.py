@@ -1,17 +1,23 @@
 #!/usr/bin/env python
-"""Write a ZeRO-3 Adam checkpoint in DeepSpeed 0.19.8's exact on-disk layout without training: a benchmark input.
+"""Write a ZeRO-1, 2 or 3 Adam checkpoint in DeepSpeed 0.19.8's exact on-disk layout without training: a
+benchmark input.
 
 The benchmark needs checkpoints far larger, wider (DP 4096) and more numerous in tensors than this machine can
 train. This writes the rank files DeepSpeed's ``save_checkpoint`` writes for a model described by
-``bench.shapes.SynthSpec`` (param groups of named shapes, DP size, bf16 or fp32): per rank a
-``zero_pp_rank_R_mp_rank_00_model_states.pt`` (empty placeholders, ``param_shapes``, counters, config) and a
-``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (each param group's flat fp32 partition, torch AdamW's
-``exp_avg`` / ``exp_avg_sq`` partitions and step, the param groups), then ``latest``. Each value is a function
-of (parameter, state key, element) (:class:`Values`), so a test can hold real DeepSpeed's loaded engine to it
-(tests/test_bench_synth.py) and a benchmark can check any output against it.
+``bench.shapes.SynthSpec`` (param groups of named shapes, ZeRO stage, DP size, bf16 or fp32), then ``latest``:
 
-Only DeepSpeed's two pickled classes (``ZeroStageEnum``, ``LossScaler``) are imported from DeepSpeed; nothing
-runs it. Benchmarks only: correctness tests use checkpoints real DeepSpeed wrote.
+- ZeRO-3, per rank: ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (empty placeholders, ``param_shapes``, counters,
+  config) and ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (each param group's flat fp32 partition, torch
+  AdamW's ``exp_avg`` / ``exp_avg_sq`` partitions and step, the param groups);
+- ZeRO-1/2: one ``mp_rank_00_model_states.pt`` (the whole module in the model dtype, ``param_shapes``, counters)
+  and per rank ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (DeepSpeedZeroOptimizer's block: the rank's
+  partition of each group's flat buffer, its padding, the Adam state and the parameters' slice mappings).
+
+Each value is a function of (parameter, state key, element) (:class:`Values`), so a test can hold real DeepSpeed's
+loaded engine to it (tests/test_bench_synth.py) and a benchmark can check any output against it.
+
+Only DeepSpeed's pickled classes (``ZeroStageEnum``, ``LossScaler``, ``fragment_address``) are imported from
+DeepSpeed; nothing runs it. Benchmarks only: correctness tests use checkpoints real DeepSpeed wrote.
 
     python benchmarks/synth_checkpoint.py SPEC.json OUT_DIR [--jobs N]
 """
@@ -30,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.shapes import ADAM_KEYS, SynthSpec, check_sub_groups  # noqa: E402
+from bench.shapes import ADAM_KEYS, SynthSpec, check_spec  # noqa: E402
 
 KEYS = ("fp32", *ADAM_KEYS)
 TABLE = (1 << 20) + 7  # values repeat with this period along a parameter; odd, so rows do not line up with it
@@ -78,23 +84,31 @@ def ds_config(spec: SynthSpec) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": spec.stage},
         "bf16": {"enabled": spec.dtype == "bf16"},
         "zero_allow_untested_optimizer": True,
     }
 
 
-def model_states(spec: SynthSpec, version: str) -> dict[str, Any]:
-    """One rank's model-states file (the same on every rank for a model without frozen or shared parameters)."""
+def model_states(spec: SynthSpec, values: Values, version: str) -> dict[str, Any]:
+    """The model-states file: ZeRO-3's (the same on every rank for a model without frozen or shared parameters)
+    holds empty placeholders; ZeRO-1/2's one file holds the whole module, the masters rounded to the model dtype."""
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
+    if spec.stage == 3:
+        module = OrderedDict((p.name, torch.empty(0, dtype=dtype)) for p in spec.params)
+    else:
+        module = OrderedDict(
+            (p.name, values.full("fp32", i, p.numel).to(dtype).view(p.shape)) for i, p in enumerate(spec.params)
+        )
+    frozen = OrderedDict() if spec.stage == 3 else None
     return {
-        "module": OrderedDict((p.name, torch.empty(0, dtype=dtype)) for p in spec.params),
+        "module": module,
         "buffer_names": [],
         "optimizer": None,
         "param_shapes": [OrderedDict((p.name, torch.Size(p.shape)) for p in group) for group in spec.groups],
-        "frozen_param_shapes": OrderedDict(),
+        "frozen_param_shapes": frozen,
         "shared_params": {},
-        "frozen_param_fragments": OrderedDict(),
+        "frozen_param_fragments": frozen,
         "lr_scheduler": None,
         "data_sampler": None,
         "random_ltd": None,
@@ -110,24 +124,52 @@ def model_states(spec: SynthSpec, version: str) -> dict[str, Any]:
 
 
 def rank_flats(spec: SynthSpec, values: Values, rank: int) -> list[dict[str, torch.Tensor]]:
-    """Per param group, this rank's flat partition of each key: every parameter's slice in turn, zero-padded."""
+    """Per param group, this rank's flat partition of each key, zero-padded: at ZeRO-3 every parameter's own
+    slice in turn; at ZeRO-1/2 the rank's window of the group's parameters laid end to end."""
     flats, index = [], 0
     for g, group in enumerate(spec.groups):
-        flat = {key: torch.zeros(spec.group_partition(g)) for key in KEYS}
-        offset = 0
+        size = spec.group_partition(g)
+        flat = {key: torch.zeros(size) for key in KEYS}
+        offset = 0  # ZeRO-3: where the parameter's slice sits in the partition; ZeRO-1/2: where it sits in the group
         for param in group:
-            size = spec.partition(param)
-            start = min(rank * size, param.numel)
-            end = min(start + size, param.numel)
-            for key in KEYS:
-                values.fill(key, index, start, flat[key][offset : offset + end - start])
-            offset += size
+            if spec.stage == 3:
+                share = spec.partition(param)
+                start = min(rank * share, param.numel)
+                end, at = min(start + share, param.numel), offset
+                offset += share
+            else:
+                left = rank * size
+                start = min(max(left - offset, 0), param.numel)
+                end, at = min(max(left + size - offset, 0), param.numel), offset + start - left
+                offset += param.numel
+            if end > start:
+                for key in KEYS:
+                    values.fill(key, index, start, flat[key][at : at + end - start])
             index += 1
         flats.append(flat)
     return flats
 
 
-def optim_states(spec: SynthSpec, flats: list[dict[str, torch.Tensor]], version: str) -> dict[str, Any]:
+def slice_mappings(spec: SynthSpec, rank: int) -> list[OrderedDict[str, Any]]:
+    """ZeRO-1/2 ``param_slice_mappings``: per group, each parameter that reaches ``rank``'s partition, with the
+    elements it has there and where they start in the partition."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    out = []
+    for g, group in enumerate(spec.groups):
+        size, offset, mapping = spec.group_partition(g), 0, OrderedDict()
+        left = rank * size
+        for param in group:
+            lo, hi = max(offset, left), min(offset + param.numel, left + size)
+            if lo < hi:
+                mapping[param.name] = fragment_address(numel=hi - lo, start=lo - left)
+            offset += param.numel
+        out.append(mapping)
+    return out
+
+
+def optim_states(spec: SynthSpec, flats: list[dict[str, torch.Tensor]], version: str, rank: int) -> dict[str, Any]:
+    """One rank's optim-states file: ZeRO-3's or DeepSpeedZeroOptimizer's (ZeRO-1/2) optimizer block."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
@@ -139,8 +181,8 @@ def optim_states(spec: SynthSpec, flats: list[dict[str, torch.Tensor]], version:
         {"weight_decay": 0.1 if g == 0 else 0.0, "lr": 1e-4, **HPARAMS, "initial_lr": 1e-4, "params": [g]}
         for g in range(len(spec.groups))
     ]
-    return {
-        "optimizer_state_dict": {
+    if spec.stage == 3:
+        block = {
             "zero_stage": ZeroStageEnum.weights,
             "loss_scaler": LossScaler(1.0),
             "dynamic_loss_scale": False,
@@ -148,10 +190,27 @@ def optim_states(spec: SynthSpec, flats: list[dict[str, torch.Tensor]], version:
             "partition_count": spec.dp,
             "optimizer_state_dict": {"state": state, "param_groups": groups},
             "fp32_flat_groups": [flat["fp32"] for flat in flats],
-        },
-        "ds_config": ds_config(spec),
-        "ds_version": version,
-    }
+        }
+    else:
+        paddings = [spec.group_padding(g, rank) for g in range(len(spec.groups))]
+        block = {
+            "loss_scaler": LossScaler(1.0),
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "clip_grad": 0.0,
+            "base_optimizer_state": {"state": state, "param_groups": groups},
+            # DeepSpeed saves the masters without the end padding (a view of the padded partition), the moments with
+            "single_partition_of_fp32_groups": [
+                flat["fp32"][: flat["fp32"].numel() - pad] for flat, pad in zip(flats, paddings)
+            ],
+            "zero_stage": ZeroStageEnum.gradients if spec.stage == 2 else ZeroStageEnum.optimizer_states,
+            "group_paddings": paddings,
+            "param_alignment_paddings": [[0] * len(group) for group in spec.groups],
+            "partition_count": [spec.dp] * len(spec.groups),
+            "ds_version": version,
+            "param_slice_mappings": slice_mappings(spec, rank),
+        }
+    return {"optimizer_state_dict": block, "ds_config": ds_config(spec), "ds_version": version}
 
 
 def _write_ranks(args: tuple[dict[str, Any], str, list[int]]) -> None:
@@ -161,17 +220,19 @@ def _write_ranks(args: tuple[dict[str, Any], str, list[int]]) -> None:
     prefix = "bf16_" if spec.dtype == "bf16" else ""
     version = "0.19.8"
     for rank in ranks:
-        torch.save(
-            model_states(spec, version), os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
-        )
+        if spec.stage == 3:
+            name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            torch.save(model_states(spec, values, version), os.path.join(tag_dir, name))
+        elif rank == 0:
+            torch.save(model_states(spec, values, version), os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
         flats = rank_flats(spec, values, rank)
         name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        torch.save(optim_states(spec, flats, version), os.path.join(tag_dir, name))
+        torch.save(optim_states(spec, flats, version, rank), os.path.join(tag_dir, name))
 
 
 def write_checkpoint(spec: SynthSpec, out: Path, jobs: int = 1) -> Path:
     """Write ``spec`` under ``out`` (``out/global_stepN/`` plus ``out/latest``); the tag folder."""
-    check_sub_groups(spec)
+    check_spec(spec)
     tag = f"global_step{spec.step}"
     tag_dir = out / tag
     tag_dir.mkdir(parents=True, exist_ok=True)

@@ -64,19 +64,60 @@ def test_the_layout_is_deepspeeds_zero3_partitioning() -> None:
             offset += size
 
 
+def test_the_layout_is_deepspeeds_zero12_partitioning() -> None:
+    """Each group's parameters lie end to end across the ranks' partitions, padded to a multiple of 2 x dp; the
+    paddings, the masters saved without them and the slice mappings say where."""
+    builder = _builder()
+    from bench.shapes import SynthSpec, tiny_lm
+
+    spec = SynthSpec(tiny_lm(37, 10, 23, 1), dp=4, stage=2, step=2)
+    values = builder.Values(0)
+    blocks = [
+        builder.optim_states(spec, builder.rank_flats(spec, values, rank), "0.19.8", rank)["optimizer_state_dict"]
+        for rank in range(4)
+    ]
+    index0 = 0
+    for g, group in enumerate(spec.groups):
+        size, numel = spec.group_partition(g), spec.group_numel(g)
+        assert (4 * size) % 8 == 0 and numel <= 4 * size < numel + 8
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole = torch.cat([b["base_optimizer_state"]["state"][g][key] for b in blocks])
+            expected = torch.cat([values.full(key, index0 + i, p.numel) for i, p in enumerate(group)])
+            assert torch.equal(whole[:numel], expected) and not whole[numel:].any()
+        masters = [b["single_partition_of_fp32_groups"][g] for b in blocks]
+        pads = [b["group_paddings"][g] for b in blocks]
+        assert [m.numel() + pad for m, pad in zip(masters, pads)] == [size] * 4 and sum(pads) == 4 * size - numel
+        fp32 = torch.cat(masters)
+        assert torch.equal(fp32, torch.cat([values.full("fp32", index0 + i, p.numel) for i, p in enumerate(group)]))
+        offset = 0
+        for i, param in enumerate(group):
+            got = []
+            for rank, block in enumerate(blocks):
+                where = block["param_slice_mappings"][g].get(param.name)
+                if where is not None:
+                    assert rank * size + where.start == offset + sum(t.numel() for t in got), param.name
+                    flat = block["base_optimizer_state"]["state"][g]["exp_avg"]
+                    got.append(flat[where.start : where.start + where.numel])
+            assert torch.equal(torch.cat(got), values.full("exp_avg", index0 + i, param.numel)), param.name
+            offset += param.numel
+        index0 += len(group)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("dp", "dtype"), [(3, "bf16"), (2, "fp32")])
-def test_real_deepspeed_loads_the_built_checkpoint_and_holds_its_values(tmp_path: Path, dp: int, dtype: str) -> None:
+@pytest.mark.parametrize(("dp", "dtype", "stage"), [(3, "bf16", 3), (2, "fp32", 3), (3, "bf16", 2), (2, "fp32", 1)])
+def test_real_deepspeed_loads_the_built_checkpoint_and_holds_its_values(
+    tmp_path: Path, dp: int, dtype: str, stage: int
+) -> None:
     refuse_in_fast_tier("a DeepSpeed engine loading a synthetic checkpoint")
     builder = _builder()
     from bench.shapes import SynthSpec, tiny_lm
 
-    spec = SynthSpec(tiny_lm(37, 10, 23, 2), dp=dp, dtype=dtype, step=5, seed=3)
+    spec = SynthSpec(tiny_lm(37, 10, 23, 2), dp=dp, dtype=dtype, stage=stage, step=5, seed=3)
     builder.write_checkpoint(spec, tmp_path / "ckpt")
     model = ModelSpec(vocab=37, hidden=10, ffn=23, layers=2, tied=False, frozen=False, buffers=False)
     run = RunSpec(
         dp=dp,
-        stage=3,
+        stage=stage,
         dtype=dtype,
         model=model,
         steps=0,

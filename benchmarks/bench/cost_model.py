@@ -26,12 +26,13 @@ def _features(gb: float, tensors: int, files: int, dp: int) -> list[float]:
 
 
 def fit(points: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Coefficients per tool from the points' medians (the worker series excluded: it changes the machine)."""
+    """Coefficients per tool from the ZeRO-3 points' medians (the worker series excluded: it changes the machine;
+    the projections are ZeRO-3 saves, and ZeRO-1/2 files cost differently per rank)."""
     import numpy as np
 
     model: dict[str, dict[str, float]] = {}
     for tool in FIT_TOOLS:
-        rows = [p for p in points if p["series"] != "workers" and tool in p["tools"]]
+        rows = [p for p in points if p["series"] != "workers" and p.get("stage", 3) == 3 and tool in p["tools"]]
         if len(rows) < len(TERMS):
             continue
         x = np.array([_features(p["bytes"] / 1e9, p["tensors"], p["tools"][tool]["files_out"], p["dp"]) for p in rows])

@@ -1,6 +1,7 @@
-"""The scale series (issue 40): ucp on checkpoints large in bytes, ranks, tensors and single-tensor size.
+"""The scale series (issue 40): ucp on checkpoints large in bytes, ranks, tensors and single-tensor size, and the
+ZeRO stages side by side.
 
-Each point is a synthetic ZeRO-3 bf16 Adam save (``bench.shapes`` + ``benchmarks/synth_checkpoint.py``, held to
+Each point is a synthetic ZeRO-3 (the stages series: ZeRO-1, 2 and 3) bf16 Adam save (``bench.shapes`` + ``benchmarks/synth_checkpoint.py``, held to
 real DeepSpeed by tests/test_bench_synth.py), built once into ``<out>/scale/ckpt/<key>/`` and measured tool by
 tool, each tool its own process, the order rotated round by round: ``ucp to-universal``, ``ucp restore`` (from
 the universal folder to-universal wrote, at the source's DP), ``ucp reshard`` (to half the DP) and ``cp -r`` of
@@ -38,7 +39,7 @@ MANY_FILES_TOOLS = (*TOOLS, "cp-universal")
 class Point:
     """One measured checkpoint and how it is measured."""
 
-    series: str  # bytes | ranks | tensors | tensor | workers
+    series: str  # bytes | ranks | tensors | tensor | workers | stages
     label: str
     spec: SynthSpec
     rounds: int
@@ -54,10 +55,17 @@ class Point:
 
 
 def plan(
-    bytes_gb: list[float], ranks: list[int], tensors: list[int], big_tensor: bool, nprocs: list[int]
+    bytes_gb: list[float],
+    ranks: list[int],
+    tensors: list[int],
+    big_tensor: bool,
+    nprocs: list[int],
+    stages: list[int] = [],  # noqa: B006 (never mutated)
+    stages_dp: int = 512,
 ) -> list[Point]:
     """The series' points: (a) bytes at DP 8, (b) DP at 1 GB, (c) tensor count at 1 GB, (d) one 128256 x 8192
-    tensor, (e) workers and torchrun processes at the first bytes point."""
+    tensor, (e) workers and torchrun processes at the first bytes point, (f) each ZeRO stage at 1 GB and
+    ``stages_dp``."""
     points = [
         Point(
             "bytes",
@@ -80,6 +88,10 @@ def plan(
     ]
     if big_tensor:
         points.append(Point("tensor", "128256 x 8192", SynthSpec(one_tensor(128256, 8192), dp=8, label="embed"), 1))
+    points += [
+        Point("stages", f"ZeRO-{st}", SynthSpec(layers_for_bytes(GB), dp=stages_dp, stage=st, label=f"stage{st}"), 3)
+        for st in stages
+    ]
     if bytes_gb:
         base = points[0].spec
         points += [
@@ -197,6 +209,7 @@ def _measure(point: Point, root: Path, cfg: BenchConfig) -> None:
         "series": point.series,
         "label": point.label,
         "dp": point.spec.dp,
+        "stage": point.spec.stage,
         "tensors": len(point.spec.params),
         "largest_tensor": max(p.numel for p in point.spec.params),
         "bytes": nbytes,

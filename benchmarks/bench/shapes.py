@@ -1,12 +1,17 @@
-"""What a synthetic benchmark checkpoint holds: parameter names and shapes in param groups, and its ZeRO-3 layout.
+"""What a synthetic benchmark checkpoint holds: parameter names and shapes in param groups, and its ZeRO layout.
 
 Pure Python (no torch): the series runner sizes its points from here without importing anything heavy, and the
 builder (``benchmarks/synth_checkpoint.py``) writes exactly what these records describe. The layout facts are
-DeepSpeed 0.19.8's, as docs/format.md states them: at ZeRO-3 every parameter is cut on its own into ``dp``
-partitions of ``ceil(numel / dp)`` elements (the last one zero-padded), and each rank concatenates its partitions
-in param-group order into one flat fp32 buffer per sub-group. The builder writes one sub-group per param group,
-which is what DeepSpeed does while a group's partition stays under ``sub_group_size`` (default 1e9 elements):
-:func:`check_sub_groups` refuses a model where it would not.
+DeepSpeed 0.19.8's, as docs/format.md states them:
+
+- ZeRO-3: every parameter is cut on its own into ``dp`` partitions of ``ceil(numel / dp)`` elements (the last one
+  zero-padded), and each rank concatenates its partitions in param-group order into one flat fp32 buffer per
+  sub-group. The builder writes one sub-group per param group, which is what DeepSpeed does while a group's
+  partition stays under ``sub_group_size`` (default 1e9 elements): :func:`check_spec` refuses a model where it would
+  not.
+- ZeRO-1/2: a param group's parameters are laid end to end in one flat buffer (no gaps without
+  ``parameter_alignment``, in group order without ``round_robin_gradients``), zero-padded to a multiple of
+  ``2 x dp`` elements and cut into ``dp`` equal partitions; a parameter can straddle ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+ZERO12_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO-1/2 flat group pads to a multiple of 2 x dp
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -35,8 +41,8 @@ class SynthSpec:
 
     groups: list[list[Param]]
     dp: int
-    dtype: str = "bf16"  # bf16 | fp32: names the files (bf16_ prefix) and the model's empty placeholders
-    stage: int = 3
+    dtype: str = "bf16"  # bf16 | fp32: names the files (bf16_ prefix) and the model's weights / placeholders
+    stage: int = 3  # 1 | 2 | 3
     step: int = 1  # the optimizer step and global_steps recorded
     seed: int = 0
     label: str = ""
@@ -53,17 +59,28 @@ class SynthSpec:
         """Elements each rank holds of ``param`` at ZeRO-3, padding included."""
         return -(-param.numel // self.dp)
 
+    def group_numel(self, group: int) -> int:
+        return sum(p.numel for p in self.groups[group])
+
     def group_partition(self, group: int) -> int:
-        """Elements of one rank's flat buffer for param group ``group``."""
-        return sum(self.partition(p) for p in self.groups[group])
+        """Elements of one rank's flat buffer for param group ``group``, padding included."""
+        if self.stage == 3:
+            return sum(self.partition(p) for p in self.groups[group])
+        unit = ZERO12_ALIGNMENT * self.dp
+        return -(-self.group_numel(group) // unit) * unit // self.dp
+
+    def group_padding(self, group: int, rank: int) -> int:
+        """ZeRO-1/2: padding elements at the end of ``rank``'s partition of ``group`` (``group_paddings``)."""
+        size, numel = self.group_partition(group), self.group_numel(group)
+        return min(size, max(0, (rank + 1) * size - numel))
 
     def shard_bytes(self) -> int:
         """Bytes of tensor data in the optim files (fp32 master, exp_avg, exp_avg_sq), padding included."""
         return 4 * (1 + len(ADAM_KEYS)) * self.dp * sum(self.group_partition(g) for g in range(len(self.groups)))
 
     def files(self) -> int:
-        """Rank files: a model-states and an optim-states file per rank."""
-        return 2 * self.dp
+        """Rank files: per rank an optim-states file, and a model-states file per rank (ZeRO-3) or one (ZeRO-1/2)."""
+        return 2 * self.dp if self.stage == 3 else self.dp + 1
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -77,10 +94,13 @@ class SynthSpec:
         return cls(groups=groups, **data)
 
 
-def check_sub_groups(spec: SynthSpec, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> None:
-    """Refuse a spec whose group partition DeepSpeed would split into several sub-groups (not written here)."""
+def check_spec(spec: SynthSpec, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> None:
+    """Refuse a stage the builder does not write, and a ZeRO-3 spec whose group partition DeepSpeed would split
+    into several sub-groups (not written here)."""
+    if spec.stage not in (1, 2, 3):
+        raise ValueError(f"the builder writes ZeRO-1, 2 and 3 checkpoints, not stage {spec.stage}")
     if spec.stage != 3:
-        raise ValueError(f"the builder writes ZeRO-3 checkpoints only, not stage {spec.stage}")
+        return
     for g in range(len(spec.groups)):
         if spec.group_partition(g) > sub_group_size:
             raise ValueError(
