@@ -1,12 +1,38 @@
-"""crc32 of a concatenation from the crc32s of its parts (zlib's crc32_combine), for one-pass checksums."""
+"""crc32 of a concatenation from the crc32s of its parts (zlib's crc32_combine), for one-pass checksums, and of a
+mapped file without keeping it resident."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
+import zlib
 from typing import Any
 
-__all__ = ["crc32_combine"]
+__all__ = ["crc32_combine", "crc32_mapped"]
+
+#: bytes of a mapping checksummed before their pages are handed back
+_WINDOW = 32 << 20
+
+
+def crc32_mapped(data: mmap.mmap) -> int:
+    """zlib.crc32 of a whole mapping, window by window, each window's pages dropped once summed: checking a
+    4 GB file costs one window of resident memory, not the file (they are re-read from the page cache if
+    touched again)."""
+    crc = 0
+    view = memoryview(data)
+    try:
+        for start in range(0, len(data), _WINDOW):
+            end = min(start + _WINDOW, len(data))
+            crc = zlib.crc32(view[start:end], crc)
+            if len(data) > _WINDOW:
+                try:
+                    data.madvise(mmap.MADV_DONTNEED, start, end - start)
+                except (OSError, ValueError):  # advisory only
+                    pass
+    finally:
+        view.release()
+    return crc
 
 
 def _load_zlib_combine() -> Any:

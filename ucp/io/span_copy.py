@@ -1,9 +1,11 @@
-"""Copying a record's parts (byte spans of files, bytes in memory) into an output file: in tasks of about
-``_RANGE`` bytes, each filling one reused buffer and writing it with one ``pwrite``, every part CRC'd while hot.
+"""Copying a record's parts (byte spans of files, bytes in memory, pieces cast to another dtype) into an output
+file: in tasks of about ``_RANGE`` bytes, each filling one reused buffer and writing it with one ``pwrite``, every
+part CRC'd while hot.
 
 A record of many small spans (a rank's flat buffer cut from 10^5 parameters' slices) costs a read per span and a
 write per buffer, not a write and a task per span. A record of at least ``PARALLEL_MIN`` bytes (an embedding,
-stacked experts) has its tasks copied by a pool of threads at their own offsets; the parts' CRCs are combined in
+stacked experts, a module weight cast from its master) has its tasks copied by a pool of threads at their own
+offsets; the parts' CRCs are combined in
 order, so the record's crc32 is the one a single pass gives, and each :class:`PathSpan` witness learns its span's.
 
 The writer that owns the output file (:mod:`ucp.io.torchzip`) hands a record's parts here; its file position is
@@ -22,8 +24,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
+import torch
+
 from ucp.io.crc import crc32_combine
-from ucp.model.pieces import FileSpan, PathSpan, Span
+from ucp.model.pieces import Cast, FileSpan, PathSpan, Span
 
 __all__ = ["PARALLEL_MIN", "copy_threads", "set_copy_threads", "copy_spans"]
 
@@ -38,8 +42,8 @@ _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 
-#: what a record is copied from: spans of files, or bytes already in memory
-Copied = Span | bytes | memoryview
+#: what a record is copied from: spans of files, bytes already in memory, or pieces converted as they are copied
+Copied = Span | Cast | bytes | memoryview
 
 
 def copy_threads() -> int:
@@ -98,6 +102,8 @@ def _copy_task(fd: int, segments: Sequence[_Segment], at: int) -> list[int]:
         if isinstance(part, (FileSpan, PathSpan)):
             with nullcontext(part) if isinstance(part, FileSpan) else part.opened() as source:
                 fill, at, crc = _fill(fd, buf, fill, at, seg.nbytes, partial(_read, source, seg.skip))
+        elif isinstance(part, Cast):
+            fill, at, crc = _fill(fd, buf, fill, at, seg.nbytes, partial(_cast, part, seg.skip))
         else:
             view = memoryview(part).cast("B")[seg.skip : seg.skip + seg.nbytes]
             if seg.nbytes < _CHUNK:
@@ -120,6 +126,14 @@ def _read(source: FileSpan, skip: int, dst: memoryview, done: int) -> None:
     source.read_into(dst, skip + done)
 
 
+def _cast(part: Cast, skip: int, dst: memoryview, done: int) -> None:
+    item = part.dtype.itemsize
+    first, rest = divmod(skip + done, item)
+    if rest or len(dst) % item:  # buffers and tasks are whole multiples of any element, and a cast is its own record
+        raise ValueError(f"a cast record copied from byte {skip + done} for {len(dst)} bytes: not whole elements")
+    part.fill(first, torch.frombuffer(dst, dtype=part.dtype))
+
+
 def _fill(
     fd: int, buf: memoryview, fill: int, at: int, nbytes: int, read: Callable[[memoryview, int], None]
 ) -> tuple[int, int, int]:
@@ -139,7 +153,7 @@ def _fill(
 
 
 def _nbytes(part: Copied) -> int:
-    return part.nbytes if isinstance(part, (FileSpan, PathSpan)) else memoryview(part).nbytes
+    return part.nbytes if isinstance(part, (FileSpan, PathSpan, Cast)) else memoryview(part).nbytes
 
 
 def _tasks(parts: Sequence[Copied], at: int) -> list[tuple[list[_Segment], int]]:

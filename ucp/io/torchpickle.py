@@ -2,7 +2,8 @@
 
 A tensor pickles as torch.save pickles it: a ``_rebuild_tensor_v2`` call over a persistent storage
 id, the storage's bytes kept aside as a record (from the tensor's memory, from :class:`Pieces` of
-files, or made late by a :class:`LazyTensor`) for the zip writer to stream. DeepSpeed stand-ins
+files, converted chunk by chunk from them by a :class:`Cast`, or made late by a :class:`LazyTensor`) for the zip
+writer to stream. DeepSpeed stand-ins
 (:mod:`ucp.io.standins`) pickle under DeepSpeed's own class names, so a file loads into stock
 DeepSpeed exactly like one DeepSpeed wrote. The C pickler does the work (a model-states file is
 thousands of small objects); the pure-Python one, which writes DeepSpeed's names directly, takes
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from ucp.io.standins import DSEnum, DSObject, DSStrEnum
-from ucp.model.pieces import FileSpan, LazyTensor, PathSpan, Pieces, part_numel
+from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Pieces, part_numel
 
 __all__ = ["Chunk", "STREAMED", "StorageRef", "WrapperTensor", "data_pickle", "pickle_object", "tensor_bytes"]
 
@@ -39,9 +40,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 #: one piece of a record's bytes: in memory, spans of files, or a tensor made when the writer reaches it
-Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor
+Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor | Cast
 #: the chunks the zip writer streams (their CRC known only once written)
-STREAMED = (FileSpan, PathSpan, LazyTensor)
+STREAMED = (FileSpan, PathSpan, LazyTensor, Cast)
 
 
 class _Tensors:
@@ -60,7 +61,7 @@ class _Tensors:
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, WrapperTensor):
             return obj.reduce()
-        if isinstance(obj, LazyTensor):
+        if isinstance(obj, (LazyTensor, Cast)):
             numel = obj.nbytes // obj.dtype.itemsize
             return _rebuild(StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
         if isinstance(obj, torch.Tensor):  # written from its own memory; no Pieces to build and check

@@ -11,7 +11,8 @@ second pass over the data.
 Anything ``torch.load(weights_only=True)`` can read back is fair game for ``obj``: dicts, lists,
 tuples, numbers, strings and tensors (each written from its own contiguous storage), and
 :class:`Pieces`, a tensor given as the pieces its bytes are concatenated from (written exactly as
-the joined tensor would be, without ever joining it). How objects are pickled (DeepSpeed stand-ins
+the joined tensor would be, without ever joining it), and :class:`Cast`, pieces converted to another dtype chunk by
+chunk as they are written. How objects are pickled (DeepSpeed stand-ins
 under DeepSpeed's own class names, so the rank files of a native checkpoint load into stock
 DeepSpeed exactly like files DeepSpeed wrote) is :mod:`ucp.io.torchpickle`'s.
 """
@@ -29,7 +30,7 @@ from typing import Any
 from ucp.io.crc import crc32_combine
 from ucp.io.span_copy import PARALLEL_MIN, copy_spans
 from ucp.io.torchpickle import STREAMED, Chunk, pickle_object, tensor_bytes
-from ucp.model.pieces import FileSpan, LazyTensor, PathSpan
+from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan
 
 __all__ = ["WrittenFile", "write_torch_file"]
 
@@ -171,7 +172,7 @@ class _ZipStream:
         if streamed and not any(isinstance(p, LazyTensor) for p in parts):
             # spans (and the bytes between them) in buffered tasks; a big record's tasks by several threads
             self._flush()
-            spans = sum(p.nbytes for p in parts if isinstance(p, (FileSpan, PathSpan)))
+            spans = sum(p.nbytes for p in parts if isinstance(p, (FileSpan, PathSpan, Cast)))
             crc = copy_spans(self.fd, parts, self.offset, 0, parallel=spans >= PARALLEL_MIN)  # type: ignore[arg-type]
             self.offset += size
             os.lseek(self.fd, self.offset, os.SEEK_SET)
@@ -182,7 +183,7 @@ class _ZipStream:
                 crc = zlib.crc32(data, crc)
                 self._add(data)
                 self._flush()  # the tensor goes as soon as it is written
-            elif isinstance(part, (FileSpan, PathSpan)):
+            elif isinstance(part, (FileSpan, PathSpan, Cast)):
                 self._flush()
                 crc = copy_spans(self.fd, [part], self.offset, crc, parallel=False)
                 self.offset += part.nbytes

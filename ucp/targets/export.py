@@ -21,8 +21,9 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +34,19 @@ from ucp.frameworks.hf import CONFIG_DTYPES, config_in_dtype, model_files
 from ucp.frameworks.verl import config_files
 from ucp.io.atomic import PARTIAL_MARK, publish_new, remove_tree
 from ucp.io.guard import Inputs, OutputPolicy, guarded, guarded_output, weight_bytes
-from ucp.io.pool import default_workers, parallel_map
+from ucp.io.pool import default_workers
+from ucp.io.safetensors_file import Entry, Source, write_safetensors
 from ucp.io.signals import raise_if_stopped
 from ucp.io.small_files import read_small
 from ucp.io.timing import phase
 from ucp.io.torchzip import write_torch_file
 from ucp.model.cast import narrowed
 from ucp.model.names import WRAPPER_PATTERN, has_wrapper
+from ucp.model.pieces import Cast, LazyTensor
 from ucp.model.records import DTYPES, Facts, Reader, torch_dtype
 from ucp.sources import opened
 from ucp.sources.registry import run_folder
+from ucp.targets.blocks.stream import refuse_fp16_overflow
 from ucp.transforms import Rename, TransformedReader, plan_transforms
 from ucp.transforms.megatron_llama import MegatronAsLlama
 
@@ -110,20 +114,10 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
 
 
 @dataclass(frozen=True)
-class _Item:
-    """One stored tensor: a parameter (read lazily) or a buffer (already in memory)."""
+class _Item(Entry):
+    """One stored tensor: a parameter (read when written) or a buffer (already in memory)."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
     buffer: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _items(reader: Reader, dtype: str | None) -> list[_Item]:
@@ -156,37 +150,34 @@ def _resolve_out(out: Path, fmt: str) -> tuple[Path, str | None]:
     return out, None
 
 
-def _save_shard(tensors: dict[str, torch.Tensor], path: Path, fmt: str, tied: Mapping[str, str]) -> None:
-    if fmt == "torch":
-        write_torch_file(tensors, path)  # an alias is the same tensor object: pickled once, one storage
-        return
-    from safetensors.torch import save_file
+def _save_torch(
+    reader: Reader,
+    items: list[_Item],
+    tied: Mapping[str, str],
+    fetch: Callable[[_Item], contextlib.AbstractContextManager[Source]],
+    path: Path,
+) -> None:
+    """One torch shard through ucp's torch-zip writer, each tensor streamed when the writer reaches it: a
+    reader whose pieces stay valid hands them over up front, any other reads one tensor at a time
+    (:class:`LazyTensor`). An alias is the same object as its owner: pickled once, one storage."""
+    tensors: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        for item in items:
+            if item.buffer is not None or reader.streams:
+                tensors[item.name] = stack.enter_context(fetch(item))
+            else:
+                tensors[item.name] = LazyTensor(item.shape, item.dtype, partial(_whole, fetch, item))
+        for alias, owner in tied.items():
+            tensors[alias] = tensors[owner]
+        write_torch_file(tensors, path)
 
-    metadata = {"format": "pt"}
-    if tied:
-        metadata[TIED_KEY] = json.dumps(dict(tied), sort_keys=True)
-    save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, 0o666 & ~_UMASK)  # safetensors writes 0600; every other output follows the umask
 
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # read it: the only way is to set it, so put it straight back
-    os.umask(mask)
-    return mask
-
-
-#: the process umask, read once at import (reading it means setting it, which is not thread-safe)
-_UMASK = _umask()
-
-
-def _require_safetensors() -> None:
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError:
-        raise UcpError(
-            "--format safetensors needs the safetensors package: pip install safetensors "
-            "(or pip install 'ucp-checkpoint[export]'), or export with --format torch"
-        ) from None
+def _whole(fetch: Callable[[_Item], contextlib.AbstractContextManager[Source]], item: _Item) -> torch.Tensor:
+    with fetch(item) as source:
+        if isinstance(source, torch.Tensor):
+            return source.reshape(item.shape)
+        whole = source.source.join(item.dtype) if isinstance(source, Cast) else source.join()
+        return whole.reshape(item.shape)
 
 
 def export(
@@ -214,8 +205,6 @@ def export(
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
-    if format == "safetensors":
-        _require_safetensors()
     out = Path(out).absolute()
     target, file_name = _resolve_out(out, format)
     with opened(src, tag=tag) as source:
@@ -312,31 +301,33 @@ def _export(
     for alias, owner in facts.tied.items():
         aliases_of.setdefault(owner, []).append(alias)
 
-    def load(name: str) -> tuple[str, torch.Tensor]:
-        item = by_name[name]
+    fp16 = [item.name for item in items if item.buffer is None and item.dtype == torch.float16]
+    refuse_fp16_overflow(reader, fp16)  # before anything is written, a chunk at a time
+
+    @contextlib.contextmanager
+    def fetch(item: _Item) -> Iterator[Source]:
+        """One tensor's bytes as the writer copies them: the master's pieces, cast chunk by chunk when the
+        export's dtype differs (a weight is never whole in memory, unless its reader only reads whole)."""
         if item.buffer is not None:
-            return name, item.buffer
-        fp32 = reader.read(name, moments=False).fp32
-        return name, narrowed(name, fp32, item.dtype).contiguous()
+            yield item.buffer
+            return
+        with reader.read_pieces(item.name, moments=False) as state:
+            yield state.fp32 if state.fp32.dtype == item.dtype else Cast(state.fp32, item.dtype)
 
     weight_map: dict[str, str] = {}
     total = 0
     for shard, file in zip(shards, names):
-        tensors: dict[str, torch.Tensor] = {}
-        tied: dict[str, str] = {}
-        loaded = parallel_map(load, shard, workers, desc=f"export {file}", weight=lambda n: by_name[n].nbytes)
-        for name, tensor in loaded:
-            tensors[name] = tensor
+        tied = {alias: name for name in shard for alias in aliases_of.get(name, [])}
+        for name in shard:
             weight_map[name] = file
-            total += tensor.numel() * tensor.element_size()
-            for alias in aliases_of.get(name, []):
-                tied[alias] = name
-                if fmt == "torch":  # the same object: the pickle memo keeps one storage for both names
-                    tensors[alias] = tensor
-                    weight_map[alias] = file
-        _save_shard(tensors, stage / file, fmt, tied)
-        logger.info("wrote %s (%d tensors)", file, len(tensors))
-        del tensors
+            total += by_name[name].nbytes
+        if fmt == "torch":
+            _save_torch(reader, [by_name[n] for n in shard], tied, fetch, stage / file)
+            weight_map.update(dict.fromkeys(tied, file))
+        else:
+            metadata = {"format": "pt", **({TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {})}
+            write_safetensors(stage / file, [by_name[n] for n in shard], fetch, metadata, workers=workers)
+        logger.info("wrote %s (%d tensors)", file, len(shard) + (len(tied) if fmt == "torch" else 0))
     written = [out / file for file in names] if file_name is None else [out]
     if len(shards) > 1:
         index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -31,7 +31,7 @@ def read_manifest(file: Path) -> Any:
                 raise CorruptFileError(
                     f"{file} has {size:,} bytes; ucp reads manifests up to {MAX_MANIFEST_BYTES:,} bytes"
                 )
-            text = handle.read(MAX_MANIFEST_BYTES + 1)
+            text = handle.read(size + 1)  # not the limit: a read of n bytes allocates n first
     except FileNotFoundError:
         raise InputError(f"{file.parent} is not a universal directory: {MANIFEST} is missing") from None
     except IsADirectoryError:

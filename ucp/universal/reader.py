@@ -23,6 +23,7 @@ import torch
 
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.io import torchfile
+from ucp.io.crc import crc32_mapped
 from ucp.io.tensor_record import SpanCheck, find_tensor_record
 from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
@@ -133,7 +134,7 @@ class UniversalReader(Reader):
             return None
 
         def check(data: mmap.mmap) -> None:
-            if len(data) != entry.bytes or f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" != entry.crc32:
+            if len(data) != entry.bytes or f"{crc32_mapped(data) & 0xFFFFFFFF:08x}" != entry.crc32:
                 raise mismatch()
             self._verified[path] = stamp
 

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from ucp.io.pool import parallel_map
-from ucp.model.cast import check_fits
-from ucp.model.pieces import LazyTensor, Part, Pieces
+from ucp.model.cast import check_fits_pieces
+from ucp.model.pieces import Cast, LazyTensor, Part, Pieces
 from ucp.model.records import PieceState, Reader, ReaderView
 from ucp.targets.blocks.common import check_state, merge_scalars
 
 __all__ = ["Located", "Held", "locate", "flat_pieces", "module_weight", "read_weight", "refuse_fp16_overflow"]
 
 #: a module weight as a writer takes it: the fp32 spans themselves, or a cast made when the file reaches it
-Weight = torch.Tensor | Pieces | LazyTensor
+Weight = torch.Tensor | Pieces | LazyTensor | Cast
 
 
 @dataclass
@@ -101,11 +101,12 @@ class Held(ReaderView):
 
 
 def module_weight(state: PieceState, lp: torch.dtype) -> Weight:
-    """A module weight from its fp32 master: the spans themselves in fp32, else cast when written."""
+    """A module weight from its fp32 master: the spans themselves in fp32, else cast chunk by chunk as the file
+    is written (memory holds a buffer, not the weight)."""
     master = state.fp32
     if lp == torch.float32:
         return master
-    return LazyTensor(tuple(master.shape), lp, lambda: master.join(lp))
+    return Cast(master, lp)
 
 
 def read_weight(reader: Reader, name: str, lp: torch.dtype) -> Weight:
@@ -118,8 +119,10 @@ def read_weight(reader: Reader, name: str, lp: torch.dtype) -> Weight:
 
 def refuse_fp16_overflow(reader: Reader, names: Iterable[str]) -> None:
     """Before an fp16 run's files are written or a live fp16 model takes anything: refuse a weight fp16 would
-    turn to inf (``ucp.model.cast``). One read of those masters; none for an fp16 source, whose weights fit."""
+    turn to inf (``ucp.model.cast``). One read of those masters, a chunk at a time; none for an fp16 source,
+    whose weights fit."""
     if reader.facts.info.dtype == "fp16":
         return
     for name in names:
-        check_fits(name, reader.read(name, moments=False).fp32, torch.float16)
+        with reader.read_pieces(name, moments=False) as state:
+            check_fits_pieces(name, state.fp32, torch.float16)
