@@ -36,6 +36,7 @@ else:  # python benchmarks/bench_scale.py: this folder is sys.path[0]
     from bench.environment import environment
 
 RSS_BUDGET_MIB = 256  # issue 40: peak RSS above `import torch`, any path, any point
+UCP_TOOLS = ("to-universal", "restore", "reshard", "export")  # the ucp commands a point may measure
 SERIES = ("bytes", "ranks", "tensors", "tensor", "workers", "stages")
 
 
@@ -96,7 +97,7 @@ def targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             (t["rss_above_torch_mib"], f"{p['label']} {tool}")
             for p in points
             for tool, t in p["tools"].items()
-            if tool in scale.TOOLS[:3]
+            if tool in UCP_TOOLS
         ),
         default=None,
     )
@@ -213,7 +214,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for tool in pts[0]["tools"]:  # cp-universal too, where measured
             xs = [x(p) for p in pts]
             axes[0][col].plot(xs, [p["tools"][tool]["wall_s"] for p in pts], "o-", label=tool)
-            if tool in scale.TOOLS[:3]:
+            if tool in UCP_TOOLS:
                 axes[1][col].plot(xs, [p["tools"][tool]["rss_above_torch_mib"] for p in pts], "o-", label=tool)
         for row, ylabel in ((0, "wall s (median)"), (1, "peak RSS above import torch, MiB")):
             ax = axes[row][col]

@@ -5,7 +5,8 @@ Each point is a synthetic ZeRO-3 (the stages series: ZeRO-1, 2 and 3) bf16 Adam 
 real DeepSpeed by tests/test_bench_synth.py), built once into ``<out>/scale/ckpt/<key>/`` and measured tool by
 tool, each tool its own process, the order rotated round by round: ``ucp to-universal``, ``ucp restore`` (from
 the universal folder to-universal wrote, at the source's DP), ``ucp reshard`` (to half the DP) and ``cp -r`` of
-the same bytes (the floor). The worker series runs to-universal and restore of the 2 GB point with ``--workers``
+the same bytes (the floor), and where a weight is cast as it is written ``ucp export`` of that universal folder
+(safetensors in the model dtype). The worker series runs to-universal and restore of the 2 GB point with ``--workers``
 1 and 2 and under ``torchrun --nproc-per-node N ... --distributed``. Nothing here imports torch or ucp.
 """
 
@@ -33,6 +34,8 @@ BUILDER = REPO / "benchmarks" / "synth_checkpoint.py"
 TOOLS = ("to-universal", "restore", "reshard", "cp")
 #: with many tensors, also the floor for writing that many files: cp -r of the universal folder to-universal wrote
 MANY_FILES_TOOLS = (*TOOLS, "cp-universal")
+#: where a weight is cast to the model dtype as it is written (ZeRO-1/2 restores, exports): also ``ucp export``
+CAST_TOOLS = (*TOOLS, "export")
 
 
 @dataclass
@@ -88,8 +91,17 @@ def plan(
     ]
     if big_tensor:
         points.append(Point("tensor", "128256 x 8192", SynthSpec(one_tensor(128256, 8192), dp=8, label="embed"), 1))
+        # ZeRO-2 keeps the whole bf16 weight in its model file: restore and export cast a 1 GB master
+        z2 = SynthSpec(one_tensor(32000, 8192), dp=8, stage=2, label="embed-z2")
+        points.append(Point("tensor", "32000 x 8192, ZeRO-2", z2, 1, CAST_TOOLS))
     points += [
-        Point("stages", f"ZeRO-{st}", SynthSpec(layers_for_bytes(GB), dp=stages_dp, stage=st, label=f"stage{st}"), 3)
+        Point(
+            "stages",
+            f"ZeRO-{st}",
+            SynthSpec(layers_for_bytes(GB), dp=stages_dp, stage=st, label=f"stage{st}"),
+            3,
+            CAST_TOOLS,
+        )
         for st in stages
     ]
     if bytes_gb:
@@ -149,6 +161,7 @@ def _units(point: Point, ckpt: Path, work: Path) -> dict[str, Callable[[], tuple
         "reshard": lambda: (_command(point, "reshard", ckpt, work / "out", "--dp", half), work / "out"),
         "cp": lambda: (["cp", "-r", str(tag), str(work / "out")], work / "out"),
         "cp-universal": lambda: (["cp", "-r", str(work / "u"), str(work / "out")], work / "out"),
+        "export": lambda: (_command(point, "export", work / "u", work / "out"), work / "out"),
     }
 
 
@@ -184,7 +197,7 @@ def _measure(point: Point, root: Path, cfg: BenchConfig) -> None:
     samples: list[Sample] = []
     files_out: dict[str, int] = {}
     tools = point.tools
-    if "restore" in tools or "cp-universal" in tools:  # they read the universal folder: write it first
+    if {"restore", "cp-universal", "export"} & set(tools):  # they read the universal folder: write it first
         cmd, out = units["to-universal"]()
         first = run_measured("to-universal", 0, [(cmd, tool_env())], [logs / "to-universal-first.log"], cfg)
         if not first.ok:
