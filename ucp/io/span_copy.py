@@ -126,12 +126,22 @@ def _read(source: FileSpan, skip: int, dst: memoryview, done: int) -> None:
     source.read_into(dst, skip + done)
 
 
+def _staging(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """This thread's buffer for what a cast reads from files before converting (reused: a fresh one per chunk
+    would leave freed chunks in every thread's malloc arena)."""
+    buf = getattr(_SCRATCH, "staging", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = _SCRATCH.staging = torch.empty(max(numel, _CHUNK // 2), dtype=dtype)
+    return buf
+
+
 def _cast(part: Cast, skip: int, dst: memoryview, done: int) -> None:
     item = part.dtype.itemsize
     first, rest = divmod(skip + done, item)
     if rest or len(dst) % item:  # buffers and tasks are whole multiples of any element, and a cast is its own record
         raise ValueError(f"a cast record copied from byte {skip + done} for {len(dst)} bytes: not whole elements")
-    part.fill(first, torch.frombuffer(dst, dtype=part.dtype))
+    numel = len(dst) // item
+    part.fill(first, torch.frombuffer(dst, dtype=part.dtype), _staging(part.source.dtype, numel))
 
 
 def _fill(

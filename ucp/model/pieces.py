@@ -132,9 +132,10 @@ class Cast:
     def nbytes(self) -> int:
         return self.source.numel * self.dtype.itemsize
 
-    def fill(self, start: int, out: torch.Tensor) -> None:
-        """Elements ``[start, start + out.numel())`` of the flat source, converted into the 1-D ``out``."""
-        self.source.slice(start, start + out.numel()).copy_to(out)
+    def fill(self, start: int, out: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+        """Elements ``[start, start + out.numel())`` of the flat source, converted into the 1-D ``out``
+        (``staging``: a reused buffer of the source's dtype for what is read from files)."""
+        self.source.slice(start, start + out.numel()).copy_to(out, staging)
 
 
 def file_stamp(stat: os.stat_result) -> tuple[int, ...]:
@@ -195,19 +196,25 @@ class Pieces:
         self.copy_to(out)
         return out.view(self.shape)
 
-    def copy_to(self, out: torch.Tensor) -> None:
-        """Fill the contiguous 1-D ``out`` with the flat data, converting dtype; spans are read into place."""
+    def copy_to(self, out: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+        """Fill the contiguous 1-D ``out`` with the flat data, converting dtype; spans are read into place, or
+        through ``staging`` (1-D, of this dtype, reused; else allocated) when converting."""
         item = self.dtype.itemsize
         offset = 0
         for part in self.parts:
             n = part_numel(part, item)
             target = out.narrow(0, offset, n)
             if isinstance(part, (FileSpan, PathSpan)):
-                staging = target if out.dtype == self.dtype else torch.empty(n, dtype=self.dtype)
+                if out.dtype == self.dtype:
+                    staging_n = target
+                elif staging is not None and staging.numel() >= n and staging.dtype == self.dtype:
+                    staging_n = staging[:n]
+                else:
+                    staging_n = torch.empty(n, dtype=self.dtype)
                 if n:
-                    part.read_into(memoryview(staging.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
-                if staging is not target:
-                    target.copy_(staging)
+                    part.read_into(memoryview(staging_n.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
+                if staging_n is not target:
+                    target.copy_(staging_n)
             else:
                 target.copy_(part.reshape(-1))
             offset += n
