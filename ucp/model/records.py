@@ -50,7 +50,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamMeta:
     """One distinct parameter tensor. Tied aliases are not parameters; Facts.tied maps them."""
 
@@ -85,7 +85,7 @@ class ParamState:
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class PieceState:
     """A :class:`ParamState` whose tensors are :class:`ucp.model.pieces.Pieces`: the copy-free path from
     a source's files into a writer or a target's flat buffers (valid only while the source says so)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from ucp.errors import CorruptFileError
 from ucp.model.hyper import Hyper
@@ -36,7 +36,7 @@ from ucp.universal.file_names import (
 from ucp.universal.manifest_check import MAX_DIMS, MAX_NAME, MAX_NUMEL, check_manifest
 
 __all__ = [
-    "manifest_text",
+    "write_manifest",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
@@ -59,13 +59,13 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(slots=True)
 class FileEntry:
     bytes: int
     crc32: str
 
 
-@dataclass
+@dataclass(slots=True)
 class ParamEntry:
     name: str
     folder: str
@@ -117,17 +117,27 @@ def _layout(raw: Mapping[str, Any]) -> SourceLayout | None:
     return found[0] if found else None
 
 
-def manifest_text(manifest: Mapping[str, Any]) -> str:
-    """ucp.json as written: one top-level field per line, one line per parameter entry. Each line comes from
-    json's C encoder; an indented dump goes through its pure-Python one (11 s for 10^5 parameters)."""
-    fields = []
-    for key, value in manifest.items():
-        if key == "params" and value:
-            text = "[\n" + ",\n".join("  " + json.dumps(entry) for entry in value) + "\n ]"
-        else:
-            text = json.dumps(value)
-        fields.append(f" {json.dumps(key)}: {text}")
-    return "{\n" + ",\n".join(fields) + "\n}\n"
+def write_manifest(out: TextIO, header: Mapping[str, Any], params: Iterable[ParamEntry | Mapping[str, Any]]) -> None:
+    """Write ucp.json to ``out``: one top-level field of ``header`` per line, the ``params`` field from ``params``,
+    one entry per line, encoded one at a time (a 10^5-parameter manifest is never whole in memory, as dicts or as
+    text). Each line comes from json's C encoder; an indented dump goes through its pure-Python one (11 s for 10^5
+    parameters)."""
+    out.write("{\n")
+    first = True
+    for key, value in header.items():
+        out.write("" if first else ",\n")
+        first = False
+        out.write(f" {json.dumps(key)}: ")
+        if key != "params":
+            out.write(json.dumps(value))
+            continue
+        any_entry = False
+        for entry in params:
+            out.write(",\n  " if any_entry else "[\n  ")
+            out.write(json.dumps(entry.to_json() if isinstance(entry, ParamEntry) else entry))
+            any_entry = True
+        out.write("\n ]" if any_entry else "[]")
+    out.write("\n}\n")
 
 
 def manifest_json(

@@ -41,9 +41,9 @@ from ucp.universal.manifest import (
     ParamEntry,
     folder_for,
     manifest_json,
-    manifest_text,
     source_layouts,
     state_file,
+    write_manifest,
 )
 
 __all__ = ["write_universal", "write_params", "finish_universal"]
@@ -158,8 +158,10 @@ def finish_universal(
     ``layouts`` (:func:`~ucp.universal.manifest.source_layouts`) record the source's stages and experts."""
     files = {STATE_FILE: _save({"buffers": dict(buffers), **dict(extras)}, root / STATE_FILE)}
     _ds_compat_files(root, facts, extras, buffers)
-    manifest = manifest_json(facts, entries, files, layouts)
+    manifest = manifest_json(facts, [], files, layouts)
     tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(manifest_text(manifest))
+    with open(tmp, "w", encoding="utf-8") as out:
+        write_manifest(out, manifest, entries)  # entry by entry: never the whole text or every entry's dict at once
     os.replace(tmp, root / MANIFEST)
+    manifest["params"] = [entry.to_json() for entry in entries]  # what callers get back, as ucp.json holds it
     return manifest
