@@ -8,7 +8,8 @@ import torch
 
 from ucp.io.pool import parallel_map, state_bytes
 from ucp.model.partition import Zero12Group
-from ucp.model.records import ParamState, PieceState, Reader
+from ucp.model.pieces import Pieces
+from ucp.model.records import PieceState, Reader
 from ucp.model.steps import settle_steps
 from ucp.targets.blocks.common import RankBuffers, check_state, merge_scalars
 
@@ -46,12 +47,14 @@ def fill_zero12_ranks(
     keys: Sequence[Sequence[str]],
     moments: bool,
     workers: int,
-    step_of: Callable[[ParamState], int],
-    on_state: Callable[[str, ParamState], None] | None = None,
+    step_of: Callable[[PieceState], int],
+    on_state: Callable[[str, PieceState], None] | None = None,
     whole: Sequence[Sequence[str]] = (),
 ) -> list[set[int]]:
     """Read every parameter of ``names`` (per param group, in flat order) once into the ranks' partitions
-    (the keys ``whole[g]``, as in :func:`zero12_buffers`, into every rank whose partition it touches).
+    (the keys ``whole[g]``, as in :func:`zero12_buffers`, into every rank whose partition it touches). From a
+    reader that hands out spans only the slices the ranks hold are read: a live rank restoring a 4 GB embedding
+    reads its partition of it, not the tensor.
 
     ``on_state(name, state)`` sees each state as it is read (the native writer takes the module
     weights from it). Returns, per param group, the set of steps its members carried.
@@ -65,30 +68,28 @@ def fill_zero12_ranks(
 
     def one(name: str) -> None:
         g, i = where[name]
-        state = reader.read(name, moments=moments)
-        check_state(name, PieceState.of(state), keys[g], layouts[g].numels[i], moments=moments)
-        spans = [s for s in layouts[g].spans(i) if s.rank in ranks]
-        pairs: list[tuple[str | None, torch.Tensor]] = [(None, state.fp32)]
-        if moments:
-            pairs += list(state.optim.items())
-        for key, tensor in pairs:
-            values = tensor.reshape(-1)
-            if key in whole_keys[g]:
-                for r, held in slots[g].items():
-                    if i in held:
-                        ranks[r].optim[g][key].narrow(0, held[i], values.numel()).copy_(values)
-                continue
-            for span in spans:
-                buffers = ranks[span.rank]
-                target = buffers.fp32[g] if key is None else buffers.optim[g][key]
-                target.narrow(0, span.partition_start, span.length).copy_(
-                    values[span.param_start : span.param_start + span.length]
-                )
-        steps[g].add(step_of(state))
-        if moments:
-            merge_scalars(name, state, shared_scalars[g], "ZeRO-1/2 param group")
-        if on_state is not None:
-            on_state(name, state)
+        with reader.read_pieces(name, moments=moments) as state:
+            check_state(name, state, keys[g], layouts[g].numels[i], moments=moments)
+            spans = [s for s in layouts[g].spans(i) if s.rank in ranks]
+            pairs: list[tuple[str | None, Pieces]] = [(None, state.fp32)]
+            if moments:
+                pairs += list(state.optim.items())
+            for key, pieces in pairs:
+                if key in whole_keys[g]:
+                    for r, held in slots[g].items():
+                        if i in held:
+                            pieces.copy_to(ranks[r].optim[g][key].narrow(0, held[i], pieces.numel))
+                    continue
+                for span in spans:  # only the slices these ranks hold are read
+                    buffers = ranks[span.rank]
+                    target = buffers.fp32[g] if key is None else buffers.optim[g][key]
+                    end = span.param_start + span.length
+                    pieces.slice(span.param_start, end).copy_to(target.narrow(0, span.partition_start, span.length))
+            steps[g].add(step_of(state))
+            if moments:
+                merge_scalars(name, state, shared_scalars[g], "ZeRO-1/2 param group")
+            if on_state is not None:
+                on_state(name, state)
 
     weight = state_bytes(reader.facts, moments=moments)
     for _ in parallel_map(one, [n for group in names for n in group], workers, desc="restore", weight=weight):

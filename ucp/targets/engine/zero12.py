@@ -22,7 +22,7 @@ from ucp.errors import InputError
 from ucp.model import flavours
 from ucp.model.detect import detect_live
 from ucp.model.partition import Zero12Group
-from ucp.model.records import ParamState, Reader
+from ucp.model.records import ParamState, PieceState, Reader
 from ucp.model.steps import step_chooser
 from ucp.targets.blocks.common import RankBuffers
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
@@ -88,7 +88,7 @@ def restore_zero12(
     load_optimizer_states: bool,
     strict: bool,
     workers: int,
-    step_of: Callable[[ParamState], int] | None = None,
+    step_of: Callable[[ParamState | PieceState], int] | None = None,
 ) -> None:
     """Load ``reader``'s weights (and optimizer state) into a live stage-1/2 engine on this rank."""
     check_names(engine, reader, strict=strict)

@@ -30,7 +30,7 @@ from ucp.deepspeed.layout import model_file, optim_file
 from ucp.io.pool import parallel_map
 from ucp.model.partition import Span, Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
-from ucp.model.records import ParamState, PieceState, Reader, torch_dtype
+from ucp.model.records import PieceState, Reader, torch_dtype
 from ucp.targets.blocks.common import RankBuffers
 from ucp.targets.blocks.stream import (
     Located,
@@ -136,8 +136,8 @@ def _write_buffered(files: _Zero12Files, workers: int, model: bool, ranks: list[
     lp = torch_dtype(plan.dtype)
     weights: dict[str, Weight] = {}
 
-    def keep_weight(name: str, state: ParamState) -> None:
-        weights[name] = state.fp32.to(lp)
+    def keep_weight(name: str, state: PieceState) -> None:
+        weights[name] = state.fp32.join(lp)
 
     scalars: list[dict[str, torch.Tensor]] = [{} for _ in files.flats]
     filled = {r: files.buffers(r, scalars) for r in ranks}
