@@ -49,7 +49,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bytes-gb", default="2,8", help="series (a): checkpoint sizes in GB at DP 8 (default 2,8)")
     parser.add_argument("--ranks", default="8,64,512,4096", help="series (b): DP sizes at 1 GB")
     parser.add_argument("--tensors", default="1000,10000,100000", help="series (c): tensor counts at 1 GB, DP 8")
-    parser.add_argument("--no-big-tensor", action="store_true", help="skip (d): one 128256 x 8192 tensor (12.6 GB)")
+    parser.add_argument(
+        "--no-big-tensor", action="store_true", help="skip (d)'s 128256 x 8192 tensor (12.6 GB; its 32000 x 8192 stays)"
+    )
     parser.add_argument("--nprocs", default="1,2,4", help="series (e): torchrun processes with --distributed")
     parser.add_argument("--stages", default="1,2,3", help="series (f): ZeRO stages at 1 GB and --stages-dp")
     parser.add_argument("--stages-dp", type=int, default=512, help="series (f): the DP size (default 512)")
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         _ints(args.nprocs) if "workers" in only else [],
         _ints(args.stages) if "stages" in only else [],
         args.stages_dp,
+        "tensor" in only,
     )
     points = [p for p in points if p.series in only or (p.series == "bytes" and "workers" in only and p is points[0])]
     notes: list[str] = []

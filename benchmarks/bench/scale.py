@@ -65,10 +65,11 @@ def plan(
     nprocs: list[int],
     stages: list[int] = [],  # noqa: B006 (never mutated)
     stages_dp: int = 512,
+    tensor: bool = False,
 ) -> list[Point]:
     """The series' points: (a) bytes at DP 8, (b) DP at 1 GB, (c) tensor count at 1 GB, (d) one 128256 x 8192
-    tensor, (e) workers and torchrun processes at the first bytes point, (f) each ZeRO stage at 1 GB and
-    ``stages_dp``."""
+    tensor (``big_tensor``) and, with ``tensor``, one 32000 x 8192 tensor at ZeRO-2, (e) workers and torchrun
+    processes at the first bytes point, (f) each ZeRO stage at 1 GB and ``stages_dp``."""
     points = [
         Point(
             "bytes",
@@ -91,7 +92,7 @@ def plan(
     ]
     if big_tensor:
         points.append(Point("tensor", "128256 x 8192", SynthSpec(one_tensor(128256, 8192), dp=8, label="embed"), 1))
-        # ZeRO-2 keeps the whole bf16 weight in its model file: restore and export cast a 1 GB master
+    if tensor:  # ZeRO-2 keeps the whole bf16 weight in its model file: restore and export cast a 1 GB master
         z2 = SynthSpec(one_tensor(32000, 8192), dp=8, stage=2, label="embed-z2")
         points.append(Point("tensor", "32000 x 8192, ZeRO-2", z2, 1, CAST_TOOLS))
     points += [
