@@ -166,7 +166,7 @@ def _units(point: Point, ckpt: Path, work: Path) -> dict[str, Callable[[], tuple
     }
 
 
-def _saved(point: Point, root: Path) -> Path:
+def saved_path(point: Point, root: Path) -> Path:
     """Where a measured point's result is kept, named for everything that decides it."""
     how = "-".join([point.series, *point.tools, *point.flags, f"n{point.nproc}", f"r{point.rounds}"])
     return root / "points" / f"{point.key}-{hashlib.sha1(how.encode()).hexdigest()[:8]}.json"
@@ -175,7 +175,7 @@ def _saved(point: Point, root: Path) -> Path:
 def measure(point: Point, root: Path, cfg: BenchConfig, again: bool = False) -> None:
     """Build the point, make the universal folder restore reads, then run every tool ``rounds`` times; a point
     measured by an earlier run of the series is taken from its saved result unless ``again``."""
-    saved = _saved(point, root)
+    saved = saved_path(point, root)
     if saved.is_file() and not again:
         point.result = json.loads(saved.read_text())
         logger.info("%s: %s taken from %s", point.series, point.label, saved.name)
