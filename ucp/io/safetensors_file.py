@@ -26,7 +26,7 @@ import torch
 
 from ucp.io.pool import parallel_map
 from ucp.io.span_copy import PARALLEL_MIN, Copied, copy_spans
-from ucp.model.pieces import Cast, FileSpan, PathSpan, Pieces
+from ucp.model.pieces import Cast, FileSpan, PathSpan, Pieces, nbytes_of
 
 __all__ = ["SAFETENSORS_DTYPES", "Entry", "Source", "write_safetensors"]
 
@@ -64,10 +64,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.dtype.itemsize
+        return nbytes_of(self.shape, self.dtype)
 
 
 E = TypeVar("E", bound=Entry)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,18 @@ import torch
 
 from ucp.errors import ChecksumError, CorruptFileError
 
-__all__ = ["FileSpan", "PathSpan", "Span", "Part", "Pieces", "LazyTensor", "part_numel", "file_stamp"]
+__all__ = [
+    "FileSpan",
+    "PathSpan",
+    "Span",
+    "Part",
+    "Pieces",
+    "LazyTensor",
+    "Cast",
+    "part_numel",
+    "nbytes_of",
+    "file_stamp",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +121,7 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.dtype.itemsize
+        return nbytes_of(self.shape, self.dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +145,11 @@ class Cast:
         """Elements ``[start, start + out.numel())`` of the flat source, converted into the 1-D ``out``
         (``staging``: a reused buffer of the source's dtype for what is read from files)."""
         self.source.slice(start, start + out.numel()).copy_to(out, staging)
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * dtype.itemsize
 
 
 def file_stamp(stat: os.stat_result) -> tuple[int, ...]:
