@@ -25,7 +25,16 @@ import torch
 from ucp.io.standins import DSEnum, DSObject, DSStrEnum
 from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Pieces, part_numel
 
-__all__ = ["Chunk", "STREAMED", "StorageRef", "WrapperTensor", "data_pickle", "pickle_object", "tensor_bytes"]
+__all__ = [
+    "Chunk",
+    "Pickled",
+    "STREAMED",
+    "StorageRef",
+    "WrapperTensor",
+    "data_pickle",
+    "pickle_object",
+    "tensor_bytes",
+]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -43,6 +52,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor | Cast
 #: the chunks the zip writer streams (their CRC known only once written)
 STREAMED = (FileSpan, PathSpan, LazyTensor, Cast)
+#: an object as :func:`pickle_object` returns it: its data.pkl and each storage's record
+Pickled = tuple[bytes, list[tuple[str, Sequence[Chunk]]]]
 
 
 class _Tensors:

@@ -29,10 +29,10 @@ from typing import Any
 
 from ucp.io.crc import crc32_combine
 from ucp.io.span_copy import PARALLEL_MIN, copy_spans
-from ucp.io.torchpickle import STREAMED, Chunk, pickle_object, tensor_bytes
+from ucp.io.torchpickle import STREAMED, Chunk, Pickled, pickle_object, tensor_bytes
 from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan
 
-__all__ = ["WrittenFile", "write_torch_file"]
+__all__ = ["WrittenFile", "write_pickled", "write_torch_file"]
 
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -128,8 +128,14 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
 
 def write_torch_file(obj: Any, path: str | os.PathLike) -> WrittenFile:
     """Write ``obj`` to ``path`` in torch's zip format; returns its size and whole-file crc32."""
+    return write_pickled(pickle_object(obj), path)
+
+
+def write_pickled(pickled_object: Pickled, path: str | os.PathLike) -> WrittenFile:
+    """Write an object :func:`~ucp.io.torchpickle.pickle_object` pickled to ``path`` in torch's zip format (the
+    archive named after the file, as torch names it): an object written to many files is pickled once."""
     path = Path(path)
-    pickled, records = pickle_object(obj)
+    pickled, records = pickled_object
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         zip_out = _ZipStream(fd, path.stem.encode() or b"archive")

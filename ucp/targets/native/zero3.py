@@ -13,6 +13,7 @@ the expert-data-parallel group; its optim files then say so in ``ds_zero_partiti
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,8 @@ from ucp.deepspeed.layout import optim_file, zero3_model_file
 from ucp.errors import InputError
 from ucp.io.memory import give_back_freed
 from ucp.io.pool import parallel_map
+from ucp.io.torchpickle import Pickled, pickle_object
+from ucp.io.torchzip import write_pickled
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces
 from ucp.model.records import Reader, torch_dtype
@@ -172,6 +175,8 @@ class _Zero3Files:
         self.wrapper = zero_wrapper(reader, plan)
         self.steps: list[int] = []
         self.groups: list[dict] = []
+        self._lock = threading.Lock()
+        self._shared_model: Pickled | None = None  # the model-states file every rank writes, when they agree
 
     def settle(self, seen: list[set[int]]) -> None:
         """One step per sub-group from its members', and the param groups that carry them."""
@@ -187,6 +192,35 @@ class _Zero3Files:
         optim: Sequence[Mapping[str, Flat]],
         scalars: Sequence[Mapping[str, torch.Tensor]],
     ) -> None:
+        plan, facts = self.plan, self.reader.facts
+        path = self.tag_dir / zero3_model_file(rank, plan.mp_rank)
+        if self.frozen or plan.zero12_sets or self.rank_fields is not None:  # each rank's file is its own
+            save_rank_file(self._model_states(rank), path)
+        else:  # every rank's file holds the same object (10^5 placeholders for 10^5 parameters): pickled once
+            with self._lock:
+                if self._shared_model is None:
+                    self._shared_model = pickle_object(self._model_states(rank))
+            write_pickled(self._shared_model, path)
+        block = ds_states.zero3_optim_block(
+            wrapper=self.wrapper,
+            flavour=plan.flavour,
+            fp32=fp32,
+            optim=optim,
+            scalars=scalars,
+            steps=self.steps,
+            groups=self.groups,
+            dp=plan.dp,
+            moments=not plan.reset_moments,
+        )
+        if plan.zero12_sets:
+            block[PARTITION_GROUPS] = self._partition_groups(rank)
+        save_rank_file(
+            ds_states.optim_file_dict(block, self.config, facts.info.ds_version),
+            self.tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
+        )
+
+    def _model_states(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s model-states file: empty placeholders, the param shapes, its frozen fragments."""
         plan, facts, layout = self.plan, self.reader.facts, self.layout
         param_shapes: list[OrderedDict] = [OrderedDict() for _ in layout.sub_group_numel]
         for g in range(len(plan.group_names)):
@@ -213,24 +247,7 @@ class _Zero3Files:
             del states["module"][name]
         states.update(plan.model_fields)
         states.update(self.rank_fields(rank) if self.rank_fields is not None else {})
-        save_rank_file(states, self.tag_dir / zero3_model_file(rank, plan.mp_rank))
-        block = ds_states.zero3_optim_block(
-            wrapper=self.wrapper,
-            flavour=plan.flavour,
-            fp32=fp32,
-            optim=optim,
-            scalars=scalars,
-            steps=self.steps,
-            groups=self.groups,
-            dp=plan.dp,
-            moments=not plan.reset_moments,
-        )
-        if plan.zero12_sets:
-            block[PARTITION_GROUPS] = self._partition_groups(rank)
-        save_rank_file(
-            ds_states.optim_file_dict(block, self.config, facts.info.ds_version),
-            self.tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
-        )
+        return states
 
     def _partition_groups(self, rank: int) -> list[dict[str, Any]]:
         """``ds_zero_partition_groups`` as rank ``rank``'s engine records it. Only AutoEP expert groups are cut in
