@@ -154,7 +154,7 @@ def test_export_never_touches_an_existing_output_without_overwrite(z3_bf16_dp2, 
 def test_export_failure_leaves_no_output(z3_bf16_dp2, tmp_path, monkeypatch):
     calls = []
 
-    def fail_second(path, entries, fetch, metadata, workers):
+    def fail_second(path, entries, fetch, metadata, **kwargs):
         calls.append(path)
         if len(calls) == 2:
             raise OSError("disk full")

@@ -119,6 +119,7 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     *,
     workers: int = 1,
+    desc: str = "",
 ) -> int:
     """Write ``entries`` to a new file at ``path``; ``fetch(entry)`` is a context manager yielding the entry's
     bytes (valid inside it), entered once per tensor, ``workers`` tensors at a time, each copied to its own
@@ -142,7 +143,7 @@ def write_safetensors(
 
     try:
         _write_at(fd, head, 0)
-        for _ in parallel_map(one, range(len(entries)), workers, weight=lambda i: entries[i].nbytes):
+        for _ in parallel_map(one, range(len(entries)), workers, desc=desc, weight=lambda i: entries[i].nbytes):
             pass
         os.ftruncate(fd, at)  # a last empty tensor writes nothing
     finally:

@@ -326,7 +326,9 @@ def _export(
             weight_map.update(dict.fromkeys(tied, file))
         else:
             metadata = {"format": "pt", **({TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {})}
-            write_safetensors(stage / file, [by_name[n] for n in shard], fetch, metadata, workers=workers)
+            write_safetensors(
+                stage / file, [by_name[n] for n in shard], fetch, metadata, workers=workers, desc=f"export {file}"
+            )
         logger.info("wrote %s (%d tensors)", file, len(shard) + (len(tied) if fmt == "torch" else 0))
     written = [out / file for file in names] if file_name is None else [out]
     if len(shards) > 1:
