@@ -128,6 +128,8 @@ def test_export_torch_format_stores_a_tied_alias_as_the_same_tensor(z3_bf16_dp2,
     state = torch.load(export(z3_bf16_dp2.path, tmp_path / "model.bin", format="torch")[0], weights_only=True)
     assert state["head.weight"] is state["embed.weight"]
     assert set(state) == set(record["names"]) | {"calls"}
+    keys = list(state)
+    assert keys[keys.index("embed.weight") + 1] == "head.weight"  # the alias right after its owner
     for name, live in record["module"].items():
         assert _bits_equal(state[name], live), name
     written = export(z3_bf16_dp2.path, tmp_path / "sharded", format="torch", max_shard_size="600B")

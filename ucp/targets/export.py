@@ -153,13 +153,13 @@ def _resolve_out(out: Path, fmt: str) -> tuple[Path, str | None]:
 def _save_torch(
     reader: Reader,
     items: list[_Item],
-    tied: Mapping[str, str],
+    aliases_of: Mapping[str, list[str]],
     fetch: Callable[[_Item], contextlib.AbstractContextManager[Source]],
     path: Path,
 ) -> None:
     """One torch shard through ucp's torch-zip writer, each tensor streamed when the writer reaches it: a
     reader whose pieces stay valid hands them over up front, any other reads one tensor at a time
-    (:class:`LazyTensor`). An alias is the same object as its owner: pickled once, one storage."""
+    (:class:`LazyTensor`). A tied alias follows its owner as the same object: pickled once, one storage."""
     tensors: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         for item in items:
@@ -167,8 +167,8 @@ def _save_torch(
                 tensors[item.name] = stack.enter_context(fetch(item))
             else:
                 tensors[item.name] = LazyTensor(item.shape, item.dtype, partial(_whole, fetch, item))
-        for alias, owner in tied.items():
-            tensors[alias] = tensors[owner]
+            for alias in aliases_of.get(item.name, []):
+                tensors[alias] = tensors[item.name]
         write_torch_file(tensors, path)
 
 
@@ -321,15 +321,16 @@ def _export(
         for name in shard:
             weight_map[name] = file
             total += by_name[name].nbytes
+            if fmt == "torch":  # a torch file holds the alias too, right after its owner
+                weight_map.update(dict.fromkeys(aliases_of.get(name, []), file))
         if fmt == "torch":
-            _save_torch(reader, [by_name[n] for n in shard], tied, fetch, stage / file)
-            weight_map.update(dict.fromkeys(tied, file))
+            _save_torch(reader, [by_name[n] for n in shard], aliases_of, fetch, stage / file)
         else:
             metadata = {"format": "pt", **({TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {})}
             write_safetensors(
                 stage / file, [by_name[n] for n in shard], fetch, metadata, workers=workers, desc=f"export {file}"
             )
-        logger.info("wrote %s (%d tensors)", file, len(shard) + (len(tied) if fmt == "torch" else 0))
+        logger.info("wrote %s (%d tensors, %d tied aliases)", file, len(shard), len(tied))
     written = [out / file for file in names] if file_name is None else [out]
     if len(shards) > 1:
         index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
