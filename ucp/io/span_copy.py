@@ -5,8 +5,9 @@ part CRC'd while hot.
 A record of many small spans (a rank's flat buffer cut from 10^5 parameters' slices) costs a read per span and a
 write per buffer, not a write and a task per span. A record of at least ``PARALLEL_MIN`` bytes (an embedding,
 stacked experts, a module weight cast from its master) has its tasks copied by a pool of threads at their own
-offsets; the parts' CRCs are combined in
-order, so the record's crc32 is the one a single pass gives, and each :class:`PathSpan` witness learns its span's.
+offsets; the parts' CRCs are combined in order, so the record's crc32 is the one a single pass gives, and each
+:class:`PathSpan` witness learns its span's (a cast reads its spans without telling their witnesses: its bytes are
+not theirs).
 
 The writer that owns the output file (:mod:`ucp.io.torchzip`) hands a record's parts here; its file position is
 left untouched (every write is positional), the caller moves it past the record. One shared pool serves every
