@@ -257,3 +257,24 @@ def test_verify_model_bad_spec_is_an_input_error(z3_bf16_dp2, models, capsys):
     assert main(["verify", str(z3_bf16_dp2.path), "--model", f"{models}:wider"]) == 1
     assert "model shape [24, 10]" in capsys.readouterr().out
     assert main(["verify", str(z3_bf16_dp2.path), "--model", f"{models}:missing"]) == 2
+
+
+def test_pieces_are_compared_a_chunk_at_a_time_with_the_whole_tensors_message(tmp_path, monkeypatch) -> None:
+    """verify reads both sides as pieces and compares them in bounded chunks (a 4 GB state is never whole in
+    memory): the verdict and the message, first difference and count across chunks, are the whole tensors'."""
+    from ucp.model.pieces import PathSpan, Pieces, file_stamp
+    from ucp.ops import verify
+
+    a = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0))
+    b = a.clone()
+    b.view(-1)[[1500, 1501, 2999]] = torch.tensor([1.0, -0.0, float("nan")])  # in the second and last chunks
+    path = tmp_path / "a.bin"
+    path.write_bytes(b"pad" + a.numpy().tobytes())
+    spans = Pieces((PathSpan(str(path), 3, 4 * a.numel(), file_stamp(path.stat())),), tuple(a.shape), torch.float32)
+    halves = Pieces((b.reshape(-1)[:1700].clone(), b.reshape(-1)[1700:].clone()), tuple(b.shape), torch.float32)
+    monkeypatch.setattr(verify, "_COMPARE_CHUNK", 1000)
+    whole = first_difference(a, b)
+    assert whole is not None and whole.startswith("first of 3 differing elements at index [1, 499] (flat 1500)")
+    assert verify.first_difference_pieces(spans, halves) == whole
+    assert verify.first_difference_pieces(spans, Pieces.of(a.clone())) is None
+    assert verify.first_difference_pieces(spans, Pieces.of(a.reshape(-1))).startswith("shape differs")
