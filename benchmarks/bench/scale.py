@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ def plan(
     tensors: list[int],
     big_tensor: bool,
     nprocs: list[int],
-    stages: list[int] = [],  # noqa: B006 (never mutated)
+    stages: Sequence[int] = (),
     stages_dp: int = 512,
     tensor: bool = False,
 ) -> list[Point]:

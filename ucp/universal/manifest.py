@@ -117,7 +117,7 @@ def _layout(raw: Mapping[str, Any]) -> SourceLayout | None:
     return found[0] if found else None
 
 
-def write_manifest(out: TextIO, header: Mapping[str, Any], params: Iterable[ParamEntry | Mapping[str, Any]]) -> None:
+def write_manifest(out: TextIO, header: Mapping[str, Any], params: Iterable[ParamEntry]) -> None:
     """Write ucp.json to ``out``: one top-level field of ``header`` per line, the ``params`` field from ``params``,
     one entry per line, encoded one at a time (a 10^5-parameter manifest is never whole in memory, as dicts or as
     text). Each line comes from json's C encoder; an indented dump goes through its pure-Python one (11 s for 10^5
@@ -134,7 +134,7 @@ def write_manifest(out: TextIO, header: Mapping[str, Any], params: Iterable[Para
         any_entry = False
         for entry in params:
             out.write(",\n  " if any_entry else "[\n  ")
-            out.write(json.dumps(entry.to_json() if isinstance(entry, ParamEntry) else entry))
+            out.write(json.dumps(entry.to_json()))
             any_entry = True
         out.write("\n ]" if any_entry else "[]")
     out.write("\n}\n")
