@@ -3,9 +3,9 @@
 For the questions users bring to a resume that "looks like training from scratch" or has stale
 moments: do these two checkpoints hold the same weights, the same optimizer state under the same
 keys, the same steps and the same group settings, whatever their DP size, TP degree or format?
-Both sides are read a few parameters at a time in a thread pool (memory near ``2 x workers`` parameters;
-a progress bar on stderr), as fp32 in their real shapes, so a ZeRO-3 checkpoint at DP=4 and its universal
-directory or a restore at DP=2 compare equal. Tensors equal bit for bit (the common case) take one pass over their
+Both sides are read a few parameters at a time in a thread pool (a progress bar on stderr), each state as
+pieces of its files compared a 16 MiB chunk at a time (memory near ``2 x workers`` chunks, whatever the largest
+tensor), so a ZeRO-3 checkpoint at DP=4 and its universal directory or a restore at DP=2 compare equal. Tensors equal bit for bit (the common case) take one pass over their
 bytes; only those that differ are measured.
 """
 
@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from ucp.io.memory import give_back_freed
 from ucp.io.pool import default_workers, parallel_map, state_bytes
 from ucp.io.timing import phase
-from ucp.model.records import Facts, Reader
+from ucp.model.pieces import Pieces
+from ucp.model.records import Facts, PieceState, Reader
 from ucp.sources import open_reader
 from ucp.transforms.megatron_llama import MegatronAsLlama
 
@@ -151,25 +153,57 @@ def _param_text(p: ParamDiff, atol: float) -> Iterator[str]:
             yield f"{t.key} max abs {t.max_abs:.3g}, max rel {t.max_rel:.3g}{nan}"
 
 
-def _tensor_diff(key: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
-    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b):  # one pass; False wherever a NaN is
-        return TensorDiff(key, 0.0, 0.0)
-    a, b = a.detach().float().reshape(-1), b.detach().float().reshape(-1)
+#: elements of a state compared at once (16 MiB of fp32 per side): a 4 GB embedding is never whole in memory
+_CHUNK = 4 << 20
+
+
+def _chunk_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, bool]:
+    """(max abs, max rel, NaNs in different places) of two flat chunks of equal length."""
+    if a.dtype == b.dtype and torch.equal(a, b):  # one pass; False wherever a NaN is
+        return 0.0, 0.0, False
+    a, b = a.detach().float(), b.detach().float()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     nan_mismatch = bool((nan_a != nan_b).any())
     both = ~(nan_a | nan_b)
     a, b = a[both], b[both]
     if a.numel() == 0:
-        return TensorDiff(key, 0.0, 0.0, nan_mismatch)
+        return 0.0, 0.0, nan_mismatch
     same = a == b  # equal infinities too
     delta = torch.where(same, torch.zeros_like(a), (a - b).abs())
     scale = torch.maximum(a.abs(), b.abs())
     rel = torch.where(same, torch.zeros_like(a), delta / scale)
-    return TensorDiff(key, float(delta.max()), float(rel.max()), nan_mismatch)
+    return float(delta.max()), float(rel.max()), nan_mismatch
+
+
+def _tensor_diff(key: str, a: Pieces, b: Pieces) -> TensorDiff:
+    """:func:`_chunk_diff` folded over both states a bounded chunk at a time, into two buffers reused."""
+    if a.numel != b.numel:
+        return TensorDiff(key, math.inf, math.inf)
+    size = min(_CHUNK, a.numel)
+    buf_a, buf_b = torch.empty(size, dtype=a.dtype), torch.empty(size, dtype=b.dtype)
+    max_abs = max_rel = 0.0
+    nan_mismatch = False
+    for start in range(0, a.numel, _CHUNK):
+        end = min(start + _CHUNK, a.numel)
+        ca, cb = buf_a[: end - start], buf_b[: end - start]
+        a.slice(start, end).copy_to(ca)
+        b.slice(start, end).copy_to(cb)
+        d_abs, d_rel, d_nan = _chunk_diff(ca, cb)
+        max_abs, max_rel, nan_mismatch = max(max_abs, d_abs), max(max_rel, d_rel), nan_mismatch or d_nan
+    return TensorDiff(key, max_abs, max_rel, nan_mismatch)
 
 
 def _compare_param(name: str, ra: Reader, rb: Reader) -> ParamDiff:
-    sa, sb = ra.read(name), rb.read(name)
+    """Both sides' state of ``name`` as pieces of their files, compared a chunk at a time."""
+    with ExitStack() as stack:
+        sa = stack.enter_context(ra.read_pieces(name))
+        sb = stack.enter_context(rb.read_pieces(name))
+        out = _compare_states(name, sa, sb)
+    give_back_freed()  # the chunks' buffers, freed in this worker thread's heap
+    return out
+
+
+def _compare_states(name: str, sa: PieceState, sb: PieceState) -> ParamDiff:
     out = ParamDiff(name)
     if tuple(sa.fp32.shape) != tuple(sb.fp32.shape):
         out.shape = (tuple(sa.fp32.shape), tuple(sb.fp32.shape))
@@ -182,7 +216,7 @@ def _compare_param(name: str, ra: Reader, rb: Reader) -> ParamDiff:
             out.tensors.append(_tensor_diff(key, sa.optim[key], sb.optim[key]))
     for key in sa.scalars:
         if key in sb.scalars:
-            out.tensors.append(_tensor_diff(key, sa.scalars[key], sb.scalars[key]))
+            out.tensors.append(_tensor_diff(key, Pieces.of(sa.scalars[key]), Pieces.of(sb.scalars[key])))
     if sa.step != sb.step:
         out.steps = (sa.step, sb.step)
     return out
