@@ -138,9 +138,10 @@ class _Pickler(_Tensors, _PyPickler):
 _STANDIN_MODULE = DSObject.__module__.encode()
 
 
-#: data.pkl of ``{key: one tensor}`` by (key, shape, dtype): it holds no values, and a universal directory writes
-#: one such file per parameter and state key (4 x 10^5 of them for a MoE)
-_SINGLE: dict[tuple[str, tuple[int, ...], torch.dtype], bytes] = {}
+#: data.pkl of ``{key: one tensor}`` (or of a bare tensor: key None) by (key, shape, dtype): it holds no values,
+#: and a universal directory writes one such file per parameter and state key, and a step.pt per parameter
+#: (5 x 10^5 of them for a MoE)
+_SINGLE: dict[tuple[str | None, tuple[int, ...], torch.dtype], bytes] = {}
 _SINGLE_MAX = 4096
 
 
@@ -148,13 +149,13 @@ def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
     """``obj``'s data.pkl and its storage records: the C pickler (tens of times faster on a
     model-states file's thousands of small objects), or the pure-Python one when a stand-in's
     name also turns up somewhere a GLOBAL opcode did not put it. A dict of one tensor (or
-    :class:`Pieces`) under a string key reuses the pickle of an earlier one of its shape."""
+    :class:`Pieces`) under a string key, or a bare tensor, reuses the pickle of an earlier one of its shape."""
     single = _single_tensor(obj)
     if single is None:
         return _pickle_any(obj)
     known = _SINGLE.get(single)
     if known is not None:
-        value = next(iter(obj.values()))
+        value = obj if single[0] is None else next(iter(obj.values()))
         return known, [("0", _chunks(value))]
     data, records = _pickle_any(obj)
     if len(_SINGLE) >= _SINGLE_MAX:
@@ -163,8 +164,11 @@ def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
     return data, records
 
 
-def _single_tensor(obj: Any) -> tuple[str, tuple[int, ...], torch.dtype] | None:
-    """(key, shape, dtype) of ``{key: tensor or Pieces}``, whose data.pkl depends on nothing else; else None."""
+def _single_tensor(obj: Any) -> tuple[str | None, tuple[int, ...], torch.dtype] | None:
+    """(key, shape, dtype) of ``{key: tensor or Pieces}``, or (None, shape, dtype) of a plain tensor, whose data.pkl
+    depends on nothing else; else None."""
+    if type(obj) is torch.Tensor:
+        return None, tuple(obj.shape), obj.dtype
     if type(obj) is not dict or len(obj) != 1:
         return None
     key, value = next(iter(obj.items()))

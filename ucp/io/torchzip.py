@@ -19,6 +19,7 @@ DeepSpeed exactly like files DeepSpeed wrote) is :mod:`ucp.io.torchpickle`'s.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import zlib
@@ -38,6 +39,7 @@ _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _DOS_DATE = 0x21  # 1980-01-01; a fixed stamp keeps output deterministic
 _UTF8 = 0x800
+_RECRC_MAX = 4096  # an in-memory record this small is CRC'd again for the file's crc32 rather than combined
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class WrittenFile:
     crc32: str
 
 
+@functools.lru_cache(maxsize=1024)  # every file of a universal directory repeats its small records' headers
 def _local_header(name: bytes, size: int, crc: int, offset: int) -> bytes:
     zip64 = size >= _ZIP64_LIMIT
     extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
@@ -72,6 +75,7 @@ def _local_header(name: bytes, size: int, crc: int, offset: int) -> bytes:
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def _central_entry(name: bytes, size: int, crc: int, offset: int) -> bytes:
     fields = []
     if size >= _ZIP64_LIMIT:
@@ -203,7 +207,12 @@ class _ZipStream:
             header = _local_header(full, size, crc, start)
             if os.pwrite(self.fd, header, start) != len(header):
                 raise OSError(f"short write patching a zip header in {self.prefix.decode(errors='replace')}")
-        self.crc = crc32_combine(zlib.crc32(header, self.crc), crc, size)
+        if streamed or size > _RECRC_MAX:  # the bytes went by once: joined to the file's crc32 by their own
+            self.crc = crc32_combine(zlib.crc32(header, self.crc), crc, size)
+        else:  # a few bytes in memory: run on over them, cheaper than a combine
+            self.crc = zlib.crc32(header, self.crc)
+            for part in parts:
+                self.crc = zlib.crc32(part, self.crc)  # type: ignore[arg-type]
         self.central.append(_central_entry(full, size, crc, start))
         return crc
 
