@@ -100,7 +100,11 @@ def _copy_task(fd: int, segments: Sequence[_Segment], at: int) -> list[int]:
     buf, fill, crcs = _scratch(), 0, []
     for seg in segments:
         part = seg.part
-        if isinstance(part, (FileSpan, PathSpan)):
+        if isinstance(part, (FileSpan, PathSpan)) and seg.nbytes <= _CHUNK - fill:  # fits: one read, no staging
+            dst = buf[fill : fill + seg.nbytes]
+            part.read_into(dst, seg.skip)
+            crc, fill = zlib.crc32(dst), fill + seg.nbytes
+        elif isinstance(part, (FileSpan, PathSpan)):
             with nullcontext(part) if isinstance(part, FileSpan) else part.opened() as source:
                 fill, at, crc = _fill(fd, buf, fill, at, seg.nbytes, partial(_read, source, seg.skip))
         elif isinstance(part, Cast):
