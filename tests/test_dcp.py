@@ -526,18 +526,23 @@ def test_torchtitan_checkpoint_manager_resumes_the_torchtitan_layout(z3_fp32, un
 
 @pytest.mark.slow
 def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
-    """The model entry and the optimizer state of a parameter are written together: one read each."""
+    """The model entry and the optimizer state of a parameter are written together: its pieces found once, never
+    read whole all at once (each tensor is read when DCP's writer reaches it)."""
     from ucp.universal import open_universal
 
     with open_universal(universals("z3-fp32-dp3-adamw")) as reader:
         reads: list[str] = []
-        read = reader.read
+        read_pieces = reader.read_pieces
 
         def counted(name: str, **kwargs: Any) -> Any:
             reads.append(name)
-            return read(name, **kwargs)
+            return read_pieces(name, **kwargs)
 
-        reader.read = counted  # type: ignore[method-assign]
+        def whole(name: str, **kwargs: Any) -> Any:
+            raise AssertionError(f"{name} read whole")
+
+        reader.read_pieces = counted  # type: ignore[method-assign]
+        reader.read = whole  # type: ignore[method-assign]
         ucp.write_dcp(reader, tmp_path / "d")
         assert sorted(reads) == sorted(m.name for m in reader.facts.params)
 

@@ -119,6 +119,35 @@ def test_verl_folder_written_from_a_dcp_folder_reads_back_bit_for_bit(tmp_path: 
         assert reader.facts.groups[0].hyper.weight_decay == 0.01
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_each_rank_reads_only_its_share_of_a_streamed_state(tmp_path: Path, monkeypatch, version: int) -> None:
+    """Written from a universal directory (a reader that streams), each rank's file reads only the rows (FSDP2) or
+    the flat shard (FSDP1) it holds, never a whole state: every copy out of the source is at most one rank's share,
+    smaller than the largest tensor; and the folder reads back bit for bit."""
+    from ucp.model.pieces import Pieces
+
+    src, live = _dcp_source(tmp_path)
+    ucp.to_universal(src, tmp_path / "u")
+    copied: list[int] = []
+    copy_to = Pieces.copy_to
+
+    def counted(self, out, staging=None):
+        copied.append(out.numel())
+        return copy_to(self, out, staging)
+
+    monkeypatch.setattr(Pieces, "copy_to", counted)
+    write_verl(tmp_path / "u", tmp_path / "actor", dp=3, fsdp_version=version, device="cpu")
+    monkeypatch.undo()
+    shapes = {n: tuple(t["fp32"].shape) for n, t in live.items()}
+    if version == 2:  # a rank's rows: ceil(rows / 3) of them
+        share = max(-(-s[0] // 3) * int(torch.Size(s[1:]).numel()) for s in shapes.values())
+    else:  # a unit's flat shard: ceil(numel / 3)
+        share = max(-(-sum(int(torch.Size(shapes[n]).numel()) for n in m) // 3) for _, m in units_in_order(list(live)))
+    largest = max(int(torch.Size(s).numel()) for s in shapes.values())
+    assert copied and max(copied) <= share < largest, (max(copied), share, largest)
+    _assert_same(_read_all(tmp_path / "actor"), live)
+
+
 def test_written_dtensors_are_what_torch_itself_loads(tmp_path: Path) -> None:
     """torch.load(weights_only=True) with torch's own DTensor classes, no process group: Shard(0) on the 1-D fsdp
     mesh of 3, rank 2's rows of the 11-row embedding (4, 4, 3), the optimizer's moments alike."""

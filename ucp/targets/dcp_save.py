@@ -17,31 +17,54 @@ from typing import Any
 import torch
 
 from ucp.errors import InputError
-from ucp.model.records import ParamState, Reader
+from ucp.model.pieces import Pieces
+from ucp.model.records import PieceState, Reader
 
 __all__ = ["Fetch", "save_state"]
 
 
 class Fetch:
-    """Reads a parameter when a writer first asks for one of its tensors; keeps the last one. ``moments=False``:
-    the weights alone are asked for (a model file)."""
+    """A parameter's state as pieces of the source's files, found when a writer first asks for one of its tensors
+    (the last parameter's kept); each tensor is read when asked: whole (:meth:`__call__`, the last one kept, for DCP's
+    writer) or in part (:meth:`pieces`, for a rank's rows). Memory stays near one tensor, or one rank's share of one,
+    not a parameter's every state. A reader that does not stream is read whole, as before. ``moments=False``: the
+    weights alone are asked for (a model file)."""
 
     def __init__(self, reader: Reader, *, moments: bool = True) -> None:
         self.reader = reader
         self.moments = moments
         self.name: str | None = None
-        self.state: ParamState | None = None
+        self.state: PieceState | None = None
+        self.last: tuple[str, torch.Tensor] | None = None  # the key last read whole, and its tensor
 
-    def __call__(self, name: str, key: str) -> torch.Tensor:
+    def pieces(self, name: str, key: str) -> Pieces:
+        """``name``'s ``key`` ("fp32", a state key or a scalar) as pieces in its real shape, without reading it."""
         if self.name != name or self.state is None:
-            self.name, self.state = name, self.reader.read(name, moments=self.moments)
+            self.state = self.last = None  # the last parameter's tensors go first
+            if self.reader.streams:  # its spans stay valid until the reader closes
+                with self.reader.read_pieces(name, moments=self.moments) as state:
+                    self.state = state
+            else:
+                self.state = PieceState.of(self.reader.read(name, moments=self.moments))
+            self.name = name
         state = self.state
         if key == "fp32":
             return state.fp32
-        tensor = state.optim.get(key) if key in state.optim else state.scalars.get(key)
-        if tensor is None:
+        found = state.optim.get(key)
+        if found is not None:
+            return found
+        scalar = state.scalars.get(key)
+        if scalar is None:
             raise InputError(f"{name}: the checkpoint holds no optimizer state {key!r} for it")
-        return tensor
+        return Pieces.of(scalar)
+
+    def __call__(self, name: str, key: str) -> torch.Tensor:
+        """``name``'s ``key`` as a whole fp32 tensor in its real shape."""
+        pieces = self.pieces(name, key)
+        if self.last is None or self.last[0] != key:
+            self.last = None
+            self.last = (key, pieces.join(torch.float32))
+        return self.last[1]
 
 
 def save_state(

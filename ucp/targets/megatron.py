@@ -37,8 +37,9 @@ from ucp.io.standins import Namespace
 from ucp.io.timing import phase
 from ucp.io.torchzip import write_torch_file
 from ucp.model.option_table import Option
-from ucp.model.records import Facts, ParamState, Reader
+from ucp.model.records import Facts, Reader
 from ucp.sources import opened
+from ucp.targets.dcp_save import Fetch
 from ucp.targets.format import Request, TargetFormat, Written
 
 __all__ = ["FORMAT", "MegatronPlan", "plan_megatron", "write_megatron"]
@@ -143,22 +144,13 @@ def plan_megatron(facts: Facts) -> MegatronPlan:
 
 
 class _Fetch:
-    """Reads a parameter when the writer first asks for one of its items; keeps the last one."""
+    """A chunk's tensor from :class:`~ucp.targets.dcp_save.Fetch` (one tensor read at a time), in its dtype and sizes."""
 
     def __init__(self, reader: Reader) -> None:
-        self.reader = reader
-        self.name: str | None = None
-        self.state: ParamState | None = None
+        self.fetch = Fetch(reader)
 
     def __call__(self, chunk: Chunk) -> torch.Tensor:
-        if self.name != chunk.name or self.state is None:
-            self.name, self.state = chunk.name, self.reader.read(chunk.name)
-        if chunk.what in ("model", "param"):
-            tensor = self.state.fp32
-        elif chunk.what in self.state.optim:
-            tensor = self.state.optim[chunk.what]
-        else:
-            raise InputError(f"{chunk.name}: the checkpoint holds no optimizer state {chunk.what!r} for it")
+        tensor = self.fetch(chunk.name, "fp32" if chunk.what in ("model", "param") else chunk.what)
         return tensor.to(chunk.dtype).reshape(chunk.sizes).contiguous()
 
 

@@ -10,7 +10,8 @@ built over ``model.parameters()``). Anything else is refused in one line (:func:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +22,12 @@ from ucp.frameworks.verl_dtensor import RankMesh
 from ucp.model.fsdp_shards import flat_chunk, flat_offsets, units_in_order
 from ucp.model.pieces import LazyTensor
 from ucp.model.records import Facts
+from ucp.targets.dcp_save import Fetch
 
 __all__ = ["VerlLayout", "verl_layout", "model_file", "optim_file"]
 
-#: (parameter name, "fp32" or a state key) -> the whole tensor (ucp.targets.dcp.Fetch)
-Fetcher = Callable[[str, str], torch.Tensor]
+#: (parameter name, "fp32" or a state key) -> the tensor, whole or as pieces (ucp.targets.dcp_save.Fetch)
+Fetcher = Fetch
 
 
 @dataclass
@@ -64,9 +66,14 @@ def verl_layout(facts: Facts, plan_state: Mapping[str, Any], optim_key: str) -> 
 
 
 def _rows(fetch: Fetcher, name: str, key: str, start: int, end: int, shape: tuple[int, ...]) -> LazyTensor:
-    """A rank's rows [start, end) of ``name``'s ``key`` tensor, read when written."""
+    """A rank's rows [start, end) of ``name``'s ``key`` tensor, read when written (those rows alone)."""
     local = (end - start, *shape[1:])
-    return LazyTensor(local, torch.float32, lambda: fetch(name, key)[start:end].float().contiguous())
+    row = math.prod(shape[1:])
+    return LazyTensor(
+        local,
+        torch.float32,
+        lambda: fetch.pieces(name, key).slice(start * row, end * row).join(torch.float32).view(local),
+    )
 
 
 def _dtensor(mesh: RankMesh, fetch: Fetcher, name: str, key: str, shape: tuple[int, ...]) -> Any:
@@ -120,8 +127,8 @@ def _flat_shard(fetch: Fetcher, members: list[tuple[str, int, int]], key: str, l
         shard = torch.zeros(chunk, dtype=torch.float32)
         for name, start, numel in members:
             a, b = max(lo, start), min(lo + chunk, start + numel)
-            if a < b:
-                shard[a - lo : b - lo] = fetch(name, key).reshape(-1)[a - start : b - start]
+            if a < b:  # the member's elements this shard holds, read into place
+                fetch.pieces(name, key).slice(a - start, b - start).copy_to(shard[a - lo : b - lo])
         return shard
 
     return LazyTensor((chunk,), torch.float32, make)
