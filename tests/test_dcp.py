@@ -525,10 +525,17 @@ def test_torchtitan_checkpoint_manager_resumes_the_torchtitan_layout(z3_fp32, un
 
 
 @pytest.mark.slow
-def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
-    """The model entry and the optimizer state of a parameter are written together: its pieces found once, never
-    read whole all at once (each tensor is read when DCP's writer reaches it)."""
+def test_write_dcp_reads_each_parameter_once(universals, tmp_path, monkeypatch):
+    """The model entry and the optimizer state of a parameter are written together: its pieces found once, and
+    every tensor streamed from them into the .distcp file (none read whole: torch's own writer would keep a whole
+    file's tensors in memory); torch's own reader loads each one bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ucp.model.pieces import Pieces
     from ucp.universal import open_universal
+
+    def whole(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("read whole")
 
     with open_universal(universals("z3-fp32-dp3-adamw")) as reader:
         reads: list[str] = []
@@ -538,13 +545,21 @@ def test_write_dcp_reads_each_parameter_once(universals, tmp_path):
             reads.append(name)
             return read_pieces(name, **kwargs)
 
-        def whole(name: str, **kwargs: Any) -> Any:
-            raise AssertionError(f"{name} read whole")
-
         reader.read_pieces = counted  # type: ignore[method-assign]
-        reader.read = whole  # type: ignore[method-assign]
-        ucp.write_dcp(reader, tmp_path / "d")
+        with monkeypatch.context() as banned:
+            banned.setattr(reader, "read", whole)
+            banned.setattr(Pieces, "join", whole)
+            ucp.write_dcp(reader, tmp_path / "d")
         assert sorted(reads) == sorted(m.name for m in reader.facts.params)
+        dcp_to_torch_save(tmp_path / "d", tmp_path / "whole.pt")
+        saved = torch.load(tmp_path / "whole.pt", weights_only=True)
+        trained = [m for m in reader.facts.params if not m.frozen]
+        assert trained
+        for meta in trained:
+            state = reader.read(meta.name)
+            assert torch.equal(saved["model"][meta.name], state.fp32), meta.name
+            for key, tensor in state.optim.items():
+                assert torch.equal(saved["optim"]["state"][meta.name][key], tensor), (meta.name, key)
 
 
 @pytest.mark.slow

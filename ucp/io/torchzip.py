@@ -33,7 +33,7 @@ from ucp.io.span_copy import PARALLEL_MIN, copy_spans
 from ucp.io.torchpickle import STREAMED, Chunk, Pickled, pickle_object, tensor_bytes
 from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan
 
-__all__ = ["WrittenFile", "write_pickled", "write_torch_file"]
+__all__ = ["WrittenFile", "write_pickled", "write_pickled_at", "write_torch_file"]
 
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -139,21 +139,34 @@ def write_pickled(pickled_object: Pickled, path: str | os.PathLike) -> WrittenFi
     """Write an object :func:`~ucp.io.torchpickle.pickle_object` pickled to ``path`` in torch's zip format (the
     archive named after the file, as torch names it): an object written to many files is pickled once."""
     path = Path(path)
-    pickled, records = pickled_object
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        zip_out = _ZipStream(fd, path.stem.encode() or b"archive")
-        zip_out.record(b"data.pkl", [pickled])
-        for name, value in ((b".format_version", b"1"), (b".storage_alignment", b"64"), (b"byteorder", b"little")):
-            zip_out.record(name, [value])
-        data_crcs = [zip_out.record(b"data/" + key.encode(), parts) for key, parts in records]
-        zip_out.record(b"version", [b"3\n"])
-        serial = str(zlib.crc32(pickled, data_crcs[0] if data_crcs else 0)).zfill(40).encode()
-        zip_out.record(b".data/serialization_id", [serial])
-        size, crc = zip_out.finish()
+        size, crc = _write_archive(pickled_object, fd, path.stem.encode() or b"archive", 0)
     finally:
         os.close(fd)
     return WrittenFile(bytes=size, crc32=f"{crc & 0xFFFFFFFF:08x}")
+
+
+def write_pickled_at(pickled_object: Pickled, fd: int, base: int) -> int:
+    """Write a pickled object as ``torch.save`` writes it into a stream (archive ``archive``), from offset ``base`` of
+    the open file ``fd`` on, its tensors streamed like :func:`write_pickled`'s; returns its length. What a file of
+    many such archives needs (a DCP ``.distcp`` file holds one per tensor); ``fd`` is left after it."""
+    os.lseek(fd, base, os.SEEK_SET)
+    size, _ = _write_archive(pickled_object, fd, b"archive", base)
+    return size
+
+
+def _write_archive(pickled_object: Pickled, fd: int, prefix: bytes, base: int) -> tuple[int, int]:
+    pickled, records = pickled_object
+    zip_out = _ZipStream(fd, prefix, base)
+    zip_out.record(b"data.pkl", [pickled])
+    for name, value in ((b".format_version", b"1"), (b".storage_alignment", b"64"), (b"byteorder", b"little")):
+        zip_out.record(name, [value])
+    data_crcs = [zip_out.record(b"data/" + key.encode(), parts) for key, parts in records]
+    zip_out.record(b"version", [b"3\n"])
+    serial = str(zlib.crc32(pickled, data_crcs[0] if data_crcs else 0)).zfill(40).encode()
+    zip_out.record(b".data/serialization_id", [serial])
+    return zip_out.finish()
 
 
 class _ZipStream:
@@ -161,8 +174,9 @@ class _ZipStream:
     of spans is copied through reused buffers, CRC'd while hot (:mod:`ucp.io.span_copy`), and its local
     header, written first with a zero CRC, is patched once the CRC is known."""
 
-    def __init__(self, fd: int, prefix: bytes) -> None:
+    def __init__(self, fd: int, prefix: bytes, base: int = 0) -> None:
         self.fd, self.prefix = fd, prefix
+        self.base = base  # where the archive starts in the file (its own offsets count from there)
         self.offset = 0  # bytes placed so far, written or pending
         self.pending: list[memoryview | bytes] = []
         self.central: list[bytes] = []
@@ -183,9 +197,9 @@ class _ZipStream:
             # spans (and the bytes between them) in buffered tasks; a big record's tasks by several threads
             self._flush()
             spans = sum(p.nbytes for p in parts if isinstance(p, (FileSpan, PathSpan, Cast)))
-            crc = copy_spans(self.fd, parts, self.offset, 0, parallel=spans >= PARALLEL_MIN)  # type: ignore[arg-type]
+            crc = copy_spans(self.fd, parts, self.base + self.offset, 0, parallel=spans >= PARALLEL_MIN)  # type: ignore[arg-type]
             self.offset += size
-            os.lseek(self.fd, self.offset, os.SEEK_SET)
+            os.lseek(self.fd, self.base + self.offset, os.SEEK_SET)
             parts = ()
         for part in parts:
             if isinstance(part, LazyTensor):
@@ -195,9 +209,9 @@ class _ZipStream:
                 self._flush()  # the tensor goes as soon as it is written
             elif isinstance(part, (FileSpan, PathSpan, Cast)):
                 self._flush()
-                crc = copy_spans(self.fd, [part], self.offset, crc, parallel=False)
+                crc = copy_spans(self.fd, [part], self.base + self.offset, crc, parallel=False)
                 self.offset += part.nbytes
-                os.lseek(self.fd, self.offset, os.SEEK_SET)
+                os.lseek(self.fd, self.base + self.offset, os.SEEK_SET)
             else:
                 if streamed:
                     crc = zlib.crc32(part, crc)
@@ -205,7 +219,7 @@ class _ZipStream:
         if streamed:
             self._flush()
             header = _local_header(full, size, crc, start)
-            if os.pwrite(self.fd, header, start) != len(header):
+            if os.pwrite(self.fd, header, self.base + start) != len(header):
                 raise OSError(f"short write patching a zip header in {self.prefix.decode(errors='replace')}")
         if streamed or size > _RECRC_MAX:  # the bytes went by once: joined to the file's crc32 by their own
             self.crc = crc32_combine(zlib.crc32(header, self.crc), crc, size)

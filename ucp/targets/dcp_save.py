@@ -9,6 +9,7 @@ parameter.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,10 +18,14 @@ from typing import Any
 import torch
 
 from ucp.errors import InputError
-from ucp.model.pieces import Pieces
+from ucp.io.torchpickle import pickle_object
+from ucp.io.torchzip import write_pickled_at
+from ucp.model.pieces import Cast, Pieces
 from ucp.model.records import PieceState, Reader
 
-__all__ = ["Fetch", "save_state"]
+__all__ = ["Fetch", "save_state", "streaming_writer"]
+
+_DISTCP = ".distcp"  # DCP's file suffix
 
 
 class Fetch:
@@ -71,13 +76,12 @@ def save_state(
     state: dict[str, Any],
     lazy: Mapping[str, tuple[str, str]],
     root: Path,
-    fetch: Callable[[str, str], torch.Tensor],
+    fetch: Fetch,
     fsync: bool,
 ) -> None:
     """``state`` saved by DCP's own writer into ``root`` (one file, this process): each meta tensor's data is
     ``fetch(*lazy[key])``, asked for when the writer reaches it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     first: dict[str, int] = {}  # each parameter's place in the plan, so all its tensors are written together
@@ -100,7 +104,62 @@ def save_state(
                 return super().resolve_data(write_item)
             return fetch(*where).detach().contiguous()
 
-    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
+    def pieces_of(write_item: Any) -> Pieces | None:
+        where = lazy.get(write_item.index.fqn)
+        if where is None or any(write_item.tensor_data.chunk.offsets):  # a lazy entry is a whole tensor
+            return None
+        return fetch.pieces(*where)
+
+    writer = streaming_writer(root, fsync, pieces_of)
     with warnings.catch_warnings():  # no_dist is what we ask for; torch warns about it on every call
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+
+
+def streaming_writer(root: Path, fsync: bool, pieces_of: Callable[[Any], Pieces | Cast | None]) -> Any:
+    """DCP's ``FileSystemWriter`` (one ``.distcp`` file, this process), each tensor written as ``torch.save`` writes
+    it but streamed from ``pieces_of(write_item)`` a bounded chunk at a time (None, or pieces not of the item's
+    sizes and dtype: the planner's tensor). torch's own
+    writer keeps every tensor of a file in memory until the file is closed (torch 2.13): a whole checkpoint, here."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[list[WriteResult]]:
+            name = f"{plan.storage_data.prefix}0{_DISTCP}"
+            results: list[WriteResult] = []
+            fd = os.open(Path(self.path) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                offset = 0
+                for item in plan.items:
+                    length = _write_item(fd, offset, item, planner, pieces_of)
+                    results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
+                    offset += length
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+            done.set_result(results)
+            return done
+
+    return Writer(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
+
+
+def _write_item(fd: int, offset: int, item: Any, planner: Any, pieces_of: Callable[[Any], Pieces | Cast | None]) -> int:
+    """One write item at ``offset`` of ``fd``: its bytes, or its tensor as a torch archive; returns its length."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    if item.type == WriteItemType.BYTE_IO:
+        data = planner.resolve_data(item).getbuffer()
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], offset + written)
+        return len(data)
+    source = pieces_of(item)
+    data = item.tensor_data
+    if source is None or tuple(source.shape) != tuple(data.chunk.sizes) or source.dtype != data.properties.dtype:
+        tensor = planner.resolve_data(item).detach().contiguous()  # what DCP's own writer would save
+        return write_pickled_at(pickle_object(tensor), fd, offset)
+    return write_pickled_at(pickle_object(source), fd, offset)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -37,9 +38,10 @@ from ucp.io.standins import Namespace
 from ucp.io.timing import phase
 from ucp.io.torchzip import write_torch_file
 from ucp.model.option_table import Option
+from ucp.model.pieces import Cast, Pieces
 from ucp.model.records import Facts, Reader
 from ucp.sources import opened
-from ucp.targets.dcp_save import Fetch
+from ucp.targets.dcp_save import Fetch, streaming_writer
 from ucp.targets.format import Request, TargetFormat, Written
 
 __all__ = ["FORMAT", "MegatronPlan", "plan_megatron", "write_megatron"]
@@ -150,14 +152,26 @@ class _Fetch:
         self.fetch = Fetch(reader)
 
     def __call__(self, chunk: Chunk) -> torch.Tensor:
-        tensor = self.fetch(chunk.name, "fp32" if chunk.what in ("model", "param") else chunk.what)
+        tensor = self.fetch(chunk.name, self._key(chunk))
         return tensor.to(chunk.dtype).reshape(chunk.sizes).contiguous()
+
+    def pieces(self, chunk: Chunk) -> Pieces | Cast | None:
+        """The chunk as pieces of the source's files in its sizes, cast to its dtype as written; None where it is
+        not a whole fp32 state (then :meth:`__call__`'s tensor is written)."""
+        found = self.fetch.pieces(chunk.name, self._key(chunk))
+        if found.dtype != torch.float32 or found.numel != math.prod(chunk.sizes):
+            return None
+        sized = Pieces(found.parts, tuple(chunk.sizes), found.dtype)
+        return sized if chunk.dtype == torch.float32 else Cast(sized, chunk.dtype)
+
+    @staticmethod
+    def _key(chunk: Chunk) -> str:
+        return "fp32" if chunk.what in ("model", "param") else chunk.what
 
 
 def _save(plan: MegatronPlan, root: Path, fetch: _Fetch, fsync: bool) -> None:
     """DCP's own writer, with the plan's chunks as write items (one file, this process)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -190,7 +204,10 @@ def _save(plan: MegatronPlan, root: Path, fetch: _Fetch, fsync: bool) -> None:
                 return buffer
             return fetch(by_index[(write_item.index.fqn, tuple(write_item.index.offset))])
 
-    writer = FileSystemWriter(root, single_file_per_rank=True, sync_files=fsync, thread_count=1)
+    def pieces_of(write_item: Any) -> Pieces | Cast | None:
+        return fetch.pieces(by_index[(write_item.index.fqn, tuple(write_item.index.offset))])
+
+    writer = streaming_writer(root, fsync, pieces_of)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({}, storage_writer=writer, planner=Planner(flatten_state_dict=False), no_dist=True)
