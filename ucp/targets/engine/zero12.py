@@ -246,6 +246,5 @@ def _restore_frozen(engine: Any, reader: Reader) -> None:
             reader.facts.param(name)
         except KeyError:
             continue
-        full = reader.read(name, moments=False).fp32
-        with torch.no_grad():
-            param.data.copy_(full.view(param.shape))
+        with reader.read_pieces(name, moments=False) as state, torch.no_grad():  # read into place, cast as copied
+            state.fp32.copy_to(param.data.view(-1))

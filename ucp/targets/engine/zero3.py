@@ -139,11 +139,11 @@ def _restore_frozen_zero3(engine: Any, reader: Reader, rank: int, dp: int) -> No
             meta = reader.facts.param(name)
         except KeyError:
             continue
-        full = reader.read(name, moments=False).fp32.reshape(-1)
-        if hasattr(param, "ds_tensor"):
-            start, end = zero3_rank_span(meta.numel, dp, rank)
-            target = param.ds_tensor.data.view(-1)
-            target.zero_()
-            target[: end - start].copy_(full[start:end])
-        else:
-            param.data.copy_(full.view(param.shape))
+        with reader.read_pieces(name, moments=False) as state:  # the rank's slice alone is read
+            if hasattr(param, "ds_tensor"):
+                start, end = zero3_rank_span(meta.numel, dp, rank)
+                target = param.ds_tensor.data.view(-1)
+                target.zero_()
+                state.fp32.slice(start, end).copy_to(target[: end - start])
+            else:
+                state.fp32.copy_to(param.data.view(-1))
