@@ -1,9 +1,11 @@
-"""Writing a planned state dict with DCP's own writer, each tensor read when the writer reaches it: the DCP target's
-folders, and a Trainer or Accelerate FSDP folder's two (``ucp.targets.hf_fsdp``).
+"""Writing a planned state dict in DCP's layout, each tensor streamed from the source when the writer reaches it: the
+DCP target's folders, a Trainer or Accelerate FSDP folder's two (``ucp.targets.hf_fsdp``), and Megatron's
+``torch_dist`` (``ucp.targets.megatron``).
 
-:class:`Fetch` reads a parameter once for all the tensors the writer asks of it in a row; :func:`save_state` hands
-DCP a state dict of meta tensors and resolves each one through it, grouped by parameter, so memory stays near one
-parameter.
+:class:`Fetch` finds a parameter's pieces once for all the tensors the writer asks of it in a row; :func:`save_state`
+hands DCP's planner a state dict of meta tensors, grouped by parameter; :func:`streaming_writer` keeps DCP's planner
+and metadata but writes each tensor itself, from those pieces, a bounded chunk at a time (torch's own writer holds a
+whole file's tensors until it closes it), so memory stays near a chunk, not a parameter or a file.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Fetch:
     def __call__(self, name: str, key: str) -> torch.Tensor:
         """``name``'s ``key`` as a whole fp32 tensor in its real shape."""
         pieces = self.pieces(name, key)
+        if len(pieces.parts) == 1 and isinstance(pieces.parts[0], torch.Tensor) and pieces.dtype == torch.float32:
+            return pieces.parts[0].view(pieces.shape)  # a reader that does not stream: its tensor, not a copy
         if self.last is None or self.last[0] != key:
             self.last = None
             self.last = (key, pieces.join(torch.float32))
@@ -155,7 +159,10 @@ def _write_item(fd: int, offset: int, item: Any, planner: Any, pieces_of: Callab
         data = planner.resolve_data(item).getbuffer()
         written = 0
         while written < len(data):
-            written += os.pwrite(fd, data[written:], offset + written)
+            done = os.pwrite(fd, data[written:], offset + written)
+            if done <= 0:
+                raise OSError(f"pwrite wrote nothing at byte {offset + written} of a DCP file")
+            written += done
         return len(data)
     source = pieces_of(item)
     data = item.tensor_data
