@@ -13,6 +13,7 @@ from ucp.errors import InputError
 from ucp.model.flavours import Flavour
 from ucp.model.hyper import hyper_from_group
 from ucp.model.names import has_wrapper, wrapper_renames
+from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, Reader
 from ucp.transforms import RenameTable, TransformedReader, plan_transforms
 
@@ -231,3 +232,12 @@ def keep_wide_state(base: Any, saved: Mapping[str, Any], tensors: Sequence[torch
                 continue
             if live[key].dtype != torch.float32:
                 live[key] = value.to(device=live[key].device, dtype=torch.float32, copy=True)
+
+
+def copy_pieces(pieces: Pieces, target: torch.Tensor) -> None:
+    """``pieces`` into the contiguous 1-D ``target``: read straight into place when it is in host memory, through
+    host memory into an accelerator's (a frozen parameter of a live engine on a GPU)."""
+    if target.device.type == "cpu":
+        pieces.copy_to(target)
+    else:
+        target.copy_(pieces.join(target.dtype))

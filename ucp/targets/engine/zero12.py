@@ -28,6 +28,7 @@ from ucp.targets.blocks.common import RankBuffers
 from ucp.targets.blocks.zero12 import fill_zero12_ranks, group_steps, zero12_buffers
 from ucp.targets.engine.common import (
     check_names,
+    copy_pieces,
     dp_rank_and_size,
     keep_wide_state,
     live_groups,
@@ -247,4 +248,4 @@ def _restore_frozen(engine: Any, reader: Reader) -> None:
         except KeyError:
             continue
         with reader.read_pieces(name, moments=False) as state, torch.no_grad():  # read into place, cast as copied
-            state.fp32.copy_to(param.data.view(-1))
+            copy_pieces(state.fp32, param.data.view(-1))

@@ -17,6 +17,7 @@ from ucp.model.records import ParamState, PieceState, Reader
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.engine.common import (
     check_names,
+    copy_pieces,
     dp_rank_and_size,
     keep_wide_state,
     live_groups,
@@ -144,6 +145,6 @@ def _restore_frozen_zero3(engine: Any, reader: Reader, rank: int, dp: int) -> No
                 start, end = zero3_rank_span(meta.numel, dp, rank)
                 target = param.ds_tensor.data.view(-1)
                 target.zero_()
-                state.fp32.slice(start, end).copy_to(target[: end - start])
+                copy_pieces(state.fp32.slice(start, end), target[: end - start])
             else:
-                state.fp32.copy_to(param.data.view(-1))
+                copy_pieces(state.fp32, param.data.view(-1))
