@@ -22,7 +22,7 @@ from ucp.io.standins import DynamicLossScaler, FragmentAddress, LossScaler, Zero
 from ucp.model.flavours import Flavour
 from ucp.model.loss_scale import LossScale, fresh_fp16_scale
 from ucp.model.partition import Zero12Group
-from ucp.model.pieces import Pieces
+from ucp.model.pieces import Pieces, Reserved
 from ucp.model.records import Facts, torch_dtype
 
 __all__ = [
@@ -50,6 +50,10 @@ __all__ = [
     "CLIPPING_BY_DEFAULT_SINCE",
     "MICS_KEYS",
 ]
+
+
+#: a flat tensor of a rank file: held, as pieces of files, or reserved for its writer to fill later
+Flat = torch.Tensor | Pieces | Reserved
 
 
 def lp_placeholder(dtype: str) -> torch.Tensor:
@@ -134,7 +138,7 @@ def loss_scale_of(scaler: Any) -> LossScale | None:
 
 def flat_state(
     flavour: Flavour,
-    optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
+    optim: Sequence[Mapping[str, Flat]],
     steps: Sequence[int],
     moments: bool,
     scalars: Sequence[Mapping[str, torch.Tensor]] = (),
@@ -156,8 +160,8 @@ def zero3_optim_block(
     *,
     wrapper: Mapping[str, Any],
     flavour: Flavour,
-    fp32: Sequence[torch.Tensor | Pieces],
-    optim: Sequence[Mapping[str, torch.Tensor | Pieces]],
+    fp32: Sequence[Flat],
+    optim: Sequence[Mapping[str, Flat]],
     steps: Sequence[int],
     groups: list[dict[str, Any]],
     dp: int,

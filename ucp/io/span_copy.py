@@ -30,7 +30,7 @@ import torch
 from ucp.io.crc import crc32_combine
 from ucp.model.pieces import Cast, FileSpan, PathSpan, Span
 
-__all__ = ["PARALLEL_MIN", "copy_threads", "set_copy_threads", "copy_spans"]
+__all__ = ["PARALLEL_MIN", "Copied", "copy_threads", "set_copy_threads", "copy_spans", "read_witnessed", "write_all_at"]
 
 #: a record whose spans hold at least this many bytes is copied by the pool
 PARALLEL_MIN = 64 << 20
@@ -80,7 +80,8 @@ class _Segment:
     nbytes: int
 
 
-def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
+def write_all_at(fd: int, view: memoryview, at: int) -> None:
+    """Write all of ``view`` at offset ``at`` of ``fd``."""
     while len(view):
         done = os.pwrite(fd, view, at)
         if done <= 0:
@@ -114,12 +115,12 @@ def _copy_task(fd: int, segments: Sequence[_Segment], at: int) -> list[int]:
             if seg.nbytes < _CHUNK:
                 fill, at, crc = _fill(fd, buf, fill, at, seg.nbytes, partial(_put, view))
             else:  # big enough to go from its own memory
-                _pwrite_all(fd, buf[:fill], at)
+                write_all_at(fd, buf[:fill], at)
                 at, fill = at + fill, 0
-                _pwrite_all(fd, view, at)
+                write_all_at(fd, view, at)
                 at, crc = at + seg.nbytes, zlib.crc32(view)
         crcs.append(crc)
-    _pwrite_all(fd, buf[:fill], at)
+    write_all_at(fd, buf[:fill], at)
     return crcs
 
 
@@ -162,7 +163,7 @@ def _fill(
         crc = zlib.crc32(buf[fill : fill + n], crc)
         fill, done = fill + n, done + n
         if fill == _CHUNK:
-            _pwrite_all(fd, buf[:fill], at)
+            write_all_at(fd, buf[:fill], at)
             at, fill = at + fill, 0
     return fill, at, crc
 
@@ -215,3 +216,22 @@ def copy_spans(fd: int, parts: Sequence[Copied], at: int, crc: int, *, parallel:
             part.witness(part.offset, part.nbytes, part_crc)
         crc = crc32_combine(crc, part_crc, size)
     return crc
+
+
+def read_witnessed(parts: Sequence[Span | torch.Tensor], out: memoryview) -> None:
+    """Fill ``out`` with the parts' bytes, in order (tensors copied from memory), each :class:`PathSpan` witness told
+    its span's crc32: a reader that hands out spans before checking their files then checks them from this read."""
+    pos = 0
+    for part in parts:
+        if isinstance(part, (FileSpan, PathSpan)):
+            dst = out[pos : pos + part.nbytes]
+            part.read_into(dst)
+            if isinstance(part, PathSpan) and part.witness is not None:
+                part.witness(part.offset, part.nbytes, zlib.crc32(dst))
+            pos += part.nbytes
+        else:
+            data = memoryview(part.detach().reshape(-1).contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+            out[pos : pos + len(data)] = data
+            pos += len(data)
+    if pos != len(out):
+        raise ValueError(f"parts of {pos} bytes read into {len(out)}")

@@ -3,7 +3,7 @@
 A tensor pickles as torch.save pickles it: a ``_rebuild_tensor_v2`` call over a persistent storage
 id, the storage's bytes kept aside as a record (from the tensor's memory, from :class:`Pieces` of
 files, converted chunk by chunk from them by a :class:`Cast`, or made late by a :class:`LazyTensor`) for the zip
-writer to stream. DeepSpeed stand-ins
+writer to stream, or left for a caller to fill (:class:`Reserved`). DeepSpeed stand-ins
 (:mod:`ucp.io.standins`) pickle under DeepSpeed's own class names, so a file loads into stock
 DeepSpeed exactly like one DeepSpeed wrote. The C pickler does the work (a model-states file is
 thousands of small objects); the pure-Python one, which writes DeepSpeed's names directly, takes
@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from ucp.io.standins import DSEnum, DSObject, DSStrEnum
-from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Pieces, part_numel
+from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Pieces, Reserved, part_numel
 
 __all__ = [
     "Chunk",
     "Pickled",
     "STREAMED",
+    "Stored",
     "StorageRef",
     "WrapperTensor",
     "data_pickle",
@@ -50,17 +51,19 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 #: one piece of a record's bytes: in memory, spans of files, or a tensor made when the writer reaches it
 Chunk = memoryview | bytes | FileSpan | PathSpan | LazyTensor | Cast
+#: what a storage record holds: its chunks, or one :class:`Reserved` for its writer's caller to fill
+Stored = Chunk | Reserved
 #: the chunks the zip writer streams (their CRC known only once written)
 STREAMED = (FileSpan, PathSpan, LazyTensor, Cast)
 #: an object as :func:`pickle_object` returns it: its data.pkl and each storage's record
-Pickled = tuple[bytes, list[tuple[str, Sequence[Chunk]]]]
+Pickled = tuple[bytes, list[tuple[str, Sequence[Stored]]]]
 
 
 class _Tensors:
     """What both picklers share: tensors pickled the way torch.save does, a rebuild call over a
     persistent storage id, with each storage's bytes (in pieces) kept as a record to write."""
 
-    records: list[tuple[str, Sequence[Chunk]]]
+    records: list[tuple[str, Sequence[Stored]]]
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
@@ -72,7 +75,7 @@ class _Tensors:
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, WrapperTensor):
             return obj.reduce()
-        if isinstance(obj, (LazyTensor, Cast)):
+        if isinstance(obj, (LazyTensor, Cast, Reserved)):
             numel = obj.nbytes // obj.dtype.itemsize
             return _rebuild(StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)
         if isinstance(obj, torch.Tensor):  # written from its own memory; no Pieces to build and check
@@ -145,7 +148,7 @@ _SINGLE: dict[tuple[str | None, tuple[int, ...], torch.dtype], bytes] = {}
 _SINGLE_MAX = 4096
 
 
-def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
+def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Stored]]]]:
     """``obj``'s data.pkl and its storage records: the C pickler (tens of times faster on a
     model-states file's thousands of small objects), or the pure-Python one when a stand-in's
     name also turns up somewhere a GLOBAL opcode did not put it. A dict of one tensor (or
@@ -187,7 +190,7 @@ def _chunks(value: torch.Tensor | Pieces) -> list[Chunk]:
     return [tensor_bytes(value.detach())] if value.numel() else []
 
 
-def _pickle_any(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Chunk]]]]:
+def _pickle_any(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Stored]]]]:
     buffer = io.BytesIO()
     fast = _FastPickler(buffer)
     fast.dump(obj)
@@ -277,7 +280,7 @@ class WrapperTensor:
 @dataclass
 class StorageRef:
     storage_type: Any
-    data: Sequence[Chunk]  # the record's bytes, in pieces
+    data: Sequence[Stored]  # the record's bytes, in pieces
     numel: int
 
 

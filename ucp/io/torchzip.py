@@ -26,14 +26,14 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ucp.io.crc import crc32_combine
 from ucp.io.span_copy import PARALLEL_MIN, copy_spans
-from ucp.io.torchpickle import STREAMED, Chunk, Pickled, pickle_object, tensor_bytes
-from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan
+from ucp.io.torchpickle import STREAMED, Chunk, Pickled, Stored, pickle_object, tensor_bytes
+from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Reserved
 
-__all__ = ["WrittenFile", "write_pickled", "write_pickled_at", "write_torch_file"]
+__all__ = ["LaidFile", "WrittenFile", "lay_out", "write_pickled", "write_pickled_at", "write_torch_file"]
 
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -157,16 +157,85 @@ def write_pickled_at(pickled_object: Pickled, fd: int, base: int) -> int:
 
 
 def _write_archive(pickled_object: Pickled, fd: int, prefix: bytes, base: int) -> tuple[int, int]:
-    pickled, records = pickled_object
     zip_out = _ZipStream(fd, prefix, base)
+    data_crcs = _write_head(zip_out, pickled_object)
+    return _write_tail(zip_out, pickled_object[0], data_crcs)
+
+
+def _write_head(zip_out: _ZipStream, pickled_object: Pickled) -> list[int]:
+    """data.pkl, the small records torch reads first, and every storage record; returns the storages' crc32s (0 for
+    a :class:`Reserved` one, not filled yet)."""
+    pickled, records = pickled_object
     zip_out.record(b"data.pkl", [pickled])
     for name, value in ((b".format_version", b"1"), (b".storage_alignment", b"64"), (b"byteorder", b"little")):
         zip_out.record(name, [value])
-    data_crcs = [zip_out.record(b"data/" + key.encode(), parts) for key, parts in records]
+    return [zip_out.record(b"data/" + key.encode(), parts) for key, parts in records]
+
+
+def _write_tail(zip_out: _ZipStream, pickled: bytes, data_crcs: Sequence[int]) -> tuple[int, int]:
+    """The records after the storages and the central directory; returns the file's size and crc32."""
     zip_out.record(b"version", [b"3\n"])
     serial = str(zlib.crc32(pickled, data_crcs[0] if data_crcs else 0)).zfill(40).encode()
     zip_out.record(b".data/serialization_id", [serial])
     return zip_out.finish()
+
+
+class LaidFile:
+    """A torch file laid out with its :class:`Reserved` records left empty: ``holes[r]`` is where record ``r``'s
+    bytes go (offset in the file, length). The caller fills them through ``fd`` (``ucp.io.record_fill``), in any
+    order, then calls :meth:`finish` with each one's crc32; until then the file is not a torch file."""
+
+    def __init__(self, path: Path, pickled_object: Pickled) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self._zip = _ZipStream(self.fd, path.stem.encode() or b"archive", 0)
+            self._pickled = pickled_object[0]
+            self._crcs = _write_head(self._zip, pickled_object)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.holes: dict[Reserved, tuple[int, int]] = {
+            hole.reserved: (hole.data_offset, hole.reserved.nbytes) for hole in self._zip.holes
+        }
+
+    def finish(self, crcs: dict[Reserved, int]) -> int:
+        """Seal the file once every hole is filled (``crcs``: each hole's crc32) and close it; returns its size."""
+        try:
+            for hole in self._zip.holes:
+                crc = crcs[hole.reserved]
+                self._zip.patch(hole, crc)
+                if hole.index < len(self._crcs):
+                    self._crcs[hole.index] = crc
+            size, _ = _write_tail(self._zip, self._pickled, self._crcs)
+        finally:
+            self.close()
+        return size
+
+    def close(self) -> None:
+        """Close the file (a file not finished stays half-written: its caller's staging folder removes it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def lay_out(pickled_object: Pickled, path: str | os.PathLike) -> LaidFile:
+    """Write ``pickled_object`` to ``path`` as :func:`write_pickled` would, but for its :class:`Reserved` records,
+    whose places are left for the caller to fill (see :class:`LaidFile`)."""
+    return LaidFile(Path(path), pickled_object)
+
+
+@dataclass(frozen=True)
+class _Hole:
+    """A :class:`Reserved` record's place: its local header at ``header`` (of the archive), its bytes at
+    ``data_offset`` (of the file), its central-directory entry ``central``, its storage's index ``index``."""
+
+    reserved: Reserved
+    name: bytes
+    header: int
+    data_offset: int
+    central: int
+    index: int
 
 
 class _ZipStream:
@@ -180,13 +249,22 @@ class _ZipStream:
         self.offset = 0  # bytes placed so far, written or pending
         self.pending: list[memoryview | bytes] = []
         self.central: list[bytes] = []
-        self.crc = 0  # of the whole file so far
+        self.crc = 0  # of the whole file so far (meaningless once a record is reserved)
+        self.holes: list[_Hole] = []  # the Reserved records, in order
+        self._storages = 0  # data/ records placed so far
 
-    def record(self, name: bytes, parts: Sequence[Chunk]) -> int:
+    def record(self, name: bytes, stored: Sequence[Stored]) -> int:
         """Place one stored member; returns its crc32."""
         full = self.prefix + b"/" + name
-        size = sum(p.nbytes if isinstance(p, STREAMED) else len(p) for p in parts)
         start = self.offset
+        if name.startswith(b"data/"):
+            self._storages += 1
+        if len(stored) == 1 and isinstance(stored[0], Reserved):
+            return self._reserve(full, stored[0], start)
+        if any(isinstance(p, Reserved) for p in stored):
+            raise ValueError("a reserved record holds nothing else")
+        parts = cast("Sequence[Chunk]", stored)
+        size = sum(p.nbytes if isinstance(p, STREAMED) else len(p) for p in parts)  # type: ignore[union-attr]
         streamed = any(isinstance(p, STREAMED) for p in parts)
         crc = 0
         for part in parts if not streamed else ():
@@ -229,6 +307,27 @@ class _ZipStream:
                 self.crc = zlib.crc32(part, self.crc)  # type: ignore[arg-type]
         self.central.append(_central_entry(full, size, crc, start))
         return crc
+
+    def _reserve(self, full: bytes, reserved: Reserved, start: int) -> int:
+        """Place a record whose bytes are filled later: its header now (CRC 0, patched by :meth:`patch`)."""
+        size = reserved.nbytes
+        header = _local_header(full, size, 0, start)
+        self._add(header)
+        self._flush()
+        data_offset = self.base + self.offset
+        self.offset += size
+        os.lseek(self.fd, self.base + self.offset, os.SEEK_SET)
+        self.holes.append(_Hole(reserved, full, start, data_offset, len(self.central), self._storages - 1))
+        self.central.append(_central_entry(full, size, 0, start))
+        return 0
+
+    def patch(self, hole: _Hole, crc: int) -> None:
+        """A reserved record's crc32, now known: into its local header and its central-directory entry."""
+        size = hole.reserved.nbytes
+        header = _local_header(hole.name, size, crc, hole.header)
+        if os.pwrite(self.fd, header, self.base + hole.header) != len(header):
+            raise OSError(f"short write patching a zip header in {self.prefix.decode(errors='replace')}")
+        self.central[hole.central] = _central_entry(hole.name, size, crc, hole.header)
 
     def finish(self) -> tuple[int, int]:
         """Write the central directory; returns the file's size and crc32."""

@@ -12,7 +12,7 @@ import torch
 
 from ucp.errors import InputError
 from ucp.model.hyper import TORCH_KEYS, Hyper, group_value
-from ucp.model.pieces import Pieces
+from ucp.model.pieces import Pieces, Reserved
 
 __all__ = ["ADAM_KEYS", "Flavour"]
 
@@ -79,7 +79,7 @@ class Flavour:
 
     def make_state(
         self,
-        tensors: Mapping[str, torch.Tensor | Pieces],
+        tensors: Mapping[str, torch.Tensor | Pieces | Reserved],
         step: int,
         scalars: Mapping[str, torch.Tensor] | None = None,
         *,

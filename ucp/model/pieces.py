@@ -27,6 +27,7 @@ __all__ = [
     "Pieces",
     "LazyTensor",
     "Cast",
+    "Reserved",
     "part_numel",
     "nbytes_of",
     "file_stamp",
@@ -156,6 +157,25 @@ class Cast:
         """Elements ``[start, start + out.numel())`` of the flat source, converted into the 1-D ``out``
         (``staging``: a reused buffer of the source's dtype for what is read from files)."""
         self.source.slice(start, start + out.numel()).copy_to(out, staging)
+
+
+@dataclass(frozen=True, eq=False)
+class Reserved:
+    """A flat tensor whose place in a file is laid out now and whose bytes are filled later, in order, by whoever
+    holds it (``ucp.io.torchzip.lay_out``): a ZeRO-3 restore lays out every rank file of a group of ranks first,
+    then reads each parameter once and writes its rank slices into all of them. Compared by identity: each one
+    names one record."""
+
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.numel,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -17,12 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from ucp.io.pool import parallel_map
+from ucp.io.span_copy import Copied
+from ucp.io.torchpickle import tensor_bytes
 from ucp.model.cast import check_fits_pieces
-from ucp.model.pieces import Cast, LazyTensor, Part, Pieces
+from ucp.model.pieces import Cast, FileSpan, LazyTensor, Part, PathSpan, Pieces
 from ucp.model.records import PieceState, Reader, ReaderView
 from ucp.targets.blocks.common import check_state, merge_scalars
 
-__all__ = ["Located", "Held", "locate", "flat_pieces", "module_weight", "read_weight", "refuse_fp16_overflow"]
+__all__ = [
+    "Located",
+    "Held",
+    "locate",
+    "flat_pieces",
+    "copied_parts",
+    "module_weight",
+    "read_weight",
+    "refuse_fp16_overflow",
+]
 
 #: a module weight as a writer takes it: the fp32 spans themselves, or a cast made when the file reaches it
 Weight = torch.Tensor | Pieces | LazyTensor | Cast
@@ -46,9 +57,11 @@ def locate(
     workers: int,
     step_of: Callable[[PieceState], int],
     unit: str,
+    keep: bool = True,
 ) -> Located:
     """Take every member's pieces: ``members[f]`` lists flat group f's ``(name, numel)``, ``keys[f]``
-    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``)."""
+    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``). Without ``keep`` the
+    pieces are checked and dropped (a writer that reads each member again in its turn)."""
     if not reader.streams:
         raise TypeError("locate needs a reader whose pieces stay valid until it closes (Reader.streams)")
     where = {name: (f, numel) for f, group in enumerate(members) for name, numel in group}
@@ -58,7 +71,8 @@ def locate(
         f, numel = where[name]
         with reader.read_pieces(name, moments=moments) as state:
             check_state(name, state, keys[f], numel, moments=moments)
-            located.states[name] = state
+            if keep:
+                located.states[name] = state
             located.steps[f].add(step_of(state))
             if moments:
                 merge_scalars(name, state, located.scalars[f], unit)
@@ -85,6 +99,11 @@ def flat_pieces(size: int, placed: Iterable[tuple[int, Pieces]]) -> Pieces:
     if size > pos:
         parts.append(torch.zeros(size - pos, dtype=torch.float32))
     return Pieces(tuple(parts), (size,), torch.float32)
+
+
+def copied_parts(pieces: Pieces) -> list[Copied]:
+    """Pieces as a copy into a file takes them: spans as they are, tensors as their bytes."""
+    return [p if isinstance(p, (FileSpan, PathSpan)) else tensor_bytes(p) for p in pieces.parts]
 
 
 class Held(ReaderView):

@@ -24,15 +24,19 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.autoep import PARTITION_GROUPS, partition_group_entry
 from ucp.deepspeed.layout import optim_file, zero3_model_file
+from ucp.deepspeed.states import Flat
 from ucp.errors import InputError
+from ucp.io.descriptors import reserve
 from ucp.io.memory import give_back_freed
 from ucp.io.pool import parallel_map
+from ucp.io.record_fill import RecordFill
+from ucp.io.span_copy import read_witnessed
 from ucp.io.torchpickle import Pickled, pickle_object
-from ucp.io.torchzip import write_pickled
+from ucp.io.torchzip import LaidFile, lay_out, write_pickled
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
-from ucp.model.pieces import Pieces
+from ucp.model.pieces import Pieces, Reserved
 from ucp.model.records import Reader, torch_dtype
-from ucp.targets.blocks.stream import Held, flat_pieces, locate, refuse_fp16_overflow
+from ucp.targets.blocks.stream import Held, copied_parts, locate, refuse_fp16_overflow
 from ucp.targets.blocks.zero3 import fill_ranks, sub_group_keys, sub_group_steps
 from ucp.targets.native.common import model_states, optimizer_groups, save_rank_file, zero_wrapper
 from ucp.targets.native.plan import NativePlan, Share, param_step
@@ -41,7 +45,6 @@ __all__ = ["write_zero3"]
 
 logger = logging.getLogger(__name__)
 
-Flat = torch.Tensor | Pieces
 #: more model-states fields of one rank (an AutoEP rank's own ``ds_autoep_layers`` view)
 RankFields = Callable[[int], Mapping[str, Any]]
 
@@ -76,8 +79,21 @@ def write_zero3(
     logger.debug("wrote a ZeRO-3 checkpoint for dp=%d to %s", plan.dp, tag_dir)
 
 
+#: ranks one task lays out and fills at once (their optim-states files stay open until filled)
+RANKS_PER_TASK = 128
+#: bytes a task gathers, over all its open records (one buffer per rank and flat tensor of a sub-group)
+FILL_BUDGET = 16 << 20
+_FILL_MIN = 64 << 10
+#: a parameter's range for a task's ranks up to this many bytes is read into memory once and cut there; a larger one
+#: is copied rank slice by rank slice straight from its files
+GATHER_MAX = 8 << 20
+
+
 def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int, ranks: list[int]) -> None:
-    """Check every parameter once, then write the ranks' files in parallel from the source's spans."""
+    """Check every parameter once, then write the ranks' files parameter by parameter, in tasks of contiguous ranks:
+    a task lays out its ranks' files, then reads each parameter's range for those ranks once and writes each rank's
+    slice of it into that rank's file (at 10^5 parameters, one read per parameter and state instead of one per rank
+    too, and memory that holds no parameter's spans past its turn)."""
     reader, plan, layout = writer.reader, writer.plan, writer.layout
     members: list[list[tuple[str, int]]] = [[] for _ in layout.sub_group_numel]
     for name, slot in _slots(plan, layout):
@@ -90,31 +106,119 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
         workers=workers,
         step_of=lambda state: param_step(plan, state),
         unit="ZeRO-3 sub-group",
+        keep=False,
     )
     writer.settle(located.steps)
+    order: list[list[tuple[int, int]]] = [[] for _ in layout.sub_group_numel]  # per sub-group: (group, index)
+    for g, slots in enumerate(layout.slots):
+        for i, slot in enumerate(slots):
+            order[slot.sub_group].append((g, i))
+    for positions in order:
+        positions.sort(key=lambda gi: layout.slots[gi[0]][gi[1]].offset)
+    count = min(len(ranks), max(workers, -(-len(ranks) // RANKS_PER_TASK)))
+    tasks = [ranks[t * len(ranks) // count : (t + 1) * len(ranks) // count] for t in range(count)]
+    reserve(min(len(ranks), workers * max(map(len, tasks), default=0)), "a ZeRO-3 save")
 
-    def one(rank: int) -> None:
-        # (sub-group, state key or None for the masters) -> this rank's slices at their offsets
-        placed: dict[tuple[int, str | None], list[tuple[int, Pieces]]] = {}
-        for g in range(len(plan.group_names)):
-            names, _, part = _held(plan, g, rank)
-            for i, name in enumerate(names):
-                slot = layout.slots[g][i]
-                start, end = zero3_rank_span(slot.numel, layout.partition_count(g), part)
-                if end <= start:
-                    continue
-                state = located.states[name]
-                placed.setdefault((slot.sub_group, None), []).append((slot.offset, state.fp32.slice(start, end)))
-                for key, pieces in state.optim.items():
-                    placed.setdefault((slot.sub_group, key), []).append((slot.offset, pieces.slice(start, end)))
-        fp32 = [flat_pieces(size, placed.pop((s, None), [])) for s, size in _sizes(layout)]
-        optim = [{key: flat_pieces(size, placed.pop((s, key), [])) for key in keys[s]} for s, size in _sizes(layout)]
-        writer.write_rank(rank, fp32, optim, located.scalars)
-        give_back_freed()  # the rank's pieces and pickled tree, freed
+    def one(task: list[int]) -> None:
+        _RankTask(writer, keys, located.scalars, order, task).write()
+        give_back_freed()
 
     size = sum(4 * numel * (1 + len(k)) for numel, k in zip(layout.sub_group_numel, keys))  # one rank's file
-    for _ in parallel_map(one, ranks, max(1, min(workers, len(ranks))), desc="write", weight=lambda r: size):
+    for _ in parallel_map(one, tasks, max(1, min(workers, len(tasks))), desc="write", weight=lambda t: size * len(t)):
         pass
+
+
+class _RankTask:
+    """The files of a few contiguous ranks, laid out first and then filled parameter by parameter."""
+
+    def __init__(
+        self,
+        writer: _Zero3Files,
+        keys: list[tuple[str, ...]],
+        scalars: list[dict[str, torch.Tensor]],
+        order: list[list[tuple[int, int]]],
+        ranks: list[int],
+    ) -> None:
+        self.writer, self.keys, self.scalars, self.order, self.ranks = writer, keys, scalars, order, ranks
+        self.moments = not writer.plan.reset_moments
+        self.gathered = torch.empty(0, dtype=torch.uint8)  # a parameter's range for these ranks, reused
+
+    def write(self) -> None:
+        writer, layout = self.writer, self.writer.layout
+        laid: dict[int, LaidFile] = {}
+        # rank -> per sub-group: the masters' record, then each state key's
+        records: dict[int, list[dict[str | None, Reserved]]] = {}
+        try:
+            for rank in self.ranks:
+                writer.write_model(rank)
+                flats = [
+                    {None: Reserved(numel, torch.float32), **{k: Reserved(numel, torch.float32) for k in self.keys[s]}}
+                    for s, numel in _sizes(layout)
+                ]
+                fp32 = [f[None] for f in flats]
+                optim = [{k: f[k] for k in self.keys[s]} for s, f in enumerate(flats)]
+                laid[rank] = lay_out(
+                    pickle_object(writer.optim_object(rank, fp32, optim, self.scalars)), writer.optim_path(rank)
+                )
+                records[rank] = flats
+            crcs: dict[int, dict[Reserved, int]] = {rank: {} for rank in self.ranks}
+            for s, numel in _sizes(layout):
+                for rank, key, crc in self._fill_sub_group(s, numel, laid, records):
+                    crcs[rank][records[rank][s][key]] = crc
+            for rank in self.ranks:
+                laid.pop(rank).finish(crcs[rank])
+        finally:
+            for file in laid.values():
+                file.close()
+
+    def _fill_sub_group(
+        self, s: int, numel: int, laid: dict[int, LaidFile], records: dict[int, list[dict[str | None, Reserved]]]
+    ) -> Iterator[tuple[int, str | None, int]]:
+        """Sub-group ``s``'s flat tensors of every rank, member after member; yields (rank, key, crc32) of each."""
+        plan, layout = self.writer.plan, self.writer.layout
+        keys: list[str | None] = [None, *self.keys[s]]
+        per = max(_FILL_MIN, FILL_BUDGET // (len(self.ranks) * len(keys)) // 4096 * 4096)
+        buffer = memoryview(bytearray(per * len(self.ranks) * len(keys)))
+        fills: dict[tuple[int, str | None], RecordFill] = {}
+        for r, rank in enumerate(self.ranks):
+            for k, key in enumerate(keys):
+                offset, nbytes = laid[rank].holes[records[rank][s][key]]
+                at = (r * len(keys) + k) * per
+                fills[rank, key] = RecordFill(laid[rank].fd, offset, nbytes, buffer[at : at + per])
+        for g, i in self.order[s]:
+            slot = layout.slots[g][i]
+            holders: dict[str, list[tuple[int, int, int]]] = {}  # name -> (rank, start, end) of its slices
+            for rank in self.ranks:
+                names, _, part = _held(plan, g, rank)
+                start, end = zero3_rank_span(slot.numel, layout.partition_count(g), part)
+                if end > start:
+                    holders.setdefault(names[i], []).append((rank, start, end))
+            for name, held in holders.items():
+                with self.writer.reader.read_pieces(name, moments=self.moments) as state:
+                    for key in keys:
+                        pieces = state.fp32 if key is None else state.optim[key]
+                        self._scatter(pieces, slot.offset * 4, [(fills[rank, key], a, b) for rank, a, b in held])
+        for (rank, key), fill in fills.items():
+            fill.zeros_to(numel * 4)  # the padding after the last member
+            yield rank, key, fill.close()
+
+    def _scatter(self, pieces: Pieces, at: int, slices: list[tuple[RecordFill, int, int]]) -> None:
+        """Each rank's slice ``[a, b)`` of a member's flat tensor into its record, at byte ``at``: read once for all
+        of them when the range fits :data:`GATHER_MAX`, else copied slice by slice from the files."""
+        low, high = min(a for _, a, _ in slices), max(b for _, _, b in slices)
+        if (high - low) * 4 <= GATHER_MAX:
+            nbytes = (high - low) * 4
+            if self.gathered.numel() < nbytes:
+                self.gathered = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+            view = memoryview(self.gathered.numpy()).cast("B")[:nbytes]  # type: ignore[arg-type]
+            read_witnessed(pieces.slice(low, high).parts, view)
+            for fill, a, b in slices:
+                fill.zeros_to(at)
+                fill.put(view[(a - low) * 4 : (b - low) * 4])
+        else:
+            for fill, a, b in slices:
+                fill.zeros_to(at)
+                fill.copy(copied_parts(pieces.slice(a, b)))
 
 
 def _write_buffered(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int, ranks: list[int]) -> None:
@@ -192,15 +296,32 @@ class _Zero3Files:
         optim: Sequence[Mapping[str, Flat]],
         scalars: Sequence[Mapping[str, torch.Tensor]],
     ) -> None:
-        plan, facts = self.plan, self.reader.facts
-        path = self.tag_dir / zero3_model_file(rank, plan.mp_rank)
-        if self.frozen or plan.zero12_sets or self.rank_fields is not None:  # each rank's file is its own
+        self.write_model(rank)
+        save_rank_file(self.optim_object(rank, fp32, optim, scalars), self.optim_path(rank))
+
+    def write_model(self, rank: int) -> None:
+        """Rank ``rank``'s model-states file."""
+        path = self.tag_dir / zero3_model_file(rank, self.plan.mp_rank)
+        if self.frozen or self.plan.zero12_sets or self.rank_fields is not None:  # each rank's file is its own
             save_rank_file(self._model_states(rank), path)
         else:  # every rank's file holds the same object (10^5 placeholders for 10^5 parameters): pickled once
             with self._lock:
                 if self._shared_model is None:
                     self._shared_model = pickle_object(self._model_states(rank))
             write_pickled(self._shared_model, path)
+
+    def optim_path(self, rank: int) -> Path:
+        return self.tag_dir / optim_file(rank, self.plan.mp_rank, bf16=self.plan.dtype == "bf16")
+
+    def optim_object(
+        self,
+        rank: int,
+        fp32: Sequence[Flat],
+        optim: Sequence[Mapping[str, Flat]],
+        scalars: Sequence[Mapping[str, torch.Tensor]],
+    ) -> dict[str, Any]:
+        """Rank ``rank``'s optim-states file, its flat tensors as given (held, pieces, or reserved to fill later)."""
+        plan, facts = self.plan, self.reader.facts
         block = ds_states.zero3_optim_block(
             wrapper=self.wrapper,
             flavour=plan.flavour,
@@ -214,10 +335,7 @@ class _Zero3Files:
         )
         if plan.zero12_sets:
             block[PARTITION_GROUPS] = self._partition_groups(rank)
-        save_rank_file(
-            ds_states.optim_file_dict(block, self.config, facts.info.ds_version),
-            self.tag_dir / optim_file(rank, plan.mp_rank, bf16=plan.dtype == "bf16"),
-        )
+        return ds_states.optim_file_dict(block, self.config, facts.info.ds_version)
 
     def _model_states(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s model-states file: empty placeholders, the param shapes, its frozen fragments."""
