@@ -82,8 +82,8 @@ def write_zero3(
 #: ranks one task lays out and fills at once (their optim-states files stay open until filled)
 RANKS_PER_TASK = 128
 #: bytes a task gathers, over all its open records (one buffer per rank and flat tensor of a sub-group)
-FILL_BUDGET = 16 << 20
-_FILL_MIN = 64 << 10
+FILL_BUDGET = 4 << 20
+_FILL_MIN = 32 << 10
 #: a parameter's range for a task's ranks up to this many bytes is read into memory once and cut there; a larger one
 #: is copied rank slice by rank slice straight from its files
 GATHER_MAX = 8 << 20
