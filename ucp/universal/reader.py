@@ -28,6 +28,7 @@ from ucp.io.tensor_record import SpanCheck, find_tensor_record
 from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.universal.file_checks import FP32_BYTES, check_file, param_pickle, small_step, stamp_of
+from ucp.universal.file_memo import FileMemo
 from ucp.universal.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -70,13 +71,14 @@ class UniversalReader(Reader):
         self.manifest = {k: v for k, v in raw.items() if k != "params"}
         self._zero = path / "zero"
         self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
-        # str(path) -> (_stamp, what parsing it told): one entry per file read, 4 x 10^5 of them for a MoE
-        self._memo: dict[str, tuple[tuple[int, ...] | None, Any]] = {}
-        self._pending: dict[str, SpanCheck] | None = None  # inside deferred_checks: files not checked yet
+        # inside deferred_checks: (parameter, file) -> the check of a file not checked yet
+        self._pending: dict[tuple[str, str], SpanCheck] | None = None
         self._elsewhere: Callable[[str], bool] | None = None  # inside deferred_checks: names another process checks
         self.facts, entries, self._files = facts_from_manifest(raw)
         del raw
         self._entries = {e.name: e for e in entries}
+        # what parsing each file told (a tensor's place, a step): 4 x 10^5 files for a MoE
+        self._memo = FileMemo(self._entries, sorted({key for e in entries for key in e.files}))
         root = (path / "zero").resolve()
         for entry in entries:
             if (
@@ -176,16 +178,16 @@ class UniversalReader(Reader):
             return entry.step
         path = self.file_path(name, STEP_FILE)
         stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
-        known = self._memo.get(str(path))
-        if known is not None and stamp is not None and known[0] == stamp:
-            return known[1]
+        known = self._memo.get(name, STEP_FILE, stamp)
+        if known is not None:
+            return known[0]
         value = small_step(path, entry.files[STEP_FILE], verify=self.verify)
         if value is None:
             raw = self._load(path, entry.files[STEP_FILE])
             value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
         if not isinstance(value, (int, float)) or value != entry.step:
             raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
-        self._memo[str(path)] = (stamp, int(value))
+        self._memo.put(name, STEP_FILE, stamp, int(value), 0)
         return int(value)
 
     def _keys(self, entry: ParamEntry, moments: bool) -> tuple[str, ...]:
@@ -244,10 +246,9 @@ class UniversalReader(Reader):
         shape = tuple(entry.shape)
         path = self.file_path(name, key)
         stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
-        known = self._memo.get(str(path))
-        if known is not None and stamp is not None and known[0] == stamp:
-            offset, nbytes = known[1]
-            return self._span(path, offset, nbytes, stamp, shape)
+        known = self._memo.get(name, key, stamp)
+        if known is not None and stamp is not None:
+            return self._span(name, key, path, *known, stamp, shape)
         claim = entry.files.get(key)
         if (self._pending is not None or not self.verify) and claim is not None:
             record = find_tensor_record(path, param_pickle(shape), math.prod(shape) * FP32_BYTES)
@@ -259,9 +260,9 @@ class UniversalReader(Reader):
                             f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt"
                         )
                 elif self.verify and self._pending is not None and not elsewhere:
-                    self._pending[str(path)] = SpanCheck(str(path), record, claim.crc32)
-                self._memo[str(path)] = (record.stamp, (record.offset, record.nbytes))
-                return self._span(path, record.offset, record.nbytes, record.stamp, shape)
+                    self._pending[name, key] = SpanCheck(str(path), record, claim.crc32)
+                self._memo.put(name, key, record.stamp, record.offset, record.nbytes)
+                return self._span(name, key, path, record.offset, record.nbytes, record.stamp, shape)
         tf, tensor = self._open_tensor(name, key)
         try:
             span = tf.span(tensor)
@@ -269,14 +270,15 @@ class UniversalReader(Reader):
             tf.close()
         if span is None or stamp is None:
             return Pieces.of(tensor)
-        self._memo[str(path)] = (stamp, (span.offset, span.nbytes))
-        return self._span(path, span.offset, span.nbytes, stamp, shape)
+        self._memo.put(name, key, stamp, span.offset, span.nbytes)
+        return self._span(name, key, path, span.offset, span.nbytes, stamp, shape)
 
-    def _span(self, path: Path, offset: int, nbytes: int, stamp: tuple[int, ...], shape: tuple[int, ...]) -> Pieces:
-        where = str(path)
-        pending = self._pending.get(where) if self._pending is not None else None
+    def _span(
+        self, name: str, key: str, path: Path, offset: int, nbytes: int, stamp: tuple[int, ...], shape: tuple[int, ...]
+    ) -> Pieces:
+        pending = self._pending.get((name, key)) if self._pending is not None else None
         witness = pending.witness if pending is not None else None
-        return Pieces((PathSpan(where, offset, nbytes, stamp, witness),), shape, torch.float32)
+        return Pieces((PathSpan(str(path), offset, nbytes, stamp, witness),), shape, torch.float32)
 
     @contextmanager
     def deferred_checks(self, elsewhere: Callable[[str], bool] | None = None) -> Iterator[None]:
@@ -299,11 +301,11 @@ class UniversalReader(Reader):
                 raise ChecksumError(
                     f"{bad[0]} does not match its checksum in {MANIFEST}{more}: the file changed or is corrupt"
                 )
-            for path, check in self._pending.items():
-                self._verified[Path(path)] = check.record.stamp
+            for check in self._pending.values():
+                self._verified[Path(check.path)] = check.record.stamp
         except BaseException:
-            for path in self._pending:
-                self._memo.pop(path, None)
+            for name, key in self._pending:
+                self._memo.forget(name, key)
             raise
         finally:
             self._pending = None
