@@ -10,6 +10,7 @@ spans and metadata, never a rank's share of the data.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,26 +58,35 @@ def locate(
     workers: int,
     step_of: Callable[[PieceState], int],
     unit: str,
-    keep: bool = True,
+    keep: int | None = None,
 ) -> Located:
     """Take every member's pieces: ``members[f]`` lists flat group f's ``(name, numel)``, ``keys[f]``
-    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``). Without ``keep`` the
-    pieces are checked and dropped (a writer that reads each member again in its turn)."""
+    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``). ``keep``: keep members'
+    pieces only while they hold at most this many parts in all (a writer that reads the others again in their turn:
+    memory bounded whatever the count of parameters and ranks); None keeps every member's."""
     if not reader.streams:
         raise TypeError("locate needs a reader whose pieces stay valid until it closes (Reader.streams)")
     where = {name: (f, numel) for f, group in enumerate(members) for name, numel in group}
     located = Located({}, [set() for _ in members], [{} for _ in members])
+    budget = [keep]  # parts still to keep, None: no limit
 
     def one(name: str) -> None:
         f, numel = where[name]
         with reader.read_pieces(name, moments=moments) as state:
             check_state(name, state, keys[f], numel, moments=moments)
-            if keep:
+            if budget[0] is None:
                 located.states[name] = state
+            else:
+                parts = len(state.fp32.parts) + sum(len(p.parts) for p in state.optim.values())
+                with lock:
+                    if parts <= budget[0]:
+                        budget[0] -= parts
+                        located.states[name] = state
             located.steps[f].add(step_of(state))
             if moments:
                 merge_scalars(name, state, located.scalars[f], unit)
 
+    lock = threading.Lock()
     for _ in parallel_map(one, list(where), workers, desc="check"):
         pass
     return located
