@@ -27,13 +27,16 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         )
         if manifest is None:  # ranks other than 0 report nothing
             return 0
+        count = len(manifest["params"])
     else:
         from ucp.universal.writer import write_universal
 
         policy = output_policy(args)
         with _to_universal_source(args) as reader:
-            manifest = write_universal(reader, args.out, overwrite=policy, workers=args.workers, fsync=args.fsync)
-    count = len(manifest["params"])
+            count = len(reader.facts.params)
+            manifest = write_universal(
+                reader, args.out, overwrite=policy, workers=args.workers, fsync=args.fsync, listed=False
+            )
     return done(args, f"wrote {count} parameters to {args.out}", manifest.get("warnings", []), parameters=count)
 
 
