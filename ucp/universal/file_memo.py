@@ -1,9 +1,10 @@
 """What reading each file of a universal directory told, kept in a few machine words per file.
 
 A reader that reads a file again (a restore reads each parameter's files once per task of ranks, after a pass that
-checks them all) does not parse it again: it hands out the span it found, with the file's stamp then (size, mtime,
-ctime and inode, ``ucp.model.pieces.file_stamp``), and every read of the span refuses a file whose stamp changed. At 10^5 parameters that is 4 x 10^5 files; a dict of path strings to tuples held
-about 350 bytes per file (105 MB for a MoE), this table holds 56.
+checks them all) does not parse it again while it is still the file it parsed: same size, mtime, ctime and inode
+(``ucp.model.pieces.file_stamp``); a file that changed is parsed and checked again. At 10^5 parameters that is
+4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a MoE), this table
+holds 56.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ class FileMemo:
         base, j = self._base.get(name), self._key.get(key)
         return None if base is None or j is None else (base + j) * _WORDS
 
-    def peek(self, name: str, key: str) -> tuple[int, int, tuple[int, ...]] | None:
-        """The two values and the stamp they were read under, without looking at the file: for a caller whose every
-        read of the file compares that stamp with the open file's (``PathSpan``), so a change is still refused."""
+    def get(self, name: str, key: str, stamp: tuple[int, ...] | None) -> tuple[int, int] | None:
+        """The two values read from the file, if it is still the file they were read from."""
         at = self._at(name, key)
-        if at is None or not self._data[at]:
+        if at is None or stamp is None or len(stamp) != 4 or not self._data[at]:
             return None
         data = self._data
-        return data[at + 1], data[at + 2], (data[at + 3], data[at + 4], data[at + 5], data[at + 6])
+        if (data[at + 3], data[at + 4], data[at + 5], data[at + 6]) != stamp:
+            return None
+        return data[at + 1], data[at + 2]
 
     def put(self, name: str, key: str, stamp: tuple[int, ...] | None, first: int, second: int) -> None:
         """Remember two values read from a file with this stamp (none kept without a stamp)."""

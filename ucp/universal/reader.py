@@ -27,7 +27,7 @@ from ucp.io.crc import crc32_mapped
 from ucp.io.tensor_record import SpanCheck, find_tensor_record
 from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
-from ucp.universal.file_checks import FP32_BYTES, check_file, param_pickle, small_step, stamp_of
+from ucp.universal.file_checks import FP32_BYTES, check_file, param_pickle, small_step
 from ucp.universal.file_memo import FileMemo
 from ucp.universal.manifest import (
     FORMAT,
@@ -115,6 +115,13 @@ class UniversalReader(Reader):
     def file_path(self, name: str, key: str) -> Path:
         return self._zero.joinpath(self._entries[name].folder, key)  # one join: called per file, per rank
 
+    def _stamp_now(self, name: str, key: str) -> tuple[int, ...] | None:
+        """The file's stamp now (None: not there), by its string path."""
+        try:
+            return file_stamp(os.stat(self._file(name, key)))
+        except OSError:
+            return None
+
     def _file(self, name: str, key: str) -> str:
         """:meth:`file_path` as a string, without pathlib (read per file and per task of ranks: 10^6 times at 10^5
         parameters, where pathlib cost a tenth of a restore's CPU)."""
@@ -182,11 +189,11 @@ class UniversalReader(Reader):
         entry = self._entries[name]
         if STEP_FILE not in entry.files:
             return entry.step
-        known = self._memo.peek(name, STEP_FILE)
-        if known is not None:  # the manifest's step, found in the file when it was read
+        stamp = self._stamp_now(name, STEP_FILE)  # taken before reading: a change while reading shows up next time
+        known = self._memo.get(name, STEP_FILE, stamp)
+        if known is not None:
             return known[0]
         path = self.file_path(name, STEP_FILE)
-        stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
         value = small_step(path, entry.files[STEP_FILE], verify=self.verify)
         if value is None:
             raw = self._load(path, entry.files[STEP_FILE])
@@ -250,11 +257,11 @@ class UniversalReader(Reader):
         checked from the spans copied out of it."""
         entry = self._entries[name]
         shape = tuple(entry.shape)
-        known = self._memo.peek(name, key)
-        if known is not None:  # every read of the span compares the open file's stamp with the one found here
-            return self._span(name, key, self._file(name, key), *known, shape)
+        stamp = self._stamp_now(name, key)  # taken before reading: a change while reading shows up next time
+        known = self._memo.get(name, key, stamp)
+        if known is not None and stamp is not None:
+            return self._span(name, key, self._file(name, key), *known, stamp, shape)
         path = self.file_path(name, key)
-        stamp = stamp_of(path)  # taken before reading: a change while reading shows up next time
         claim = entry.files.get(key)
         if (self._pending is not None or not self.verify) and claim is not None:
             record = find_tensor_record(path, param_pickle(shape), math.prod(shape) * FP32_BYTES)
