@@ -7,7 +7,7 @@ each, so the descriptors stay bounded at any DP); a task lays out its ranks' opt
 tensors reserved (``ucp.io.torchzip.lay_out``), reads each parameter's range for its ranks once, and writes each
 rank's slice into that rank's file through a gathering buffer (``ucp.io.record_fill``). A universal file is read
 once per task instead of once per rank (at 10^5 parameters and DP 8: 3 x 10^5 reads instead of 2.4 M), and memory
-holds the parameter in hand, never every parameter's spans. Other readers (a transformed or tensor-parallel view,
+holds the parameter in hand plus the spans the check kept (at most :data:`KEEP_PARTS`), never every parameter's. Other readers (a transformed or tensor-parallel view,
 DeepSpeed's own universal folders) read each parameter once into every rank's buffers.
 
 A param group the plan cuts in sets (``NativePlan.zero12_sets``: an AutoEP expert group, each expert-parallel
@@ -102,7 +102,7 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
     """Check every parameter once, then write the ranks' files parameter by parameter, in tasks of contiguous ranks:
     a task lays out its ranks' files, then reads each parameter's range for those ranks once and writes each rank's
     slice of it into that rank's file (at 10^5 parameters, one read per parameter and state instead of one per rank
-    too, and memory that holds no parameter's spans past its turn)."""
+    too, and memory that holds the spans of a bounded number of parameters past their turn)."""
     reader, plan, layout = writer.reader, writer.plan, writer.layout
     members: list[list[tuple[str, int]]] = [[] for _ in layout.sub_group_numel]
     for name, slot in _slots(plan, layout):
