@@ -21,7 +21,7 @@ import torch
 
 from tests.test_reliability import assert_one_line_error, run_cli
 from ucp.io import torchfile
-from ucp.io.tensor_record import SpanCheck, find_tensor_record
+from ucp.io.tensor_record import SpanChecks, find_tensor_record
 from ucp.io.torchpickle import data_pickle
 from ucp.io.torchzip import write_torch_file
 from ucp.model.pieces import Pieces
@@ -127,21 +127,32 @@ def test_a_span_check_needs_every_byte_of_the_tensor_and_reads_what_was_not_copi
     def crc(lo: int, hi: int) -> int:
         return zlib.crc32(raw[record.offset + lo : record.offset + hi])
 
-    whole = SpanCheck(str(path), record, written.crc32)
+    answers: list[tuple[int, bool]] = []
+    checks = SpanChecks(8, lambda slot, ok: answers.append((slot, ok)))
+    whole = checks.add(0, record, written.crc32)
     for lo, hi in [(0, 1000), (1000, 2500), (2500, 4000), (1000, 2500)]:  # one span reported twice
-        whole.witness(record.offset + lo, hi - lo, crc(lo, hi))
-    assert whole.confirm()
-    gaps = SpanCheck(str(path), record, written.crc32)
-    gaps.witness(record.offset + 400, 800, crc(400, 1200))  # the rest is read by confirm
-    assert gaps.confirm()
-    lying = SpanCheck(str(path), record, written.crc32)
-    lying.witness(record.offset, 4000, crc(0, 4000) ^ 1)  # a copy that saw other bytes
-    assert not lying.confirm()
-    ranks = SpanCheck(str(path), record, written.crc32)
-    for lo in range(0, 4000, 500):  # eight ranks' slices in order: kept as one entry
-        ranks.witness(record.offset + lo, 500, crc(lo, lo + 500))
-    assert len(ranks._seen) == 1 and ranks.confirm()
-    merged_lie = SpanCheck(str(path), record, written.crc32)
-    merged_lie.witness(record.offset, 2000, crc(0, 2000))
-    merged_lie.witness(record.offset + 2000, 2000, crc(2000, 4000) ^ 1)
-    assert not merged_lie.confirm()
+        whole(record.offset + lo, hi - lo, crc(lo, hi))
+    assert checks.confirm(0, path)
+    checks.add(1, record, written.crc32)(record.offset + 400, 800, crc(400, 1200))  # the rest is read by confirm
+    assert checks.open_slots() == [1] and checks.confirm(1, path)
+    checks.add(2, record, written.crc32)(record.offset, 4000, crc(0, 4000) ^ 1)  # a copy that saw other bytes
+    assert not checks.confirm(2, path)
+    ranks = checks.add(3, record, written.crc32)
+    for lo in range(0, 3500, 500):  # seven of eight ranks' slices in order: kept as one entry, not settled
+        ranks(record.offset + lo, 500, crc(lo, lo + 500))
+    assert len(checks._seen[3]) == 1 and checks.is_open(3)
+    ranks(record.offset + 3500, 500, crc(3500, 4000))  # the last one covers the tensor: settled at once
+    assert answers == [(0, True), (2, False), (3, True)] and 3 not in checks._seen
+    ranks(record.offset, 500, crc(0, 500) ^ 1)  # after that, told once and nothing read
+    out_of_order = checks.add(4, record, written.crc32)
+    out_of_order(record.offset + 2000, 2000, crc(2000, 4000))
+    out_of_order(record.offset, 2000, crc(0, 2000) ^ 1)
+    assert answers[3:] == [(4, False)]
+    merged_lie = checks.add(5, record, written.crc32)
+    merged_lie(record.offset, 2000, crc(0, 2000))
+    merged_lie(record.offset + 2000, 2000, crc(2000, 4000) ^ 1)
+    assert answers[4:] == [(5, False)] and checks.open_slots() == [1]
+    path.rename(tmp_path / "gone.pt")  # settled checks read nothing more; an open one needs the file
+    assert checks.confirm(3, path) and not checks.confirm(4, path) and not checks.confirm(5, path)
+    assert not checks.confirm(1, path)
+    assert len(answers) == 5

@@ -185,6 +185,59 @@ def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universal
         reader.read(name)
 
 
+def test_deferred_checks_settle_as_the_copies_cover_each_file(
+    universals, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside ``deferred_checks`` a file's check settles once the copies reported cover its tensor: it leaves the
+    pending checks then (a 10^5-parameter restore holds only the checks of files in flight), a good file counts as
+    verified, and a damaged one fails the block by name and is parsed and checked again when read again."""
+    from ucp.io import tensor_record
+    from ucp.io.span_copy import read_witnessed
+
+    monkeypatch.setattr(tensor_record, "_WINDOW", 1024)  # these files, not read whole: checked from the copies
+    root = tmp_path / "u"
+    shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
+    reader = open_universal(root)
+    name = max((m for m in reader.facts.params if not m.frozen), key=lambda m: m.numel).name
+    assert reader.facts.param(name).numel * 4 > 1024
+
+    def copy_all(pieces: Pieces, halves: bool) -> torch.Tensor:
+        out = torch.empty(pieces.numel, dtype=torch.float32)
+        view = memoryview(out.numpy()).cast("B")
+        cut = pieces.numel // 2 if halves else pieces.numel
+        for lo, hi in ((cut, pieces.numel), (0, cut)):  # the second half first: out of order
+            if hi > lo:
+                read_witnessed(pieces.slice(lo, hi).parts, view[4 * lo : 4 * hi])
+        return out
+
+    def is_open(key: str) -> bool:
+        slot = reader._memo.slot(name, key)
+        return reader._pending is not None and slot is not None and reader._pending.is_open(slot)
+
+    with reader.deferred_checks():
+        with reader.read_pieces(name) as state:
+            assert is_open("exp_avg.pt")
+            copied = copy_all(state.optim["exp_avg"], halves=True)
+            assert not is_open("exp_avg.pt")  # settled before the block ends
+            assert is_open("fp32.pt")  # not copied yet: checked when the block ends
+    assert torch.equal(copied, reader.read(name).optim["exp_avg"].flatten())
+    assert reader._memo.verified(name, "exp_avg.pt", reader._stamp_now(name, "exp_avg.pt"))
+    assert reader._memo.verified(name, "fp32.pt", reader._stamp_now(name, "fp32.pt"))
+
+    path = reader.file_path(name, "exp_avg_sq.pt")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # same size, new bytes in the tensor's last element or the zip directory
+    stat = path.stat()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    fresh = open_universal(root, verify=False)  # opens without checking every file up front
+    fresh.verify = True
+    for _ in range(2):  # refused, and refused again: the failed file is not remembered as found
+        with pytest.raises(ChecksumError, match="exp_avg_sq.pt"), fresh.deferred_checks():
+            with fresh.read_pieces(name) as state:
+                copy_all(state.optim["exp_avg_sq"], halves=False)
+
+
 @pytest.mark.parametrize("decoy", ["", "cucp.io.standins\nLossScaler\n", "ucp.io.standins"])
 def test_deepspeed_stand_ins_are_written_under_deepspeed_names_whatever_the_strings_around_them(
     tmp_path: Path, decoy: str

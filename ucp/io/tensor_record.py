@@ -8,7 +8,7 @@ directory: the same answer as the weights_only unpickler (byte-equal pickles unp
 few small reads. Anything unexpected (another writer, zip64, a damaged directory) returns None and
 the caller parses the file the slow, general way.
 
-:class:`SpanCheck` then checks the whole file's crc32 against the manifest from the crc32s a
+:class:`SpanChecks` then checks the whole file's crc32 against the manifest from the crc32s a
 writer computed anyway while streaming the tensor's bytes (``PathSpan.witness``): the head and tail
 around the tensor are CRC'd here, gaps nobody copied are read, and ``crc32_combine`` joins them.
 """
@@ -19,12 +19,15 @@ import os
 import struct
 import threading
 import zlib
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 from ucp.io.crc import crc32_combine
 from ucp.model.pieces import file_stamp
 
-__all__ = ["TensorRecord", "find_tensor_record", "SpanCheck"]
+__all__ = ["TensorRecord", "find_tensor_record", "SpanChecks"]
 
 _WINDOW = 8192  # bytes read from each end of the file: ucp's headers and directory fit well inside
 _EOCD = struct.Struct("<IHHHHIIH")
@@ -136,50 +139,120 @@ def _member_data(member: tuple[int, int] | None, head: bytes, check_bytes: bool 
     return start, length
 
 
-#: guards every check's witnessed spans (one lock, not one per file: a restore keeps a check per file, 300,000 of
-#: them for 10^5 parameters, and a witness holds it for a list append)
+#: guards every check's witnessed spans (one lock, not one per file: a restore of 10^5 parameters checks 300,000 files,
+#: and a witness holds it for a few integer operations)
 _WITNESS_LOCK = threading.Lock()
 
+_OPEN, _GOOD, _BAD = 1, 2, 3  # a slot's state (0: no check)
 
-@dataclass(slots=True)
-class SpanCheck:
-    """A file whose tensor was handed out before its checksum was checked: writers report the
-    crc32 of each span they copy (:meth:`witness`), and :meth:`confirm` checks the whole file."""
 
-    path: str
-    record: TensorRecord
-    crc32: str  # what the manifest says, 8 hex digits
-    _seen: list[tuple[int, int, int]] = field(default_factory=list)
+class SpanChecks:
+    """Files whose tensors were handed out before their checksums were checked, one numbered slot per file: writers
+    report the crc32 of each span they copy (the witness :meth:`add` returns), and a file's check settles as soon as
+    the spans reported cover its tensor, telling ``settled(slot, ok)`` once; :meth:`confirm` checks one that never
+    settled, reading what nobody copied.
 
-    def witness(self, offset: int, nbytes: int, crc: int) -> None:
+    A restore of 10^5 parameters hands out 300,000 files before copying any, so a check is a few machine words in
+    arrays (77 bytes a slot), not an object (about 900 bytes with its record, stamp and path); the spans reported
+    for a file not covered yet are the only thing kept per file, and only until it settles."""
+
+    def __init__(self, slots: int, settled: Callable[[int, bool], None] | None = None) -> None:
+        self._settled = settled
+        self._state = bytearray(slots)
+        # per slot: offset, nbytes, size, the four words of the stamp, bytes reported (twice-copied ones twice)
+        self._words = array("q", bytes(8 * 8 * slots))
+        self._crcs = array("I", bytes(4 * 3 * slots))  # per slot: the manifest's crc32, head_crc, tail_crc
+        self._seen: dict[int, list[tuple[int, int, int]]] = {}
+
+    def add(self, slot: int, record: TensorRecord, crc32: str) -> Callable[[int, int, int], None]:
+        """Check slot ``slot``: the file ``record`` found, whose crc32 must be ``crc32`` (8 hex digits). Returns the
+        witness its spans carry (``PathSpan.witness``)."""
+        if len(record.stamp) != 4:
+            raise ValueError("a file stamp is four integers")
         with _WITNESS_LOCK:
-            last = self._seen[-1] if self._seen else None
-            if last is not None and last[0] + last[1] == offset:  # rank after rank: one entry, not one per rank
-                self._seen[-1] = (last[0], last[1] + nbytes, crc32_combine(last[2], crc, nbytes))
-            else:
-                self._seen.append((offset, nbytes, crc))
+            self._state[slot] = _OPEN
+            self._words[8 * slot : 8 * slot + 8] = array(
+                "q", (record.offset, record.nbytes, record.size, *record.stamp, 0)
+            )
+            self._crcs[3 * slot : 3 * slot + 3] = array("I", (int(crc32, 16), record.head_crc, record.tail_crc))
+            self._seen.pop(slot, None)
+        return partial(self.witness, slot)
 
-    def confirm(self) -> bool:
-        """True when the file's crc32 is the manifest's: the spans copied, plus what nobody copied
-        read now (the file must still be the one found: same size, mtime, ctime and inode)."""
-        record = self.record
-        pos, end, crc = record.offset, record.offset + record.nbytes, 0
+    def witness(self, slot: int, offset: int, nbytes: int, crc: int) -> None:
+        """The writer copied the file's bytes [offset, offset + nbytes), whose crc32 is ``crc``."""
+        with _WITNESS_LOCK:
+            if self._state[slot] != _OPEN:
+                return  # settled: a second copy of the same bytes
+            seen = self._seen.setdefault(slot, [])
+            last = seen[-1] if seen else None
+            if last is not None and last[0] + last[1] == offset:  # rank after rank: one entry, not one per rank
+                seen[-1] = (last[0], last[1] + nbytes, crc32_combine(last[2], crc, nbytes))
+            else:
+                seen.append((offset, nbytes, crc))
+            words = self._words
+            words[8 * slot + 7] += nbytes
+            if words[8 * slot + 7] < words[8 * slot + 1]:
+                return
+            joined = self._join(slot, None)
+            if joined is None:
+                return  # a gap left (some bytes were reported twice)
+            ok = self._matches(slot, joined)
+            self._state[slot] = _GOOD if ok else _BAD
+            del self._seen[slot]
+        if self._settled is not None:
+            self._settled(slot, ok)
+
+    def is_open(self, slot: int) -> bool:
+        """Whether slot ``slot`` is checked and not settled."""
+        return self._state[slot] == _OPEN
+
+    def open_slots(self) -> list[int]:
+        """The slots checked but not settled."""
+        return [slot for slot, state in enumerate(self._state) if state == _OPEN]
+
+    def stamp(self, slot: int) -> tuple[int, ...]:
+        """The stamp the file had when it was found."""
+        return tuple(self._words[8 * slot + 3 : 8 * slot + 7])
+
+    def confirm(self, slot: int, path: str | os.PathLike) -> bool:
+        """True when the file's crc32 is the manifest's: the spans copied, plus what nobody copied read now from
+        ``path`` (it must still be the file found: same size, mtime, ctime and inode)."""
+        if self._state[slot] in (_GOOD, _BAD):
+            return self._state[slot] == _GOOD
         try:
-            with open(self.path, "rb", buffering=0) as handle:
-                if file_stamp(os.fstat(handle.fileno())) != record.stamp:
+            with open(path, "rb", buffering=0) as handle:
+                if file_stamp(os.fstat(handle.fileno())) != self.stamp(slot):
                     return False
-                for offset, nbytes, span_crc in sorted(self._seen, key=lambda s: (s[0], -s[1])):
-                    if offset < pos or nbytes == 0:
-                        continue  # copied twice (or inside a span already counted)
-                    if offset > pos:
-                        crc = _crc_range(handle.fileno(), pos, offset, crc)
-                    crc = crc32_combine(crc, span_crc, nbytes)
-                    pos = offset + nbytes
-                if pos < end:
-                    crc = _crc_range(handle.fileno(), pos, end, crc)
+                joined = self._join(slot, handle.fileno())
         except OSError:
             return False
-        return pos <= end and f"{record.file_crc(crc) & 0xFFFFFFFF:08x}" == self.crc32
+        return joined is not None and self._matches(slot, joined)
+
+    def _join(self, slot: int, fd: int | None) -> int | None:
+        """The crc32 of the tensor's bytes from the spans reported, the gaps read from ``fd`` (None: no gap
+        allowed, and None back if there is one)."""
+        offset, nbytes = self._words[8 * slot], self._words[8 * slot + 1]
+        pos, end, crc = offset, offset + nbytes, 0
+        for start, length, span_crc in sorted(self._seen.get(slot, ()), key=lambda s: (s[0], -s[1])):
+            if start < pos or length == 0:
+                continue  # copied twice (or inside a span already counted)
+            if start > pos:
+                if fd is None:
+                    return None
+                crc = _crc_range(fd, pos, start, crc)
+            crc = crc32_combine(crc, span_crc, length)
+            pos = start + length
+        if pos < end:
+            if fd is None:
+                return None
+            crc = _crc_range(fd, pos, end, crc)
+        return crc if pos <= end else None
+
+    def _matches(self, slot: int, data_crc: int) -> bool:
+        offset, nbytes, size = self._words[8 * slot : 8 * slot + 3]
+        expected, head, tail = self._crcs[3 * slot : 3 * slot + 3]
+        crc = crc32_combine(crc32_combine(head, data_crc, nbytes), tail, size - offset - nbytes)
+        return crc & 0xFFFFFFFF == expected
 
 
 def _crc_range(fd: int, start: int, end: int, crc: int) -> int:

@@ -14,40 +14,79 @@ from collections.abc import Iterable, Sequence
 
 __all__ = ["FileMemo"]
 
-_WORDS = 7  # known (0/1), two values, the four words of the stamp
+_WORDS = 7  # flags (_KNOWN, _VERIFIED), two values, the four words of the stamp
+_KNOWN = 1  # the two values were read under the stamp
+_VERIFIED = 2  # the file's checksum matched under the stamp
 
 
 class FileMemo:
-    """Two integers per file of parameter ``name`` and file ``key`` (an offset and a length, or a step), valid while
-    the file's stamp is the one they were read under."""
+    """Two integers per file of parameter ``name`` and file ``key`` (an offset and a length, or a step), and whether
+    its checksum matched, each valid while the file's stamp is the one it was learnt under."""
 
     def __init__(self, names: Iterable[str], keys: Sequence[str]) -> None:
-        self._key = {key: j for j, key in enumerate(keys)}
-        self._base = {name: i * len(self._key) for i, name in enumerate(names)}
+        self._keys = list(keys)
+        self._key = {key: j for j, key in enumerate(self._keys)}
+        self._names = list(names)
+        self._base = {name: i * len(self._key) for i, name in enumerate(self._names)}
         self._data = array("q", bytes(8 * _WORDS * len(self._base) * len(self._key)))
 
-    def _at(self, name: str, key: str) -> int | None:
+    @property
+    def slots(self) -> int:
+        """How many files the table has room for: one slot per parameter and file key."""
+        return len(self._base) * len(self._key)
+
+    def slot(self, name: str, key: str) -> int | None:
+        """The file's number in this table (None: a parameter or key it does not know)."""
         base, j = self._base.get(name), self._key.get(key)
-        return None if base is None or j is None else (base + j) * _WORDS
+        return None if base is None or j is None else base + j
+
+    def file_of(self, slot: int) -> tuple[str, str]:
+        """The (parameter, file key) of a slot."""
+        return self._names[slot // len(self._keys)], self._keys[slot % len(self._keys)]
+
+    def _at(self, name: str, key: str) -> int | None:
+        slot = self.slot(name, key)
+        return None if slot is None else slot * _WORDS
 
     def get(self, name: str, key: str, stamp: tuple[int, ...] | None) -> tuple[int, int] | None:
         """The two values read from the file, if it is still the file they were read from."""
-        at = self._at(name, key)
-        if at is None or stamp is None or len(stamp) != 4 or not self._data[at]:
-            return None
-        data = self._data
-        if (data[at + 3], data[at + 4], data[at + 5], data[at + 6]) != stamp:
-            return None
-        return data[at + 1], data[at + 2]
+        at = self._under(name, key, stamp, _KNOWN)
+        return None if at is None else (self._data[at + 1], self._data[at + 2])
+
+    def verified(self, name: str, key: str, stamp: tuple[int, ...] | None) -> bool:
+        """Whether the file's checksum matched while it had this stamp."""
+        return self._under(name, key, stamp, _VERIFIED) is not None
 
     def put(self, name: str, key: str, stamp: tuple[int, ...] | None, first: int, second: int) -> None:
         """Remember two values read from a file with this stamp (none kept without a stamp)."""
         at = self._at(name, key)
         if at is None or stamp is None or len(stamp) != 4:
             return
-        self._data[at : at + _WORDS] = array("q", (1, first, second, *stamp))
+        flags = _KNOWN | (self._data[at] & _VERIFIED if self._stamp(at) == stamp else 0)
+        self._data[at : at + _WORDS] = array("q", (flags, first, second, *stamp))
+
+    def verify(self, name: str, key: str, stamp: tuple[int, ...] | None) -> None:
+        """Remember that the file's checksum matched while it had this stamp."""
+        at = self._at(name, key)
+        if at is None or stamp is None or len(stamp) != 4:
+            return
+        if self._stamp(at) == stamp:
+            self._data[at] |= _VERIFIED
+        else:
+            self._data[at : at + _WORDS] = array("q", (_VERIFIED, 0, 0, *stamp))
 
     def forget(self, name: str, key: str) -> None:
         at = self._at(name, key)
         if at is not None:
             self._data[at] = 0
+
+    def _stamp(self, at: int) -> tuple[int, ...]:
+        data = self._data
+        return data[at + 3], data[at + 4], data[at + 5], data[at + 6]
+
+    def _under(self, name: str, key: str, stamp: tuple[int, ...] | None, flag: int) -> int | None:
+        """The file's place in the table, if ``flag`` was set under this stamp."""
+        at = self._at(name, key)
+        if at is None or stamp is None or len(stamp) != 4 or not self._data[at] & flag or self._stamp(at) != stamp:
+            return None
+        return at

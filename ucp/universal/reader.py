@@ -16,6 +16,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from ucp.errors import ChecksumError, CorruptFileError, InputError
 from ucp.io import torchfile
 from ucp.io.crc import crc32_mapped
-from ucp.io.tensor_record import SpanCheck, find_tensor_record
+from ucp.io.tensor_record import SpanChecks, find_tensor_record
 from ucp.model.pieces import PathSpan, Pieces, file_stamp
 from ucp.model.records import ParamState, PieceState, Reader
 from ucp.universal.file_checks import FP32_BYTES, check_file, param_pickle, small_step
@@ -71,9 +72,11 @@ class UniversalReader(Reader):
         self.manifest = {k: v for k, v in raw.items() if k != "params"}
         self._zero = path / "zero"
         self._zero_str = str(self._zero)
-        self._verified: dict[Path, tuple[int, ...]] = {}  # path -> its _stamp when its checksum matched
-        # inside deferred_checks: (parameter, file) -> the check of a file not checked yet
-        self._pending: dict[tuple[str, str], SpanCheck] | None = None
+        # a file outside zero/ -> its _stamp when its checksum matched (the parameters' files: in the FileMemo)
+        self._verified: dict[Path, tuple[int, ...]] = {}
+        # inside deferred_checks: the checks of files handed out unchecked (by FileMemo slot), and those that failed
+        self._pending: SpanChecks | None = None
+        self._failed: list[str] = []
         self._elsewhere: Callable[[str], bool] | None = None  # inside deferred_checks: names another process checks
         self.facts, entries, self._files = facts_from_manifest(raw)
         del raw
@@ -127,10 +130,13 @@ class UniversalReader(Reader):
         parameters, where pathlib cost a tenth of a restore's CPU)."""
         return f"{self._zero_str}/{self._entries[name].folder}/{key}"
 
-    def _check(self, path: Path, entry: FileEntry | None) -> Callable[[mmap.mmap], None] | None:
+    def _check(
+        self, path: Path, entry: FileEntry | None, slot: tuple[str, str] | None = None
+    ) -> Callable[[mmap.mmap], None] | None:
         """What a file must match before it is parsed: its size now, its crc32 over the very pages that
         then back its tensors (one pass over the file); None when not verifying, or when this reader
-        already verified the file and its size, mtime, ctime and inode are unchanged since."""
+        already verified the file and its size, mtime, ctime and inode are unchanged since. ``slot``:
+        the (parameter, file) a file of zero/ is, whose verification the FileMemo keeps."""
         if entry is None:
             raise CorruptFileError(f"{MANIFEST} lists no checksum for {path}")
         if not path.is_file():
@@ -145,24 +151,27 @@ class UniversalReader(Reader):
         if stat.st_size != entry.bytes:
             raise mismatch()
         stamp = _stamp(stat)
-        if self._verified.get(path) == stamp:
+        if self._memo.verified(*slot, stamp) if slot is not None else self._verified.get(path) == stamp:
             return None
 
         def check(data: mmap.mmap) -> None:
             if len(data) != entry.bytes or f"{crc32_mapped(data) & 0xFFFFFFFF:08x}" != entry.crc32:
                 raise mismatch()
-            self._verified[path] = stamp
+            if slot is not None:
+                self._memo.verify(*slot, stamp)
+            else:
+                self._verified[path] = stamp
 
         return check
 
-    def _load(self, path: Path, entry: FileEntry | None) -> Any:
-        return torchfile.load(path, check=self._check(path, entry))
+    def _load(self, path: Path, entry: FileEntry | None, slot: tuple[str, str] | None = None) -> Any:
+        return torchfile.load(path, check=self._check(path, entry, slot))
 
     def _open_tensor(self, name: str, key: str) -> tuple[torchfile.TorchFile, torch.Tensor]:
         """A parameter file, checked, and its tensor (a view on the file's private mapping)."""
         entry = self._entries[name]
         path = self.file_path(name, key)
-        tf = torchfile.TorchFile(path, check=self._check(path, entry.files.get(key)))
+        tf = torchfile.TorchFile(path, check=self._check(path, entry.files.get(key), (name, key)))
         obj = tf.obj
         tensor = obj.get("param") if isinstance(obj, Mapping) else obj
         if not torch.is_tensor(tensor):
@@ -196,7 +205,7 @@ class UniversalReader(Reader):
         path = self.file_path(name, STEP_FILE)
         value = small_step(path, entry.files[STEP_FILE], verify=self.verify)
         if value is None:
-            raw = self._load(path, entry.files[STEP_FILE])
+            raw = self._load(path, entry.files[STEP_FILE], (name, STEP_FILE))
             value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
         if not isinstance(value, (int, float)) or value != entry.step:
             raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
@@ -235,7 +244,7 @@ class UniversalReader(Reader):
         out = {}
         for key in entry.scalars:
             path = self.file_path(name, state_file(key))
-            obj = self._load(path, entry.files.get(state_file(key)))
+            obj = self._load(path, entry.files.get(state_file(key)), (name, state_file(key)))
             value = obj.get("param") if isinstance(obj, Mapping) else obj
             if not torch.is_tensor(value) or value.dim() != 0 or not value.is_floating_point():
                 raise CorruptFileError(f"{path} holds no 0-dim floating tensor under 'param'; {MANIFEST} says a scalar")
@@ -260,7 +269,7 @@ class UniversalReader(Reader):
         stamp = self._stamp_now(name, key)  # taken before reading: a change while reading shows up next time
         known = self._memo.get(name, key, stamp)
         if known is not None and stamp is not None:
-            return self._span(name, key, self._file(name, key), *known, stamp, shape)
+            return self._span(self._file(name, key), *known, stamp, shape, self._witness(name, key))
         path = self.file_path(name, key)
         claim = entry.files.get(key)
         if (self._pending is not None or not self.verify) and claim is not None:
@@ -272,10 +281,14 @@ class UniversalReader(Reader):
                         raise ChecksumError(
                             f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt"
                         )
-                elif self.verify and self._pending is not None and not elsewhere:
-                    self._pending[name, key] = SpanCheck(str(path), record, claim.crc32)
                 self._memo.put(name, key, record.stamp, record.offset, record.nbytes)
-                return self._span(name, key, path, record.offset, record.nbytes, record.stamp, shape)
+                slot = self._memo.slot(name, key)
+                witness = None
+                if self.verify and record.data is None and self._pending is not None and not elsewhere:
+                    if slot is None:
+                        raise InputError(f"{path} is not a file of {MANIFEST}")  # entries and memo are built alike
+                    witness = self._pending.add(slot, record, claim.crc32)
+                return self._span(path, record.offset, record.nbytes, record.stamp, shape, witness)
         tf, tensor = self._open_tensor(name, key)
         try:
             span = tf.span(tensor)
@@ -284,20 +297,24 @@ class UniversalReader(Reader):
         if span is None or stamp is None:
             return Pieces.of(tensor)
         self._memo.put(name, key, stamp, span.offset, span.nbytes)
-        return self._span(name, key, path, span.offset, span.nbytes, stamp, shape)
+        return self._span(path, span.offset, span.nbytes, stamp, shape, self._witness(name, key))
 
+    def _witness(self, name: str, key: str) -> Callable[[int, int, int], None] | None:
+        """The witness of a file handed out again while its check is open (None: none open)."""
+        slot = self._memo.slot(name, key)
+        if self._pending is None or slot is None or not self._pending.is_open(slot):
+            return None
+        return partial(self._pending.witness, slot)
+
+    @staticmethod
     def _span(
-        self,
-        name: str,
-        key: str,
         path: Path | str,
         offset: int,
         nbytes: int,
         stamp: tuple[int, ...],
         shape: tuple[int, ...],
+        witness: Callable[[int, int, int], None] | None,
     ) -> Pieces:
-        pending = self._pending.get((name, key)) if self._pending is not None else None
-        witness = pending.witness if pending is not None else None
         return Pieces._trusted((PathSpan(str(path), offset, nbytes, stamp, witness),), shape, torch.float32)
 
     @contextmanager
@@ -311,25 +328,41 @@ class UniversalReader(Reader):
         if self._pending is not None:  # nested: the outer block checks
             yield
             return
-        self._pending = {}
+        pending = self._pending = SpanChecks(self._memo.slots, self._settled)
+        self._failed = []
         self._elsewhere = elsewhere
         try:
             yield
-            bad = [check.path for check in self._pending.values() if not check.confirm()]
+            left = [(slot, self._memo.file_of(slot)) for slot in pending.open_slots()]
+            bad = [*self._failed, *(self._file(*at) for slot, at in left if not pending.confirm(slot, self._file(*at)))]
             if bad:
                 more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
                 raise ChecksumError(
                     f"{bad[0]} does not match its checksum in {MANIFEST}{more}: the file changed or is corrupt"
                 )
-            for check in self._pending.values():
-                self._verified[Path(check.path)] = check.record.stamp
+            for slot, at in left:
+                self._memo.verify(*at, pending.stamp(slot))
         except BaseException:
-            for name, key in self._pending:
-                self._memo.forget(name, key)
+            for slot in pending.open_slots():
+                self._memo.forget(*self._memo.file_of(slot))
             raise
         finally:
             self._pending = None
+            self._failed = []
             self._elsewhere = None
+
+    def _settled(self, slot: int, ok: bool) -> None:
+        """A check the copies covered: the file counts as verified, or is named when the block ends (and, read
+        again, is parsed and checked again)."""
+        pending = self._pending
+        if pending is None:
+            return
+        name, key = self._memo.file_of(slot)
+        if ok:
+            self._memo.verify(name, key, pending.stamp(slot))
+        else:
+            self._failed.append(self._file(name, key))
+            self._memo.forget(name, key)
 
     def _state(self) -> Mapping[str, Any]:
         if not hasattr(self, "_state_cache"):

@@ -61,9 +61,11 @@ def locate(
     keep: int | None = None,
 ) -> Located:
     """Take every member's pieces: ``members[f]`` lists flat group f's ``(name, numel)``, ``keys[f]``
-    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``). ``keep``: keep members'
-    pieces only while they hold at most this many parts in all (a writer that reads the others again in their turn:
-    memory bounded whatever the count of parameters and ranks); None keeps every member's."""
+    its state keys; ``unit`` names a flat group in messages (``"ZeRO-3 sub-group"``). ``keep``: keep the pieces of
+    members cut in several parts (the spans of a source saved at a large DP, work to find again) while they hold at
+    most this many parts in all, and no member whose every state is one part (a universal file: found again with a
+    stat); a writer reads the others again in their turn, so memory is bounded whatever the count of parameters and
+    ranks. None keeps every member's."""
     if not reader.streams:
         raise TypeError("locate needs a reader whose pieces stay valid until it closes (Reader.streams)")
     where = {name: (f, numel) for f, group in enumerate(members) for name, numel in group}
@@ -79,7 +81,7 @@ def locate(
             else:
                 parts = len(state.fp32.parts) + sum(len(p.parts) for p in state.optim.values())
                 with lock:
-                    if parts <= budget[0]:
+                    if 1 + len(state.optim) < parts <= budget[0]:
                         budget[0] -= parts
                         located.states[name] = state
             located.steps[f].add(step_of(state))
