@@ -240,3 +240,21 @@ def test_a_zero_dim_counter_is_copied_out_of_the_mapping(tmp_path: Path) -> None
         assert tf.obj["step"].item() == 7 and tf.span(tf.obj["step"]) is None
         assert tf.span(tf.obj["flat"]) is not None and tf.span(tf.obj["few"]) is not None
         assert torch.equal(tf.obj["flat"], torch.arange(1000.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_placeholder_is_written_byte_for_byte_as_an_empty_tensor(tmp_path: Path, dtype: torch.dtype) -> None:
+    """ZeRO-3 model-states files hold one empty tensor per parameter; ucp holds them as Placeholders (10^5 tensor
+    objects for a MoE would cost 50 MB) and must write what torch.empty(0) writes, a storage record each."""
+    from ucp.io.torchzip import write_torch_file
+    from ucp.model.pieces import Placeholder
+
+    (tmp_path / "held").mkdir()
+    (tmp_path / "light").mkdir()
+    held = tmp_path / "held" / "states.pt"  # one name: the zip's folder is the file's stem
+    light = tmp_path / "light" / "states.pt"
+    write_torch_file({"module": {"a": torch.empty(0, dtype=dtype), "b": torch.empty(0, dtype=dtype)}}, held)
+    write_torch_file({"module": {"a": Placeholder(dtype), "b": Placeholder(dtype)}}, light)
+    assert light.read_bytes() == held.read_bytes()
+    back = torch.load(light, weights_only=True)["module"]
+    assert [(t.dtype, tuple(t.shape)) for t in back.values()] == [(dtype, (0,))] * 2

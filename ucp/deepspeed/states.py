@@ -22,7 +22,7 @@ from ucp.io.standins import DynamicLossScaler, FragmentAddress, LossScaler, Zero
 from ucp.model.flavours import Flavour
 from ucp.model.loss_scale import LossScale, fresh_fp16_scale
 from ucp.model.partition import Zero12Group
-from ucp.model.pieces import Pieces, Reserved
+from ucp.model.pieces import Pieces, Placeholder, Reserved
 from ucp.model.records import Facts, torch_dtype
 
 __all__ = [
@@ -56,9 +56,10 @@ __all__ = [
 Flat = torch.Tensor | Pieces | Reserved
 
 
-def lp_placeholder(dtype: str) -> torch.Tensor:
-    """ZeRO-3 model-states files hold an empty tensor where each partitioned parameter goes."""
-    return torch.empty(0, dtype=torch_dtype(dtype))
+def lp_placeholder(dtype: str) -> Placeholder:
+    """ZeRO-3 model-states files hold an empty tensor where each partitioned parameter goes (written as one, held as
+    a :class:`Placeholder`: 10^5 tensor objects would cost 50 MB)."""
+    return Placeholder(torch_dtype(dtype))
 
 
 def model_states(
@@ -74,7 +75,7 @@ def model_states(
     """The fields of a model-states file every stage shares (engine counters, scheduler, buffers);
     ``extra`` adds the stage's own (param shapes, frozen parameters, TP info) before the client state."""
     info = facts.info
-    module: OrderedDict[str, torch.Tensor] = OrderedDict()
+    module: OrderedDict[str, torch.Tensor | Placeholder] = OrderedDict()
     for meta in facts.params:
         module[meta.name] = lp_placeholder(dtype)
     for alias in facts.tied:

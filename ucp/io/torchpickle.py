@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ucp.io.standins import DSEnum, DSObject, DSStrEnum
-from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Pieces, Reserved, part_numel
+from ucp.model.pieces import Cast, FileSpan, LazyTensor, PathSpan, Pieces, Placeholder, Reserved, part_numel
 
 __all__ = [
     "Chunk",
@@ -75,6 +75,10 @@ class _Tensors:
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, WrapperTensor):
             return obj.reduce()
+        if isinstance(obj, Placeholder):
+            return _rebuild(
+                StorageRef(_storage_type(obj.dtype), [], 0), tuple([0])
+            )  # a tuple of its own, as a tensor has
         if isinstance(obj, (LazyTensor, Cast, Reserved)):
             numel = obj.nbytes // obj.dtype.itemsize
             return _rebuild(StorageRef(_storage_type(obj.dtype), [obj] if numel else [], numel), obj.shape)

@@ -28,6 +28,7 @@ __all__ = [
     "LazyTensor",
     "Cast",
     "Reserved",
+    "Placeholder",
     "part_numel",
     "nbytes_of",
     "file_stamp",
@@ -176,6 +177,19 @@ class Reserved:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+class Placeholder:
+    """An empty one-dimensional tensor of ``dtype`` as a file holds it, without a tensor: a ZeRO-3 model-states file
+    holds one for each parameter (10^5 for a MoE, where a tensor object costs about half a kilobyte and this 48
+    bytes). Pickled exactly as ``torch.empty(0, dtype=dtype)``, with a storage record of its own."""
+
+    __slots__ = ("dtype",)
+    shape = (0,)
+    nbytes = 0
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:

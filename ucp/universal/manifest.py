@@ -4,8 +4,8 @@ It is written last, to a temporary name, then renamed: its presence means the di
 Per parameter it records the folder, shape, dtype, group, step and every file with its size and
 crc32; the optimizer's state keys are the files' names, so a new optimizer needs no new field.
 
-A manifest read back is untrusted input: :func:`facts_from_manifest` checks the type and range of
-every field it uses (:func:`check_manifest`) before anything is built from it, so a hand-made
+A manifest read back is untrusted input: ``ucp.universal.param_table`` checks the type and range of
+every field it uses (``ucp.universal.manifest_check``) before anything is built from it, so a hand-made
 ``ucp.json`` ends in one CorruptFileError, never in a TypeError deep inside a target.
 """
 
@@ -16,10 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from ucp.errors import CorruptFileError
-from ucp.model.hyper import Hyper
-from ucp.model.layouts import SourceLayout
-from ucp.model.records import Facts, GroupMeta, ParamMeta, Reader, SourceInfo
+from ucp.model.records import Facts, ParamMeta, Reader, SourceInfo
 from ucp.model.version import VERSION
 from ucp.universal.file_names import (
     FORMAT,
@@ -33,7 +30,7 @@ from ucp.universal.file_names import (
     folder_for,
     state_file,
 )
-from ucp.universal.manifest_check import MAX_DIMS, MAX_NAME, MAX_NUMEL, check_manifest
+from ucp.universal.manifest_check import MAX_DIMS, MAX_NAME, MAX_NUMEL
 
 __all__ = [
     "write_manifest",
@@ -50,8 +47,6 @@ __all__ = [
     "manifest_json",
     "SOURCE_LAYOUTS",
     "source_layouts",
-    "facts_from_manifest",
-    "check_manifest",
     "SUFFIX",
     "MAX_DIMS",
     "MAX_NUMEL",
@@ -109,12 +104,6 @@ def source_layouts(reader: Reader) -> dict[str, Any]:
     """The source's pipeline stages, MoE or AutoEP layers (its facts' layout), as ucp.json keeps them."""
     layout = reader.facts.layout
     return layout.to_json() if layout is not None else {}
-
-
-def _layout(raw: Mapping[str, Any]) -> SourceLayout | None:
-    """The layout a manifest records (one of :data:`SOURCE_LAYOUTS`), as the facts carry it."""
-    found = [SourceLayout(kind, raw[kind]) for kind in SOURCE_LAYOUTS if raw.get(kind)]
-    return found[0] if found else None
 
 
 def write_manifest(out: TextIO, header: Mapping[str, Any], params: Iterable[ParamEntry]) -> None:
@@ -179,52 +168,3 @@ def _source_json(info: SourceInfo) -> dict[str, Any]:
     if out.get("replicas") == 1:
         del out["replicas"]
     return out
-
-
-def facts_from_manifest(raw: Mapping[str, Any]) -> tuple[Facts, list[ParamEntry], dict[str, FileEntry]]:
-    """The facts, entries and shared files of a manifest, each field checked first (check_manifest)."""
-    check_manifest(raw)
-    try:
-        info = SourceInfo(**raw["source"])
-        params = [
-            ParamEntry(**{**p, "files": {k: FileEntry(**v) for k, v in p.get("files", {}).items()}})
-            for p in raw["params"]
-        ]
-        keys = {p.name: p.state_keys for p in params}
-        groups = [
-            GroupMeta(
-                index=g["index"],
-                hyper=Hyper.from_json(g["hyperparameters"]),
-                raw=dict(g.get("raw", {})),
-                params=list(g["params"]),
-                step=g.get("step"),
-                state_keys=_union(keys.get(n, ()) for n in g["params"]),
-            )
-            for g in raw["param_groups"]
-        ]
-        opt = raw.get("optimizer", {})
-        facts = Facts(
-            info=info,
-            flavour=opt.get("flavour"),
-            adam_w_mode=opt.get("adam_w_mode"),
-            step=opt.get("step"),
-            groups=groups,
-            params=[p.meta() for p in params],
-            tied=dict(raw.get("tied", {})),
-            buffer_names=list(raw.get("buffers", [])),
-            warnings=list(raw.get("warnings", [])),
-            tp_rules={k: dict(v) for k, v in (raw.get("tensor_parallel") or {}).get("rules", {}).items()},
-            layout=_layout(raw),
-        )
-        files = {k: FileEntry(**v) for k, v in raw.get("files", {}).items()}
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptFileError(f"{MANIFEST} is malformed: {type(err).__name__}: {err}") from None
-    return facts, params, files
-
-
-def _union(key_lists: Iterable[tuple[str, ...]]) -> tuple[str, ...]:
-    """Keys in first-seen order: a group's members may carry the same keys or (reset) none."""
-    out: dict[str, None] = {}
-    for keys in key_lists:
-        out.update(dict.fromkeys(keys))
-    return tuple(out)

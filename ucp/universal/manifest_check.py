@@ -1,11 +1,13 @@
-"""Checking a manifest read back (:func:`check_manifest`): ucp.json is untrusted input, so every field a reader
-relies on is checked for type, range and consistency before anything is built from it (``ucp.universal.manifest``)."""
+"""Checking a manifest read back: ucp.json is untrusted input, so every field a reader relies on is checked for type,
+range and consistency before anything is built from it: the top-level fields (:func:`check_header`), each parameter's
+entry as it is read (:func:`check_param`), then the parameters against the groups and ties (:func:`check_members`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -13,7 +15,7 @@ from ucp.errors import CorruptFileError
 from ucp.model.records import SourceInfo
 from ucp.universal.file_names import FP32_FILE, MANIFEST, SOURCE_LAYOUTS, STATE_FILE, SUFFIX, folder_for, state_file
 
-__all__ = ["MAX_DIMS", "MAX_NUMEL", "MAX_NAME", "check_manifest"]
+__all__ = ["MAX_DIMS", "MAX_NUMEL", "MAX_NAME", "check_header", "check_param", "check_members", "given_twice"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ def _check_file(where: str, name: Any, entry: Any) -> None:
     )
 
 
-def _check_param(i: int, p: Any) -> None:
+def check_param(i: int, p: Any) -> None:
+    """Entry ``i`` of ``params``: every field of its type and range, its files named and sized."""
     where = f"params[{i}]"
     _need(isinstance(p, dict), where, p, "an object")
     _need(_name(p.get("name")), f"{where}.name", p.get("name"), "a parameter name")
@@ -103,31 +106,43 @@ def _check_param(i: int, p: Any) -> None:
     )
 
 
-def check_manifest(raw: Any) -> None:
-    """Every field a reader relies on, of the right type and range, and consistent with the rest:
-    unique names, groups whose members are exactly the trained parameters that name them, ties
-    to existing parameters, file names that stay inside their folder. Raises CorruptFileError."""
+def check_header(raw: Any) -> None:
+    """Every top-level field but the parameters' entries (each checked by :func:`check_param` as it is read), of the
+    right type and range: the source, the optimizer, the shared files. Raises CorruptFileError."""
     _need(isinstance(raw, dict), "the manifest", raw, "an object")
     _check_kinds(raw)
     _check_source(raw["source"])
     _check_optimizer(raw.get("optimizer", {}))
-
-    for i, p in enumerate(raw["params"]):
-        _check_param(i, p)
-    params = {p["name"]: p for p in raw["params"]}
-    _need(len(params) == len(raw["params"]), "params", "(names given twice)", "a list of distinct names")
-    folders = {p["folder"] for p in raw["params"]}
-    _need(len(folders) == len(raw["params"]), "params", "(folders given twice)", "one folder per parameter")
-    members = _check_groups(raw["param_groups"], params)
-    for name, p in params.items():
-        _need(p["frozen"] or name in members, f"params ({name!r}).group", p["group"], "a group that lists it")
-    for alias, owner in raw.get("tied", {}).items():
-        _need(
-            isinstance(owner, str) and owner in params and alias not in params, f"tied[{alias!r}]", owner, "a parameter"
-        )
     for name, entry in raw.get("files", {}).items():
         _check_file("files", name, entry)
     _need(STATE_FILE in raw.get("files", {}), "files", sorted(raw.get("files", {})), f"a list holding {STATE_FILE}")
+
+
+def given_twice(what: str) -> CorruptFileError:
+    """The error for a parameter name (``what="names"``) or folder (``"folders"``) that ``params`` gives twice."""
+    return _bad(
+        "params", f"({what} given twice)", "a list of distinct names" if what == "names" else "one folder per parameter"
+    )
+
+
+#: a parameter's (frozen, group) by name, None for a name the manifest does not list
+Member = Callable[[str], "tuple[bool, int | None] | None"]
+
+
+def check_members(raw: Mapping[str, Any], names: Iterable[str], member: Member) -> None:
+    """The parameters against the rest, once all are read (``names``, and ``member(name)``): groups whose members
+    are exactly the trained parameters that name them, ties to existing parameters. Raises CorruptFileError."""
+    members = _check_groups(raw["param_groups"], member)
+    for name in names:
+        frozen, group = member(name) or (True, None)
+        _need(frozen or name in members, f"params ({name!r}).group", group, "a group that lists it")
+    for alias, owner in raw.get("tied", {}).items():
+        _need(
+            isinstance(owner, str) and member(owner) is not None and member(alias) is None,
+            f"tied[{alias!r}]",
+            owner,
+            "a parameter",
+        )
 
 
 def _check_kinds(raw: dict[str, Any]) -> None:
@@ -189,7 +204,7 @@ def _check_optimizer(opt: dict[str, Any]) -> None:
     _need(opt.get("step") is None or _whole(opt["step"]), "optimizer.step", opt.get("step"), "a step count or null")
 
 
-def _check_groups(groups: list[Any], params: dict[str, Any]) -> dict[str, int]:
+def _check_groups(groups: list[Any], member: Member) -> dict[str, int]:
     """Each param group: a distinct index, hyperparameters, a step, and members that are trained parameters
     naming it and no other group; returns each member's group."""
     members: dict[str, int] = {}
@@ -218,9 +233,9 @@ def _check_groups(groups: list[Any], params: dict[str, Any]) -> dict[str, int]:
             "a list of names",
         )
         for name in names:
-            p = params.get(name)
+            p = member(name)
             _need(
-                p is not None and not p["frozen"] and p["group"] == g["index"],
+                p is not None and not p[0] and p[1] == g["index"],
                 f"{where}.params",
                 name,
                 f"a trained parameter whose group is {g['index']}",

@@ -1,7 +1,7 @@
 """Reading a universal directory: lazily, one parameter at a time, every file checked against ucp.json.
 
 The directory is untrusted input. ``ucp.json`` is read up to :data:`MAX_MANIFEST_BYTES` and
-:data:`MAX_MANIFEST_DEPTH` levels, every field is checked (``manifest.check_manifest``), and a
+:data:`MAX_MANIFEST_DEPTH` levels, every field is checked (``manifest_check``, as each entry is parsed), and a
 reader that verifies (restore, export, verify) checks the manifest's claims against the files
 when it opens: every file present as a plain file of the size the manifest gives, large enough
 for the shape it claims. So a lying manifest is refused before any output is staged, and no
@@ -39,10 +39,10 @@ from ucp.universal.manifest import (
     STEP_FILE,
     FileEntry,
     ParamEntry,
-    facts_from_manifest,
     state_file,
 )
 from ucp.universal.manifest_file import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, read_manifest
+from ucp.universal.param_table import ParamTable, facts_from_manifest
 
 __all__ = ["UniversalReader", "open_universal", "is_universal", "MAX_MANIFEST_BYTES", "MAX_MANIFEST_DEPTH"]
 
@@ -62,13 +62,14 @@ class UniversalReader(Reader):
         self.inputs = (path,)
         self.verify = verify
         manifest_path = path / MANIFEST
-        raw = read_manifest(manifest_path)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        table = self._table = ParamTable()
+        raw = read_manifest(manifest_path, table.add)
+        if raw.get("format") != FORMAT:
             raise InputError(f"{manifest_path} is not a ucp manifest")
         version = raw.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise InputError(f"{manifest_path} has format_version {version!r}; this ucp reads up to {FORMAT_VERSION}")
-        # its top-level fields (format, created_by, ...); the per-parameter list lives on as the parsed entries
+        # its top-level fields (format, created_by, ...); the per-parameter entries live on in the table
         self.manifest = {k: v for k, v in raw.items() if k != "params"}
         self._zero = path / "zero"
         self._zero_str = str(self._zero)
@@ -78,45 +79,40 @@ class UniversalReader(Reader):
         self._pending: SpanChecks | None = None
         self._failed: list[str] = []
         self._elsewhere: Callable[[str], bool] | None = None  # inside deferred_checks: names another process checks
-        self.facts, entries, self._files = facts_from_manifest(raw)
+        self.facts, self._files = facts_from_manifest(raw, table)
         del raw
-        self._entries = {e.name: e for e in entries}
         # what parsing each file told (a tensor's place, a step): 4 x 10^5 files for a MoE
-        self._memo = FileMemo(self._entries, sorted({key for e in entries for key in e.files}))
+        self._memo = FileMemo(table.names, sorted({key for i in range(len(table)) for key in table.files(i)}))
         root = (path / "zero").resolve()
-        for entry in entries:
-            if (
-                not isinstance(entry.folder, str)
-                or "\x00" in entry.folder
-                or "/" in entry.folder
-                or entry.folder in ("", ".", "..")
-            ):
-                raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
-            folder = (root / entry.folder).resolve()
-            if folder.parent != root:
-                raise CorruptFileError(f"{MANIFEST} maps {entry.name!r} to folder {entry.folder!r}, outside zero/")
+        for i, name in enumerate(table.names):
+            folder = table.folder(i)
+            if "\x00" in folder or "/" in folder or folder in ("", ".", ".."):
+                raise CorruptFileError(f"{MANIFEST} maps {name!r} to folder {folder!r}, outside zero/")
+            if (root / folder).resolve().parent != root:  # a folder that links out of zero/
+                raise CorruptFileError(f"{MANIFEST} maps {name!r} to folder {folder!r}, outside zero/")
         if verify:
-            self._check_claims(entries)
+            self._check_claims()
 
-    def _check_claims(self, entries: list[ParamEntry]) -> None:
+    def _check_claims(self) -> None:
         """What the manifest says about each file, against the file: there, plain, the size given,
         and (for a tensor) at least as many bytes as its claimed shape needs. One stat per file."""
-        for entry in entries:
-            tensors = {FP32_FILE} | {state_file(k) for k in self._keys(entry, True)}
-            numel = entry.meta().numel
-            for key, claim in entry.files.items():
-                file = self.file_path(entry.name, key)
+        table = self._table
+        for i, name in enumerate(table.names):
+            tensors = {FP32_FILE} | {state_file(k) for k in self._keys(i, True)}
+            numel = math.prod(table.shape(i))
+            for key, claim in table.claims(i):
+                file = self.file_path(name, key)
                 check_file(file, claim)
                 if key in tensors and claim.bytes < numel * FP32_BYTES:
                     raise CorruptFileError(
-                        f"{file} has {claim.bytes:,} bytes; {MANIFEST} says it holds {entry.name}'s "
-                        f"{numel:,} float32 values (shape {tuple(entry.shape)}): the manifest lies or the file is cut"
+                        f"{file} has {claim.bytes:,} bytes; {MANIFEST} says it holds {name}'s "
+                        f"{numel:,} float32 values (shape {table.shape(i)}): the manifest lies or the file is cut"
                     )
         for key, claim in self._files.items():
             check_file(self.path / key, claim)
 
     def file_path(self, name: str, key: str) -> Path:
-        return self._zero.joinpath(self._entries[name].folder, key)  # one join: called per file, per rank
+        return self._zero.joinpath(self._table.folder(self._index(name)), key)  # one join: per file, per rank
 
     def _stamp_now(self, name: str, key: str) -> tuple[int, ...] | None:
         """The file's stamp now (None: not there), by its string path."""
@@ -128,7 +124,7 @@ class UniversalReader(Reader):
     def _file(self, name: str, key: str) -> str:
         """:meth:`file_path` as a string, without pathlib (read per file and per task of ranks: 10^6 times at 10^5
         parameters, where pathlib cost a tenth of a restore's CPU)."""
-        return f"{self._zero_str}/{self._entries[name].folder}/{key}"
+        return f"{self._zero_str}/{self._table.folder(self._index(name))}/{key}"
 
     def _check(
         self, path: Path, entry: FileEntry | None, slot: tuple[str, str] | None = None
@@ -169,20 +165,21 @@ class UniversalReader(Reader):
 
     def _open_tensor(self, name: str, key: str) -> tuple[torchfile.TorchFile, torch.Tensor]:
         """A parameter file, checked, and its tensor (a view on the file's private mapping)."""
-        entry = self._entries[name]
+        i = self._index(name)
+        shape = self._table.shape(i)
         path = self.file_path(name, key)
-        tf = torchfile.TorchFile(path, check=self._check(path, entry.files.get(key), (name, key)))
+        tf = torchfile.TorchFile(path, check=self._check(path, self._table.claim(i, key), (name, key)))
         obj = tf.obj
         tensor = obj.get("param") if isinstance(obj, Mapping) else obj
         if not torch.is_tensor(tensor):
             tf.close()
             raise CorruptFileError(f"{path} holds no tensor under 'param'")
-        if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != torch.float32:
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
             tf.close()
             raise CorruptFileError(
                 f"{path} holds a {str(tensor.dtype).replace('torch.', '')} "
                 f"tensor of shape {tuple(tensor.shape)}; {MANIFEST} says float32 "
-                f"{tuple(entry.shape)}"
+                f"{shape}"
             )
         return tf, tensor
 
@@ -195,32 +192,33 @@ class UniversalReader(Reader):
 
     def _step(self, name: str) -> int | None:
         """The step from step.pt (what DeepSpeed's loader reads), checked against the manifest."""
-        entry = self._entries[name]
-        if STEP_FILE not in entry.files:
-            return entry.step
+        i = self._index(name)
+        claim, step = self._table.claim(i, STEP_FILE), self._table.step(i)
+        if claim is None:
+            return step
         stamp = self._stamp_now(name, STEP_FILE)  # taken before reading: a change while reading shows up next time
         known = self._memo.get(name, STEP_FILE, stamp)
         if known is not None:
             return known[0]
         path = self.file_path(name, STEP_FILE)
-        value = small_step(path, entry.files[STEP_FILE], verify=self.verify)
+        value = small_step(path, claim, verify=self.verify)
         if value is None:
-            raw = self._load(path, entry.files[STEP_FILE], (name, STEP_FILE))
+            raw = self._load(path, claim, (name, STEP_FILE))
             value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
-        if not isinstance(value, (int, float)) or value != entry.step:
-            raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {entry.step}")
+        if not isinstance(value, (int, float)) or value != step:
+            raise CorruptFileError(f"{path} holds {value!r}; {MANIFEST} says {step}")
         self._memo.put(name, STEP_FILE, stamp, int(value), 0)
         return int(value)
 
-    def _keys(self, entry: ParamEntry, moments: bool) -> tuple[str, ...]:
-        return () if entry.frozen or not moments else entry.state_keys
+    def _keys(self, i: int, moments: bool) -> tuple[str, ...]:
+        return () if self._table.frozen(i) or not moments else self._table.state_keys(i)
 
     def read(self, name: str, *, moments: bool = True) -> ParamState:
-        entry = self._entry(name)
+        i = self._entry(name)
         fp32 = self._tensor(name, FP32_FILE)
-        keys = self._keys(entry, moments)
+        keys = self._keys(i, moments)
         if not keys:
-            return ParamState(fp32=fp32, step=entry.step)
+            return ParamState(fp32=fp32, step=self._table.step(i))
         optim = {k: self._tensor(name, state_file(k)) for k in keys}
         return ParamState(fp32=fp32, optim=optim, step=self._step(name), scalars=self._scalars(name))
 
@@ -229,33 +227,37 @@ class UniversalReader(Reader):
         """:meth:`read` as spans of the parameter's files (each checked first), valid until the
         reader closes: a target reads just the slices it needs (a rank's share) straight into place
         or streams them into its own files, and a file read again is not checksummed again."""
-        entry = self._entry(name)
-        keys = self._keys(entry, moments)
+        i = self._entry(name)
+        keys = self._keys(i, moments)
         fp32 = self._file_pieces(name, FP32_FILE)
         optim = {k: self._file_pieces(name, state_file(k)) for k in keys}
         if not keys:
-            yield PieceState(fp32=fp32, step=entry.step)
+            yield PieceState(fp32=fp32, step=self._table.step(i))
             return
         yield PieceState(fp32=fp32, optim=optim, step=self._step(name), scalars=self._scalars(name))
 
     def _scalars(self, name: str) -> dict[str, torch.Tensor]:
         """The optimizer's 0-dim scalars of a parameter, exact as the source kept them."""
-        entry = self._entries[name]
+        i = self._index(name)
         out = {}
-        for key in entry.scalars:
+        for key in self._table.scalars(i):
             path = self.file_path(name, state_file(key))
-            obj = self._load(path, entry.files.get(state_file(key)), (name, state_file(key)))
+            obj = self._load(path, self._table.claim(i, state_file(key)), (name, state_file(key)))
             value = obj.get("param") if isinstance(obj, Mapping) else obj
             if not torch.is_tensor(value) or value.dim() != 0 or not value.is_floating_point():
                 raise CorruptFileError(f"{path} holds no 0-dim floating tensor under 'param'; {MANIFEST} says a scalar")
             out[key] = value
         return out
 
-    def _entry(self, name: str) -> ParamEntry:
-        entry = self._entries.get(name)
-        if entry is None:
+    def _entry(self, name: str) -> int:
+        """The parameter's row in the table; one line for a name the directory does not hold."""
+        i = self._table.index.get(name)
+        if i is None:
             raise InputError(f"parameter {name!r} is not in {self.path}")
-        return entry
+        return i
+
+    def _index(self, name: str) -> int:
+        return self._table.index[name]
 
     def _file_pieces(self, name: str, key: str) -> Pieces:
         """One file's tensor as a :class:`PathSpan`, checked once: the span outlives any open file (a
@@ -264,14 +266,14 @@ class UniversalReader(Reader):
         mtime, ctime and inode; one that changes later is refused when the span is opened).
         Inside :meth:`deferred_checks` a file in ucp's own layout is found without parsing it and
         checked from the spans copied out of it."""
-        entry = self._entries[name]
-        shape = tuple(entry.shape)
+        i = self._index(name)
+        shape = self._table.shape(i)
         stamp = self._stamp_now(name, key)  # taken before reading: a change while reading shows up next time
         known = self._memo.get(name, key, stamp)
         if known is not None and stamp is not None:
             return self._span(self._file(name, key), *known, stamp, shape, self._witness(name, key))
         path = self.file_path(name, key)
-        claim = entry.files.get(key)
+        claim = self._table.claim(i, key)
         if (self._pending is not None or not self.verify) and claim is not None:
             record = find_tensor_record(path, param_pickle(shape), math.prod(shape) * FP32_BYTES)
             if record is not None and record.size == claim.bytes:
@@ -377,10 +379,10 @@ class UniversalReader(Reader):
 
     def entries(self) -> list[ParamEntry]:
         """The manifest's record of every parameter (folder, files, checksums, step)."""
-        return list(self._entries.values())
+        return [self._table.entry(i) for i in range(len(self._table))]
 
     def param_steps(self) -> dict[str, int | None]:
-        return {e.name: e.step for e in self._entries.values()}
+        return {name: self._table.step(i) for i, name in enumerate(self._table.names)}
 
 
 _stamp = file_stamp
