@@ -23,6 +23,7 @@ import functools
 import os
 import struct
 import zlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,7 +249,10 @@ class _ZipStream:
         self.base = base  # where the archive starts in the file (its own offsets count from there)
         self.offset = 0  # bytes placed so far, written or pending
         self.pending: list[memoryview | bytes] = []
-        self.central: list[bytes] = []
+        self._pending_bytes = 0
+        # the central directory as it grows (one entry per record: 10^5 for a MoE's model-states file), in one buffer
+        self.central = bytearray()
+        self._entries = array("q")  # where each entry starts in it
         self.crc = 0  # of the whole file so far (meaningless once a record is reserved)
         self.holes: list[_Hole] = []  # the Reserved records, in order
         self._storages = 0  # data/ records placed so far
@@ -305,7 +309,7 @@ class _ZipStream:
             self.crc = zlib.crc32(header, self.crc)
             for part in parts:
                 self.crc = zlib.crc32(part, self.crc)  # type: ignore[arg-type]
-        self.central.append(_central_entry(full, size, crc, start))
+        self._central(_central_entry(full, size, crc, start))
         return crc
 
     def _reserve(self, full: bytes, reserved: Reserved, start: int) -> int:
@@ -317,8 +321,8 @@ class _ZipStream:
         data_offset = self.base + self.offset
         self.offset += size
         os.lseek(self.fd, self.base + self.offset, os.SEEK_SET)
-        self.holes.append(_Hole(reserved, full, start, data_offset, len(self.central), self._storages - 1))
-        self.central.append(_central_entry(full, size, 0, start))
+        self.holes.append(_Hole(reserved, full, start, data_offset, len(self._entries), self._storages - 1))
+        self._central(_central_entry(full, size, 0, start))
         return 0
 
     def patch(self, hole: _Hole, crc: int) -> None:
@@ -327,12 +331,17 @@ class _ZipStream:
         header = _local_header(hole.name, size, crc, hole.header)
         if os.pwrite(self.fd, header, self.base + hole.header) != len(header):
             raise OSError(f"short write patching a zip header in {self.prefix.decode(errors='replace')}")
-        self.central[hole.central] = _central_entry(hole.name, size, crc, hole.header)
+        at = self._entries[hole.central]
+        entry = _central_entry(hole.name, size, crc, hole.header)  # the CRC changes no field's length
+        self.central[at : at + len(entry)] = entry
+
+    def _central(self, entry: bytes) -> None:
+        self._entries.append(len(self.central))
+        self.central += entry
 
     def finish(self) -> tuple[int, int]:
         """Write the central directory; returns the file's size and crc32."""
-        tail = b"".join(self.central)
-        tail += _end_records(len(self.central), self.offset, len(tail))
+        tail = bytes(self.central) + _end_records(len(self._entries), self.offset, len(self.central))
         self._add(tail)
         self.crc = zlib.crc32(tail, self.crc)
         self._flush()
@@ -341,10 +350,14 @@ class _ZipStream:
     def _add(self, data: memoryview | bytes) -> None:
         self.pending.append(data)
         self.offset += len(data)
+        self._pending_bytes += len(data)
+        if len(self.pending) >= _IOV_MAX or self._pending_bytes >= _PENDING_MAX:  # 10^5 small records: not all held
+            self._flush()
 
     def _flush(self) -> None:
         _write_all(self.fd, self.pending)
         self.pending = []
+        self._pending_bytes = 0
 
 
 def _lazy_bytes(lazy: LazyTensor) -> memoryview:
@@ -356,6 +369,7 @@ def _lazy_bytes(lazy: LazyTensor) -> memoryview:
 
 
 _IOV_MAX = 1024
+_PENDING_MAX = 4 << 20  # small buffers gathered for one writev, at most
 _MAX_WRITE = 1 << 30  # Linux moves at most ~2 GiB per write call; stay well under it
 
 
