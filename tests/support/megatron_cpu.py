@@ -8,7 +8,7 @@ Two functions, both applied once per rank before any Megatron object is built:
 * :func:`fix_load_path`: four fixes of megatron-core 0.16.1's DistributedOptimizer *load* path with torch's Adam
   (no Transformer Engine / Apex: every CPU run, and GPU installs without them). These are Megatron bugs, not
   CUDA issues; saving is unaffected. Switched off by ``MegatronSpec.load_fixes=False`` (then 0.16.1's own
-  errors, or its silently wrong Adam step, show; see /work/scratch/mcore/FINDINGS.md section 7).
+  errors, or its silently wrong Adam step, show).
 """
 
 from __future__ import annotations
