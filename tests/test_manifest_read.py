@@ -64,6 +64,12 @@ def test_the_reader_keeps_no_parsed_entry_and_builds_the_same_entries(universals
 _PARAMS = '\n "params": [\n'  # the top-level field as ucp writes it (the groups' lists are "params" too)
 
 
+def _in_params(text: str, old: str, new: str) -> str:
+    """``text`` with the first ``old`` inside the top-level params list put before itself as ``new``."""
+    head, params = text.split(_PARAMS, 1)
+    return head + _PARAMS + params.replace(old, new, 1)
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "needle"),
     [
@@ -73,9 +79,21 @@ _PARAMS = '\n "params": [\n'  # the top-level field as ucp writes it (the groups
         (lambda t: "[" + t + "]", InputError, "not a ucp manifest"),
         (lambda t: t.replace(_PARAMS, _PARAMS + "[" * 40 + "]" * 40 + ", "), CorruptFileError, "nested"),
         (lambda t: t.replace(_PARAMS, _PARAMS + "7, "), CorruptFileError, "params\\[0\\]"),
+        (lambda t: _in_params(t, '"step": ', f'"step": {1 << 64}'), CorruptFileError, "past any real"),
+        (lambda t: _in_params(t, '{"bytes": ', f'{{"bytes": {1 << 70}'), CorruptFileError, "past any real"),
         (lambda t: t.replace(_PARAMS, '\n "params": {"a": [').replace("\n ]", "\n ]}"), CorruptFileError, "params is"),
     ],
-    ids=["field twice", "trailing bytes", "cut short", "not an object", "nested", "entry not an object", "not a list"],
+    ids=[
+        "field twice",
+        "trailing bytes",
+        "cut short",
+        "not an object",
+        "nested",
+        "entry not an object",
+        "step past 64 bits",
+        "bytes past 64 bits",
+        "not a list",
+    ],
 )
 def test_a_damaged_manifest_is_one_error(universals, tmp_path: Path, damage, error: type, needle: str) -> None:
     root, _ = _copy(universals, tmp_path)

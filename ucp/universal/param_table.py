@@ -67,13 +67,13 @@ class ParamTable:
         self._folders.append(folder)
         self._shapes.append(tuple(p["shape"]))
         self._dtypes.append(sys.intern(p["dtype"]))
-        self._groups.append(_NONE if p["group"] is None else p["group"])
-        self._steps.append(_NONE if p["step"] is None else p["step"])
+        self._groups.append(_NONE if p["group"] is None else _word(p["group"], name, "group"))
+        self._steps.append(_NONE if p["step"] is None else _word(p["step"], name, "step"))
         self._frozen.append(1 if p["frozen"] else 0)
         files = p["files"]
         self._file_keys.append(self._share(tuple(files)))
         for claim in files.values():
-            self._bytes.append(claim["bytes"])
+            self._bytes.append(_word(claim["bytes"], name, "a file's bytes"))
             self._crcs.append(int(claim["crc32"], 16))
         self._first.append(len(self._bytes))
         if p.get("scalars"):
@@ -155,6 +155,13 @@ class ParamTable:
             files=dict(self.claims(i)),
             scalars=list(self.scalars(i)),
         )
+
+
+def _word(value: int, name: str, what: str) -> int:
+    """A whole number the table keeps in a 64-bit column (checked whole already; a larger one is damage)."""
+    if value >= 1 << 63:
+        raise CorruptFileError(f"{MANIFEST} is malformed: {name!r} has {what} {value}, past any real checkpoint")
+    return value
 
 
 def facts_from_manifest(header: Mapping[str, Any], table: ParamTable) -> tuple[Facts, dict[str, FileEntry]]:
