@@ -377,6 +377,10 @@ class UniversalReader(Reader):
     def extras(self) -> dict[str, Any]:
         return {k: v for k, v in self._state().items() if k != "buffers"}
 
+    def entry(self, name: str) -> ParamEntry:
+        """One parameter's record in the manifest (built when asked: the reader keeps its entries in columns)."""
+        return self._table.entry(self._entry(name))
+
     def entries(self) -> list[ParamEntry]:
         """The manifest's record of every parameter (folder, files, checksums, step)."""
         return [self._table.entry(i) for i in range(len(self._table))]
