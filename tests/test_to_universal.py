@@ -138,3 +138,24 @@ def test_zero3_slices_are_offsets_into_each_ranks_buffer_span(source, name):
                     (p.file, p.offset, p.nbytes) for p in views.parts
                 ], (meta.name, key)
                 assert torch.equal(fast.join(), views.join())
+
+
+def test_a_zero3_source_keeps_no_placeholder_per_parameter_after_reading_its_facts(z3_bf16_dp2) -> None:
+    """Rank 0's model-states tree is read whole for the facts (its module holds a placeholder per parameter and
+    param_shapes a shape per parameter: 10^5 each for a MoE); after that the source keeps only what buffers() and
+    extras() read, and they still give what the file holds."""
+    from ucp.io import torchfile
+
+    model_file = sorted(z3_bf16_dp2.path.glob("*/zero_pp_rank_0_mp_rank_00_model_states.pt"))[0]
+    whole = torchfile.load(model_file)
+    reader = open_reader(z3_bf16_dp2.path)
+    try:
+        head = reader._model[0].obj
+        assert "param_shapes" not in head and set(head["module"]) == set(whole["buffer_names"])
+        assert whole["buffer_names"] and len(whole["module"]) > len(whole["buffer_names"])
+        buffers = reader.buffers()
+        assert set(buffers) == set(whole["buffer_names"])
+        assert all(torch.equal(buffers[n], whole["module"][n]) for n in buffers)
+        assert reader.extras()["lr_scheduler"] == whole.get("lr_scheduler")
+    finally:
+        reader.close()

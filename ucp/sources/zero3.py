@@ -104,11 +104,26 @@ class Zero3Source(Reader):
             # rank by rank: each model-states file repeats the module dict, read once and re-bound after
             self._optim = TorchFile.open_all(files.optim[mp_rank])
             self._model = TorchFile.open_all(files.model[mp_rank], each=check_model_rank, keep=RANK_MODEL_KEYS)
-            return self._facts(optimizer)
+            facts = self._facts(optimizer)
+            self._trim_head()
+            return facts
 
         self.facts = build_facts(
             build, close=self.close, where=f"{files.tag_dir}: the rank files are not a ZeRO-3 checkpoint ucp can read"
         )
+
+    def _trim_head(self) -> None:
+        """Once the facts are read: rank 0's model-states tree keeps what :meth:`buffers` and :meth:`extras` read
+        (its module's buffers, not a placeholder tensor per parameter, and no ``param_shapes``): 10^5 of each for
+        a MoE, held to the end of a reshard for nothing."""
+        head = self._model[0].obj
+        if not isinstance(head, Mapping):
+            return
+        module = head.get("module")
+        kept = {k: v for k, v in head.items() if k not in ("module", "param_shapes")}
+        if isinstance(module, Mapping):
+            kept["module"] = {n: module[n] for n in head.get("buffer_names") or [] if n in module}
+        self._model[0].obj = kept
 
     # -- facts -------------------------------------------------------------------------------
     def _rank_file(self, dp_rank: int) -> str:
