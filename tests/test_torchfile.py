@@ -258,3 +258,47 @@ def test_a_placeholder_is_written_byte_for_byte_as_an_empty_tensor(tmp_path: Pat
     assert light.read_bytes() == held.read_bytes()
     back = torch.load(light, weights_only=True)["module"]
     assert [(t.dtype, tuple(t.shape)) for t in back.values()] == [(dtype, (0,))] * 2
+
+
+def test_an_unshared_dict_is_written_without_the_memo_and_loads_as_the_ordered_dict_it_holds(tmp_path: Path) -> None:
+    """A ZeRO-3 model-states file holds an empty tensor and a shape per parameter; the pickler's memo kept every
+    object it wrote alive to the end (about 700 bytes an entry). An UnsharedDict is written without it: the memo
+    stops growing after its first two entries, and the file loads as the same OrderedDict, entry for entry, with a
+    storage of its own per tensor, in either pickler."""
+    import pickletools
+    from collections import OrderedDict
+
+    from ucp.io.torchpickle import UnsharedDict, _Pickler, pickle_object
+    from ucp.io.torchzip import write_torch_file
+    from ucp.model.pieces import Placeholder
+
+    def build(kind: type, n: int = 3000) -> dict:
+        module = kind((f"p{i}", Placeholder(torch.bfloat16)) for i in range(n))
+        module["buffer"] = torch.arange(5.0)
+        return {"module": module, "shapes": [kind((f"p{i}", torch.Size((i, 3))) for i in range(n - 500))], "step": 4}
+
+    def puts(data: bytes) -> int:
+        return sum(op.name.endswith("PUT") for op, _, _ in pickletools.genops(data))
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_torch_file(build(OrderedDict), tmp_path / "a" / "states.pt")
+    write_torch_file(build(UnsharedDict), tmp_path / "b" / "states.pt")
+    memo, unshared = (torch.load(tmp_path / d / "states.pt", weights_only=True) for d in ("a", "b"))
+    assert type(unshared["module"]) is OrderedDict and list(unshared["module"]) == list(memo["module"])
+    for name, tensor in memo["module"].items():
+        got = unshared["module"][name]
+        assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape) and torch.equal(got, tensor)
+    assert unshared["shapes"] == memo["shapes"] and unshared["step"] == 4
+    assert len({t.untyped_storage()._cdata for t in unshared["module"].values()}) == 3001
+
+    assert puts(pickle_object(build(OrderedDict))[0]) > 5000
+    few = puts(pickle_object(build(UnsharedDict, 1500))[0])  # the first two entries of each, and the outer object
+    assert few < 60 and puts(pickle_object(build(UnsharedDict, 3500))[0]) == few
+    buffer = io.BytesIO()
+    slow = _Pickler(buffer)  # the pure-Python pickler, taken when a stand-in's name is ambiguous, keeps it too
+    slow.dump(build(UnsharedDict))
+    assert puts(buffer.getvalue()) < 60
+    tied = torch.ones(2)
+    data, records = pickle_object({"m": UnsharedDict(a=torch.zeros(1), b=torch.zeros(1), c=tied, d=tied)})
+    assert len(records) == 4  # an object met twice inside may be written twice

@@ -19,6 +19,7 @@ from ucp.deepspeed.clipping import CLIPPING_BY_DEFAULT_SINCE, clip_grad, default
 from ucp.deepspeed.optim_states import FUSED_MASTERS, UNFUSED_INNER, UNFUSED_MASTERS
 from ucp.deepspeed.stage_config import MICS_KEYS, config_for_stage, stage0_note
 from ucp.io.standins import DynamicLossScaler, FragmentAddress, LossScaler, ZeroStageEnum
+from ucp.io.torchpickle import UnsharedDict
 from ucp.model.flavours import Flavour
 from ucp.model.loss_scale import LossScale, fresh_fp16_scale
 from ucp.model.partition import Zero12Group
@@ -75,7 +76,8 @@ def model_states(
     """The fields of a model-states file every stage shares (engine counters, scheduler, buffers);
     ``extra`` adds the stage's own (param shapes, frozen parameters, TP info) before the client state."""
     info = facts.info
-    module: OrderedDict[str, torch.Tensor | Placeholder] = OrderedDict()
+    # a placeholder of its own for each name, tied ones too: written without the pickler's memo
+    module: OrderedDict[str, torch.Tensor | Placeholder] = UnsharedDict()
     for meta in facts.params:
         module[meta.name] = lp_placeholder(dtype)
     for alias in facts.tied:

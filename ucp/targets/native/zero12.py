@@ -28,6 +28,7 @@ import torch
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file, optim_file
 from ucp.io.pool import parallel_map
+from ucp.io.torchpickle import UnsharedDict
 from ucp.model.partition import Span, Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
 from ucp.model.records import PieceState, Reader, torch_dtype
@@ -275,7 +276,7 @@ class _Zero12Files:
             plan,
             extra={
                 "param_shapes": [  # rank 0's, as DeepSpeed saves them
-                    OrderedDict(
+                    UnsharedDict(
                         (label, torch.Size(facts.param(n).shape))
                         for n, label in zip(self.flats[f].names, self.flats[f].labels)
                     )

@@ -37,7 +37,7 @@ from ucp.io.memory import give_back_freed
 from ucp.io.pool import parallel_map
 from ucp.io.record_fill import RecordFill
 from ucp.io.span_copy import read_witnessed
-from ucp.io.torchpickle import Pickled, pickle_object
+from ucp.io.torchpickle import Pickled, UnsharedDict, pickle_object
 from ucp.io.torchzip import LaidFile, lay_out, write_pickled
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import Pieces, Reserved
@@ -360,7 +360,7 @@ class _Zero3Files:
     def _model_states(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s model-states file: empty placeholders, the param shapes, its frozen fragments."""
         plan, facts, layout = self.plan, self.reader.facts, self.layout
-        param_shapes: list[OrderedDict] = [OrderedDict() for _ in layout.sub_group_numel]
+        param_shapes: list[OrderedDict] = [UnsharedDict() for _ in layout.sub_group_numel]
         for g in range(len(plan.group_names)):
             names, labels, _ = _held(plan, g, rank)
             for i, (name, label) in enumerate(zip(names, labels)):
