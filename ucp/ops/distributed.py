@@ -32,7 +32,7 @@ from ucp.model.options import RestoreOptions
 from ucp.model.records import Facts, ParamMeta, Reader
 from ucp.sources import open_reader
 from ucp.targets.native import NativePlan, Share, plan_native, write_files
-from ucp.universal.manifest import ParamEntry
+from ucp.universal.param_table import ParamTable
 from ucp.universal.writer import finish_universal, write_params
 
 __all__ = ["assign", "to_universal_distributed", "write_native_distributed"]
@@ -175,14 +175,18 @@ def _run(
             _collective(lambda: dist.broadcast_object_list(box, src=0))
             root = Path(box[0])
             entries = _together(dist, out, lambda: write_params(reader, root, mine, workers))
-            gathered: list[list[ParamEntry] | None] = [None] * world if rank == 0 else []
+            gathered: list[ParamTable | None] = [None] * world if rank == 0 else []
             _collective(lambda: dist.gather_object(entries, gathered if rank == 0 else None, dst=0))
 
             def finish() -> dict[str, Any] | None:
                 if rank != 0 or reader is None:
                     return None
-                by_name = {e.name: e for share in gathered for e in (share or [])}
-                ordered = [by_name[m.name] for m in metas]
+                shares = [share for share in gathered if share is not None]
+                ordered = ParamTable()  # every rank's entries, in the model's order
+                for meta in metas:
+                    share = next(share for share in shares if meta.name in share.index)
+                    ordered.add_entry(share.entry(share.index[meta.name]))
+                ordered.finish()
                 return finish_universal(root, reader.facts, ordered, reader.extras(), reader.buffers())
 
             return _together(dist, out, finish)  # rank 0 publishes OUT on leaving the stack

@@ -56,28 +56,74 @@ class ParamTable:
         """Entry ``i`` of the manifest's ``params``: checked, then kept."""
         check_param(i, p)
         name = p["name"]
+        files = p["files"]
+        self._keep(
+            name,
+            p["folder"],
+            tuple(p["shape"]),
+            p["dtype"],
+            _NONE if p["group"] is None else _word(p["group"], name, "group"),
+            _NONE if p["step"] is None else _word(p["step"], name, "step"),
+            bool(p["frozen"]),
+            tuple(files),
+            [(_word(claim["bytes"], name, "a file's bytes"), int(claim["crc32"], 16)) for claim in files.values()],
+            tuple(p.get("scalars") or ()),
+        )
+
+    def add_entry(self, entry: ParamEntry) -> None:
+        """An entry a writer just made (its files written and checksummed), kept as :meth:`add` keeps a parsed one:
+        a writer of 10^5 parameters holds this table, not 10^5 entries."""
+        self._keep(
+            entry.name,
+            entry.folder,
+            tuple(entry.shape),
+            entry.dtype,
+            _NONE if entry.group is None else entry.group,
+            _NONE if entry.step is None else entry.step,
+            entry.frozen,
+            tuple(entry.files),
+            [(claim.bytes, int(claim.crc32, 16)) for claim in entry.files.values()],
+            tuple(entry.scalars),
+        )
+
+    def _keep(
+        self,
+        name: str,
+        folder: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        group: int,
+        step: int,
+        frozen: bool,
+        file_keys: tuple[str, ...],
+        claims: list[tuple[int, int]],
+        scalars: tuple[str, ...],
+    ) -> None:
         if name in self.index:
             raise given_twice("names")
-        folder = name if p["folder"] == name else p["folder"]
+        folder = name if folder == name else folder
         if self._folder_set is None or folder in self._folder_set:
             raise given_twice("folders")
         self._folder_set.add(folder)
         self.index[name] = len(self.names)
         self.names.append(name)
         self._folders.append(folder)
-        self._shapes.append(tuple(p["shape"]))
-        self._dtypes.append(sys.intern(p["dtype"]))
-        self._groups.append(_NONE if p["group"] is None else _word(p["group"], name, "group"))
-        self._steps.append(_NONE if p["step"] is None else _word(p["step"], name, "step"))
-        self._frozen.append(1 if p["frozen"] else 0)
-        files = p["files"]
-        self._file_keys.append(self._share(tuple(files)))
-        for claim in files.values():
-            self._bytes.append(_word(claim["bytes"], name, "a file's bytes"))
-            self._crcs.append(int(claim["crc32"], 16))
+        self._shapes.append(shape)
+        self._dtypes.append(sys.intern(dtype))
+        self._groups.append(group)
+        self._steps.append(step)
+        self._frozen.append(1 if frozen else 0)
+        self._file_keys.append(self._share(file_keys))
+        for size, crc in claims:
+            self._bytes.append(size)
+            self._crcs.append(crc)
         self._first.append(len(self._bytes))
-        if p.get("scalars"):
-            self._scalars[len(self.names) - 1] = self._share(tuple(p["scalars"]))
+        if scalars:
+            self._scalars[len(self.names) - 1] = self._share(scalars)
+
+    def entries(self) -> Iterator[ParamEntry]:
+        """Every entry, in order, each built when reached."""
+        return (self.entry(i) for i in range(len(self.names)))
 
     def finish(self) -> None:
         """All entries are in: the folder set used to refuse duplicates goes."""
