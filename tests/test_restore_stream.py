@@ -156,3 +156,22 @@ def test_a_span_check_needs_every_byte_of_the_tensor_and_reads_what_was_not_copi
     assert checks.confirm(3, path) and not checks.confirm(4, path) and not checks.confirm(5, path)
     assert not checks.confirm(1, path)
     assert len(answers) == 5
+
+
+def test_span_checks_keep_their_words_in_pages_made_when_a_slot_is_first_checked(tmp_path: Path) -> None:
+    """A restore of a MoE holds a slot per file (4 x 10^5); its small files are read whole and never checked from
+    spans, so the arrays of a check come in pages made on first use: slots either side of a page's edge keep their
+    own words, and a million slots with two checked cost two pages."""
+    path = tmp_path / "fp32.pt"
+    written = write_torch_file({"param": torch.arange(3000, dtype=torch.float32)}, path)
+    record = find_tensor_record(path, data_pickle({"param": Pieces.of(torch.zeros(3000))}), 12000)
+    assert record is not None
+    raw = path.read_bytes()
+    good = zlib.crc32(raw[record.offset : record.offset + 12000])
+    answers: list[tuple[int, bool]] = []
+    checks = SpanChecks(10**6, lambda slot, ok: answers.append((slot, ok)))
+    last, first = checks.add(1023, record, written.crc32), checks.add(1024, record, f"{int(written.crc32, 16) ^ 1:08x}")
+    assert len(checks._pages) == 2 and checks.open_slots() == [1023, 1024]
+    first(record.offset, 12000, good)
+    last(record.offset, 12000, good)
+    assert answers == [(1024, False), (1023, True)] and checks.stamp(1023) == record.stamp

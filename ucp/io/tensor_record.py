@@ -144,6 +144,7 @@ def _member_data(member: tuple[int, int] | None, head: bytes, check_bytes: bool 
 _WITNESS_LOCK = threading.Lock()
 
 _OPEN, _GOOD, _BAD = 1, 2, 3  # a slot's state (0: no check)
+_PAGE = 1024  # slots per page of a SpanChecks' arrays
 
 
 class SpanChecks:
@@ -153,15 +154,17 @@ class SpanChecks:
     settled, reading what nobody copied.
 
     A restore of 10^5 parameters hands out 300,000 files before copying any, so a check is a few machine words in
-    arrays (77 bytes a slot), not an object (about 900 bytes with its record, stamp and path); the spans reported
-    for a file not covered yet are the only thing kept per file, and only until it settles."""
+    arrays (77 bytes a slot), not an object (about 900 bytes with its record, stamp and path); the arrays come in
+    pages of 1024 slots, each made when a slot of it is first checked (a MoE's many small files, read whole, are
+    never checked this way and cost one byte each). The spans reported for a file not covered yet are the only
+    thing kept per file, and only until it settles."""
 
     def __init__(self, slots: int, settled: Callable[[int, bool], None] | None = None) -> None:
         self._settled = settled
         self._state = bytearray(slots)
-        # per slot: offset, nbytes, size, the four words of the stamp, bytes reported (twice-copied ones twice)
-        self._words = array("q", bytes(8 * 8 * slots))
-        self._crcs = array("I", bytes(4 * 3 * slots))  # per slot: the manifest's crc32, head_crc, tail_crc
+        # per page: the words of each slot (offset, nbytes, size, the four words of the stamp, bytes reported,
+        # twice-copied ones twice), and its crcs (the manifest's crc32, head_crc, tail_crc)
+        self._pages: dict[int, tuple[array[int], array[int]]] = {}
         self._seen: dict[int, list[tuple[int, int, int]]] = {}
 
     def add(self, slot: int, record: TensorRecord, crc32: str) -> Callable[[int, int, int], None]:
@@ -171,10 +174,9 @@ class SpanChecks:
             raise ValueError("a file stamp is four integers")
         with _WITNESS_LOCK:
             self._state[slot] = _OPEN
-            self._words[8 * slot : 8 * slot + 8] = array(
-                "q", (record.offset, record.nbytes, record.size, *record.stamp, 0)
-            )
-            self._crcs[3 * slot : 3 * slot + 3] = array("I", (int(crc32, 16), record.head_crc, record.tail_crc))
+            words, crcs, i = self._page(slot)
+            words[8 * i : 8 * i + 8] = array("q", (record.offset, record.nbytes, record.size, *record.stamp, 0))
+            crcs[3 * i : 3 * i + 3] = array("I", (int(crc32, 16), record.head_crc, record.tail_crc))
             self._seen.pop(slot, None)
         return partial(self.witness, slot)
 
@@ -189,9 +191,9 @@ class SpanChecks:
                 seen[-1] = (last[0], last[1] + nbytes, crc32_combine(last[2], crc, nbytes))
             else:
                 seen.append((offset, nbytes, crc))
-            words = self._words
-            words[8 * slot + 7] += nbytes
-            if words[8 * slot + 7] < words[8 * slot + 1]:
+            words, _, i = self._page(slot)
+            words[8 * i + 7] += nbytes
+            if words[8 * i + 7] < words[8 * i + 1]:
                 return
             joined = self._join(slot, None)
             if joined is None:
@@ -212,7 +214,8 @@ class SpanChecks:
 
     def stamp(self, slot: int) -> tuple[int, ...]:
         """The stamp the file had when it was found."""
-        return tuple(self._words[8 * slot + 3 : 8 * slot + 7])
+        words, _, i = self._page(slot)
+        return tuple(words[8 * i + 3 : 8 * i + 7])
 
     def confirm(self, slot: int, path: str | os.PathLike) -> bool:
         """True when the file's crc32 is the manifest's: the spans copied, plus what nobody copied read now from
@@ -231,7 +234,8 @@ class SpanChecks:
     def _join(self, slot: int, fd: int | None) -> int | None:
         """The crc32 of the tensor's bytes from the spans reported, the gaps read from ``fd`` (None: no gap
         allowed, and None back if there is one)."""
-        offset, nbytes = self._words[8 * slot], self._words[8 * slot + 1]
+        words, _, i = self._page(slot)
+        offset, nbytes = words[8 * i], words[8 * i + 1]
         pos, end, crc = offset, offset + nbytes, 0
         for start, length, span_crc in sorted(self._seen.get(slot, ()), key=lambda s: (s[0], -s[1])):
             if start < pos or length == 0:
@@ -248,9 +252,18 @@ class SpanChecks:
             crc = _crc_range(fd, pos, end, crc)
         return crc if pos <= end else None
 
+    def _page(self, slot: int) -> tuple[array[int], array[int], int]:
+        """The arrays of ``slot``'s page, and its index in them."""
+        number, i = divmod(slot, _PAGE)
+        page = self._pages.get(number)
+        if page is None:
+            page = self._pages[number] = (array("q", bytes(8 * 8 * _PAGE)), array("I", bytes(4 * 3 * _PAGE)))
+        return page[0], page[1], i
+
     def _matches(self, slot: int, data_crc: int) -> bool:
-        offset, nbytes, size = self._words[8 * slot : 8 * slot + 3]
-        expected, head, tail = self._crcs[3 * slot : 3 * slot + 3]
+        words, crcs, i = self._page(slot)
+        offset, nbytes, size = words[8 * i : 8 * i + 3]
+        expected, head, tail = crcs[3 * i : 3 * i + 3]
         crc = crc32_combine(crc32_combine(head, data_crc, nbytes), tail, size - offset - nbytes)
         return crc & 0xFFFFFFFF == expected
 

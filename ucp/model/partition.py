@@ -83,7 +83,7 @@ def zero3_sub_groups(partition_sizes: Sequence[int], sub_group_size: int | None)
     return groups
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Zero3Slot:
     """Where one parameter's partition sits in every rank's flat sub-group buffer."""
 

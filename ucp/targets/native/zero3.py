@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -118,12 +119,11 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
         keep=KEEP_PARTS,
     )
     writer.settle(located.steps)
-    order: list[list[tuple[int, int]]] = [[] for _ in layout.sub_group_numel]  # per sub-group: (group, index)
-    for g, slots in enumerate(layout.slots):
-        for i, slot in enumerate(slots):
-            order[slot.sub_group].append((g, i))
-    for positions in order:
-        positions.sort(key=lambda gi: layout.slots[gi[0]][gi[1]].offset)
+    # per sub-group, its members in offset order, each (group, index) packed in one word (a tuple each: 7 MB at 10^5)
+    order: list[array[int]] = []
+    for packed in _members(layout):
+        packed.sort(key=lambda gi: layout.slots[gi >> 32][gi & _LOW].offset)
+        order.append(array("q", packed))
     count = min(len(ranks), max(workers, -(-len(ranks) // RANKS_PER_TASK)))
     tasks = [ranks[t * len(ranks) // count : (t + 1) * len(ranks) // count] for t in range(count)]
     reserve(min(len(ranks), workers * max(map(len, tasks), default=0)), "a ZeRO-3 save")
@@ -137,6 +137,18 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
         pass
 
 
+_LOW = (1 << 32) - 1
+
+
+def _members(layout: Zero3Layout) -> list[list[int]]:
+    """Each sub-group's members as ``group << 32 | index``."""
+    members: list[list[int]] = [[] for _ in layout.sub_group_numel]
+    for g, slots in enumerate(layout.slots):
+        for i, slot in enumerate(slots):
+            members[slot.sub_group].append(g << 32 | i)
+    return members
+
+
 class _RankTask:
     """The files of a few contiguous ranks, laid out first and then filled parameter by parameter."""
 
@@ -145,7 +157,7 @@ class _RankTask:
         writer: _Zero3Files,
         keys: list[tuple[str, ...]],
         located: Located,
-        order: list[list[tuple[int, int]]],
+        order: list[array[int]],
         ranks: list[int],
     ) -> None:
         self.writer, self.keys, self.order, self.ranks = writer, keys, order, ranks
@@ -195,7 +207,8 @@ class _RankTask:
                 offset, nbytes = laid[rank].holes[records[rank][s][key]]
                 at = (r * len(keys) + k) * per
                 fills[rank, key] = RecordFill(laid[rank].fd, offset, nbytes, buffer[at : at + per])
-        for g, i in self.order[s]:
+        for gi in self.order[s]:
+            g, i = gi >> 32, gi & _LOW
             slot = layout.slots[g][i]
             holders: dict[str, list[tuple[int, int, int]]] = {}  # name -> (rank, start, end) of its slices
             for rank in self.ranks:
