@@ -302,3 +302,81 @@ def test_an_unshared_dict_is_written_without_the_memo_and_loads_as_the_ordered_d
     tied = torch.ones(2)
     data, records = pickle_object({"m": UnsharedDict(a=torch.zeros(1), b=torch.zeros(1), c=tied, d=tied)})
     assert len(records) == 4  # an object met twice inside may be written twice
+
+
+def _central_entries(data: bytes) -> tuple[int, int, list[bytes]]:
+    """(start, end, entries) of a plain zip's central directory (as torch writes a small file)."""
+    end_record = data.rindex(b"PK\x05\x06")
+    _, _, _, _, count, cd_size, cd_offset, _ = struct.unpack_from("<IHHHHIIH", data, end_record)
+    entries, pos = [], cd_offset
+    for _ in range(count):
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", data, pos + 28)
+        size = 46 + name_len + extra_len + comment_len
+        entries.append(data[pos : pos + size])
+        pos += size
+    return cd_offset, cd_offset + cd_size, entries
+
+
+def _assemble(data: bytes, entries: list[bytes], comment: bytes = b"") -> bytes:
+    """``data`` with its central directory replaced by ``entries`` (and a comment after the end record)."""
+    start, _, _ = _central_entries(data)
+    directory = b"".join(entries)
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(directory), start, len(comment))
+    return data[:start] + directory + end + comment
+
+
+def test_the_zip_directory_is_read_as_zipfile_reads_it_zip64_included(tmp_path: Path) -> None:
+    """ucp reads a torch file's zip directory itself (zipfile held a ZipInfo per member: 50 MB while a MoE's
+    model-states file of 10^5 members opened). Every member must land where zipfile puts it: for torch's own
+    zip64 end records (more than 65535 members), for zip64 sizes in the central entries, and with a comment after
+    the end record; a member given twice is refused."""
+    import mmap
+
+    from ucp.io.zip_records import zip_records
+
+    def agrees(path: Path) -> None:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            records, pickle_name = zip_records(path, mm, path.stat().st_size)
+            with zipfile.ZipFile(path) as archive:
+                infos = archive.infolist()
+                for info in infos:
+                    start, length = records[info.filename]
+                    assert length == info.file_size and mm[start : start + length] == archive.read(info)
+            assert len(records) == len(infos) and pickle_name.endswith("/data.pkl")
+
+    many = tmp_path / "many.pt"
+    torch.save({"module": {f"p{i}": torch.empty(0) for i in range(70000)}, "w": torch.arange(6.0)}, many)
+    assert b"PK\x06\x06" in many.read_bytes()[-200:]  # torch wrote zip64 end records
+    agrees(many)
+    assert torch.equal(torchfile.load(many)["w"], torch.arange(6.0))
+
+    small = tmp_path / "small.pt"
+    torch.save({"w": torch.arange(1000.0), "n": 3}, small)
+    data = small.read_bytes()
+    _, _, entries = _central_entries(data)
+
+    def widened_entry(entry: bytes, values: int = 2) -> bytes:
+        """The entry with its sizes moved into a zip64 extra field (as a writer does past 4 GB), of ``values``."""
+        name_len = struct.unpack_from("<H", entry, 28)[0]
+        size = struct.unpack_from("<I", entry, 24)[0]
+        extra = struct.pack(f"<HH{values}Q", 0x0001, 8 * values, *[size] * values)
+        head = bytearray(entry[:46])
+        struct.pack_into("<IIHH", head, 20, 0xFFFFFFFF, 0xFFFFFFFF, name_len, len(extra))
+        return bytes(head) + entry[46 : 46 + name_len] + extra
+
+    wide = [widened_entry(entry) for entry in entries]
+    (tmp_path / "zip64").mkdir()
+    widened = tmp_path / "zip64" / "small.pt"
+    widened.write_bytes(_assemble(data, wide, comment=b"a comment"))
+    agrees(widened)
+    assert torchfile.load(widened)["w"].equal(torch.arange(1000.0))
+
+    (tmp_path / "twice").mkdir()
+    twice = tmp_path / "twice" / "small.pt"
+    twice.write_bytes(_assemble(data, [*entries, entries[-1]]))
+    with pytest.raises(CorruptFileError, match="given twice"):
+        torchfile.load(twice)
+    short = [*wide[:-1], widened_entry(entries[-1], values=1)]  # too short for the two values it must hold
+    twice.write_bytes(_assemble(data, short))
+    with pytest.raises(CorruptFileError, match="zip directory is missing or damaged"):
+        torchfile.load(twice)

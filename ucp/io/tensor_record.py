@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from functools import partial
 
 from ucp.io.crc import crc32_combine
+from ucp.io.zip_records import CENTRAL_ENTRY, END_RECORD
 from ucp.model.pieces import file_stamp
 
 __all__ = ["TensorRecord", "find_tensor_record", "SpanChecks"]
 
 _WINDOW = 8192  # bytes read from each end of the file: ucp's headers and directory fit well inside
-_EOCD = struct.Struct("<IHHHHIIH")
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 
 
@@ -100,26 +99,28 @@ def find_tensor_record(path: str | os.PathLike, pickle_bytes: bytes, nbytes: int
 
 def _members(tail: bytes, tail_start: int, size: int) -> dict[str, tuple[int, int]] | None:
     """Each member's (local header offset, size) from a plain (not zip64, no comment) directory."""
-    if len(tail) < _EOCD.size:
+    if len(tail) < END_RECORD.size:
         return None
-    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
-    if sig != 0x06054B50 or disk or cd_disk or comment or cd_offset + cd_size != size - _EOCD.size:
+    sig, disk, cd_disk, _, count, cd_size, cd_offset, comment = END_RECORD.unpack_from(
+        tail, len(tail) - END_RECORD.size
+    )
+    if sig != 0x06054B50 or disk or cd_disk or comment or cd_offset + cd_size != size - END_RECORD.size:
         return None
     if cd_offset < tail_start:
         return None
     members: dict[str, tuple[int, int]] = {}
     pos = cd_offset - tail_start
     for _ in range(count):
-        if pos + _CENTRAL.size > len(tail):
+        if pos + CENTRAL_ENTRY.size > len(tail):
             return None
-        fields = _CENTRAL.unpack_from(tail, pos)
+        fields = CENTRAL_ENTRY.unpack_from(tail, pos)
         if fields[0] != 0x02014B50 or fields[4] != 0 or fields[8] != fields[9]:
             return None
         name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
-        name = tail[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len].decode("utf-8", "replace")
+        name = tail[pos + CENTRAL_ENTRY.size : pos + CENTRAL_ENTRY.size + name_len].decode("utf-8", "replace")
         members[name] = (fields[16], fields[9])
-        pos += _CENTRAL.size + name_len + extra_len + comment_len
-    return members if pos == len(tail) - _EOCD.size else None
+        pos += CENTRAL_ENTRY.size + name_len + extra_len + comment_len
+    return members if pos == len(tail) - END_RECORD.size else None
 
 
 def _member_data(member: tuple[int, int] | None, head: bytes, check_bytes: bool = True) -> tuple[int, int] | None:
