@@ -7,6 +7,7 @@ full path untouched by raising NotPlain; it never calls a global off its short l
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import pickle
@@ -242,6 +243,59 @@ def test_open_all_keeps_only_the_named_keys_of_a_repeat_on_its_own_storages(tmp_
     finally:
         for tf in files + alone:
             tf.close()
+
+
+def test_open_all_leaves_no_template_behind_for_the_garbage_collector(tmp_path: Path) -> None:
+    """Each repeat is re-bound from the file before's template, which then goes at once: a re-bind that left a
+    reference cycle kept every rank's template (its pickle bytes and the tree) until a full collection, eight
+    copies of a 13 MB pickle for a ZeRO-3 save of 10^5 parameters at DP 8."""
+    paths = [tmp_path / f"rank{r}.pt" for r in range(4)]
+    for rank, path in enumerate(paths):
+        torch.save(_rank_like(rank), path)
+    gc.collect()
+    gc.disable()
+    try:
+        files = torchfile.TorchFile.open_all(paths, keep=("frozen",))
+        try:
+            assert [tf.repeats for tf in files] == [False, True, True, True]
+            assert not [o for o in gc.get_objects() if type(o) is torchfile._Template]
+        finally:
+            for tf in files:
+                tf.close()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize(
+    "pickled",
+    [
+        # memo entries put out of the pickler's order: past the end, then over an earlier one, then in order
+        b"\x80\x02X\x01\x00\x00\x00aq\x03X\x01\x00\x00\x00bq\x00X\x01\x00\x00\x00cq\x00(h\x00h\x03t.",
+        b"\x80\x02X\x01\x00\x00\x00ar\x07\x00\x00\x00X\x01\x00\x00\x00bq\x00X\x01\x00\x00\x00cr"
+        b"\x01\x00\x00\x00(h\x00h\x01j\x07\x00\x00\x00t.",
+        b"\x80\x02X\x01\x00\x00\x00aq\x01X\x01\x00\x00\x00bq\x00X\x01\x00\x00\x00cq\x01(h\x00h\x01t.",
+    ],
+)
+def test_memo_entries_out_of_order_read_as_pickle_reads_them(pickled: bytes) -> None:
+    """The memo is a list while the pickle numbers it 0, 1, 2... (every pickler does), and anything else
+    still reads as pickle reads it, or steps aside: a later put wins, a missing entry is not plain."""
+    assert load_plain(pickled, lambda pid: None) == pickle.loads(pickled)
+    with pytest.raises(NotPlain):
+        load_plain(b"\x80\x02X\x01\x00\x00\x00aq\x00h\x01.", lambda pid: None)
+
+
+def test_a_pickle_is_searched_for_a_key_without_reading_it(tmp_path: Path) -> None:
+    """pickle_mentions: a certain no for a key the pickle does not hold, a yes for one it does, and a yes where it
+    cannot tell (a legacy file or a damaged one: the full read decides and words the error)."""
+    torch.save({"ds_autoep_layers": [], "w": torch.zeros(3)}, tmp_path / "with.pt")
+    torch.save({"module": {"w": torch.zeros(3)}}, tmp_path / "without.pt")
+    torch.save({"w": torch.zeros(3)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "damaged.pt").write_bytes((tmp_path / "without.pt").read_bytes()[:-30])
+    assert torchfile.pickle_mentions(tmp_path / "with.pt", "ds_autoep_layers")
+    assert not torchfile.pickle_mentions(tmp_path / "without.pt", "ds_autoep_layers")
+    assert torchfile.pickle_mentions(tmp_path / "legacy.pt", "ds_autoep_layers")
+    assert torchfile.pickle_mentions(tmp_path / "damaged.pt", "ds_autoep_layers")
+    assert torchfile.pickle_mentions(tmp_path / "missing.pt", "ds_autoep_layers")
 
 
 def test_open_all_reports_a_broken_repeat_as_opening_it_alone_does(tmp_path: Path) -> None:

@@ -197,19 +197,27 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
         raise NotPlain("not protocol 2")
     stack: list[Any] = []
     marks: list[list[Any]] = []
-    memo: dict[int, Any] = {}
+    # a pickler numbers its memo 0, 1, 2...: a list, where a dict of 10^6 ints cost 80 MB (a ZeRO-3 model-states
+    # file of 10^5 placeholders memoizes every string, tuple and tensor); a number out of that order goes to ``sparse``
+    memo: list[Any] = []
+    sparse: dict[int, Any] = {}
     pos = 2
     while True:
         op = data[pos]
         pos += 1
         if op == _LONG_BINPUT:
-            memo[_UNPACK("<I", data, pos)[0]] = stack[-1]
+            i = _UNPACK("<I", data, pos)[0]
+            if i == len(memo):
+                memo.append(stack[-1])
+            else:
+                _put(memo, sparse, i, stack[-1])
             pos += 4
         elif op == _BININT1:
             stack.append(data[pos])
             pos += 1
         elif op == _BINGET:
-            stack.append(memo[data[pos]])
+            i = data[pos]
+            stack.append(memo[i] if i < len(memo) else sparse[i])
             pos += 1
         elif op == _BINUNICODE:
             n = _UNPACK("<I", data, pos)[0]
@@ -227,7 +235,8 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             items, stack = stack, marks.pop()
             stack.append(tuple(items))
         elif op == _LONG_BINGET:
-            stack.append(memo[_UNPACK("<I", data, pos)[0]])
+            i = _UNPACK("<I", data, pos)[0]
+            stack.append(memo[i] if i < len(memo) else sparse[i])
             pos += 4
         elif op == _BININT2:
             stack.append(_UNPACK("<H", data, pos)[0])
@@ -249,7 +258,11 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             _check_set_item_target(stack[-1])
             stack[-1][key] = value
         elif op == _BINPUT:
-            memo[data[pos]] = stack[-1]
+            i = data[pos]
+            if i == len(memo):
+                memo.append(stack[-1])
+            else:
+                _put(memo, sparse, i, stack[-1])
             pos += 1
         elif op == _TUPLE2:
             stack[-2:] = [(stack[-2], stack[-1])]
@@ -257,6 +270,15 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             return stack.pop()
         else:
             stack, pos = _less_frequent(op, data, pos, stack, marks)
+
+
+def _put(memo: list[Any], sparse: dict[int, Any], i: int, value: Any) -> None:
+    """Memo entry ``i`` set out of the pickler's order: over an earlier entry, or past the end (kept aside; an
+    entry of the list's own later overrides it, as a dict's later put would)."""
+    if i < len(memo):
+        memo[i] = value
+    else:
+        sparse[i] = value
 
 
 def _less_frequent(op: int, data: bytes, pos: int, stack: list[Any], marks: list[list[Any]]) -> tuple[list[Any], int]:
@@ -324,15 +346,29 @@ def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) ->
     DeepSpeed's stand-ins (:mod:`ucp.io.standins`, which the full unpickler builds) are copied too.
     :class:`NotPlain` for anything else load_plain does not build.
     """
-    plain_globals = tuple(_plain_globals().values())
-    memo: dict[int, Any] = {}
+    return _Rebinder(storage_of).copy(obj)
 
-    def copy(item: Any) -> Any:
+
+class _Rebinder:
+    """One :func:`rebind`'s state. A class, not a closure that calls itself: that closure's cycle kept the memo
+    (a tensor per placeholder) and ``storage_of`` (the rank before's whole template, its pickle bytes included)
+    alive until a full garbage collection, one rank's worth per rank of a ZeRO-3 save."""
+
+    __slots__ = ("memo", "plain_globals", "storage_of")
+
+    def __init__(self, storage_of: Callable[[int], torch.storage.TypedStorage]) -> None:
+        self.storage_of = storage_of
+        self.plain_globals = tuple(_plain_globals().values())
+        self.memo: dict[int, Any] = {}
+
+    def copy(self, item: Any) -> Any:
+        """``item``'s copy over the new storages (one object per object met, shared as before)."""
+        memo, copy = self.memo, self.copy
         kind = type(item)
         if kind in _IMMUTABLE:
             return item
         if kind is type or callable(item) and not torch.is_tensor(item):
-            if any(item is g for g in plain_globals):
+            if any(item is g for g in self.plain_globals):
                 return item
             raise NotPlain(f"a {kind.__name__} in the tree")
         if id(item) in memo:
@@ -346,7 +382,7 @@ def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) ->
             made.__dict__.update(copy(vars(item)))
             return made
         if kind is torch.Tensor:
-            storage = storage_of(item.untyped_storage()._cdata)
+            storage = self.storage_of(item.untyped_storage()._cdata)
             raw = storage._untyped_storage
             new = torch.empty((0,), dtype=item.dtype, device=raw.device)
             new.set_(raw, item.storage_offset(), item.size(), item.stride())
@@ -355,7 +391,7 @@ def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) ->
             new._backward_hooks = copy(item._backward_hooks)
             return new
         if kind is torch.storage.TypedStorage:
-            memo[id(item)] = storage_of(item._untyped_storage._cdata)
+            memo[id(item)] = self.storage_of(item._untyped_storage._cdata)
         elif kind is dict or kind is OrderedDict:
             memo[id(item)] = new_map = kind()
             for key, value in item.items():
@@ -372,5 +408,3 @@ def rebind(obj: Any, storage_of: Callable[[int], torch.storage.TypedStorage]) ->
         else:
             raise NotPlain(f"a {kind.__name__} in the tree")
         return memo[id(item)]
-
-    return copy(obj)
