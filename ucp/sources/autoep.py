@@ -28,7 +28,7 @@ from ucp.deepspeed.layout import CheckpointFiles
 from ucp.deepspeed.moe import ep_size, expert_ranks
 from ucp.deepspeed.optim_states import optimizer_block
 from ucp.errors import InputError
-from ucp.io.torchfile import TorchFile
+from ucp.io.torchfile import TorchFile, pickle_mentions
 from ucp.model.layouts import SourceLayout
 from ucp.model.pieces import Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 def is_autoep(files: CheckpointFiles) -> bool:
     """Whether the checkpoint was saved by AutoEP layers (its first model-states file lists them)."""
     path = files.model[0][0]
+    if not pickle_mentions(path, "ds_autoep_layers"):  # most saves: no need to unpickle 10^5 placeholders
+        return False
     with TorchFile(path) as tf:
         obj = tf.obj
         return isinstance(obj, dict) and obj.get("ds_autoep_layers") is not None
