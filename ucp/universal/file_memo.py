@@ -10,7 +10,7 @@ holds 56.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["FileMemo"]
 
@@ -23,22 +23,24 @@ class FileMemo:
     """Two integers per file of parameter ``name`` and file ``key`` (an offset and a length, or a step), and whether
     its checksum matched, each valid while the file's stamp is the one it was learnt under."""
 
-    def __init__(self, names: Iterable[str], keys: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], keys: Sequence[str], index: Mapping[str, int] | None = None) -> None:
+        """``index`` maps each name to its place in ``names``; a caller that has one (the manifest's table) passes
+        it, and the memo holds no second dict of 10^5 names."""
         self._keys = list(keys)
         self._key = {key: j for j, key in enumerate(self._keys)}
-        self._names = list(names)
-        self._base = {name: i * len(self._key) for i, name in enumerate(self._names)}
-        self._data = array("q", bytes(8 * _WORDS * len(self._base) * len(self._key)))
+        self._names = names
+        self._index = {name: i for i, name in enumerate(names)} if index is None else index
+        self._data = array("q", bytes(8 * _WORDS * len(names) * len(self._key)))
 
     @property
     def slots(self) -> int:
         """How many files the table has room for: one slot per parameter and file key."""
-        return len(self._base) * len(self._key)
+        return len(self._names) * len(self._key)
 
     def slot(self, name: str, key: str) -> int | None:
         """The file's number in this table (None: a parameter or key it does not know)."""
-        base, j = self._base.get(name), self._key.get(key)
-        return None if base is None or j is None else base + j
+        i, j = self._index.get(name), self._key.get(key)
+        return None if i is None or j is None else i * len(self._keys) + j
 
     def file_of(self, slot: int) -> tuple[str, str]:
         """The (parameter, file key) of a slot."""

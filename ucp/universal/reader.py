@@ -82,7 +82,8 @@ class UniversalReader(Reader):
         self.facts, self._files = facts_from_manifest(raw, table)
         del raw
         # what parsing each file told (a tensor's place, a step): 4 x 10^5 files for a MoE
-        self._memo = FileMemo(table.names, sorted({key for i in range(len(table)) for key in table.files(i)}))
+        keys = sorted({key for i in range(len(table)) for key in table.files(i)})
+        self._memo = FileMemo(table.names, keys, index=table.index)
         root = (path / "zero").resolve()
         for i, name in enumerate(table.names):
             folder = table.folder(i)
