@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import re
+from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -159,7 +160,8 @@ def _run(
     try:
         reader = _together(dist, out, lambda: open_reader(src, tag=tag, optimizer=optimizer))
         metas = reader.facts.params
-        mine = [metas[i] for i in assign(metas, world)[rank]]
+        shares = assign(metas, world)
+        mine = [metas[i] for i in shares[rank]]
         with contextlib.ExitStack() as stack:
 
             def stage() -> str | None:
@@ -181,11 +183,15 @@ def _run(
             def finish() -> dict[str, Any] | None:
                 if rank != 0 or reader is None:
                     return None
-                shares = [share for share in gathered if share is not None]
+                owner = array("I", bytes(4 * len(metas)))  # the rank that wrote each parameter
+                for r, share in enumerate(shares):
+                    for i in share:
+                        owner[i] = r
                 ordered = ParamTable()  # every rank's entries, in the model's order
-                for meta in metas:
-                    share = next(share for share in shares if meta.name in share.index)
-                    ordered.add_entry(share.entry(share.index[meta.name]))
+                for i, meta in enumerate(metas):
+                    table = gathered[owner[i]]
+                    assert table is not None  # gather_object filled every rank's
+                    ordered.add_entry(table.entry(table.index[meta.name]))
                 ordered.finish()
                 return finish_universal(root, reader.facts, ordered, reader.extras(), reader.buffers())
 
