@@ -284,6 +284,21 @@ def test_memo_entries_out_of_order_read_as_pickle_reads_them(pickled: bytes) -> 
         load_plain(b"\x80\x02X\x01\x00\x00\x00aq\x00h\x01.", lambda pid: None)
 
 
+def test_a_call_s_arguments_fetched_again_are_left_to_the_full_unpickler(tmp_path: Path) -> None:
+    """Once a call is made, the memo lets go of its argument tuples (a pickler made them for that call); a pickle
+    that fetches one again is not plain, and a TorchFile reads it the full way, to what torch reads."""
+    spent = b"\x80\x02ctorch\nSize\nq\x00K\x01K\x02\x86q\x01\x85q\x02Rq\x03h\x02\x86q\x04."
+    kept = spent.replace(b"Rq\x03h\x02", b"Rq\x03h\x03")  # the call's result fetched again: plain
+    with pytest.raises(NotPlain, match="fetched again"):
+        load_plain(spent, lambda pid: None)
+    assert load_plain(kept, lambda pid: None) == pickle.loads(kept) == (torch.Size([1, 2]), torch.Size([1, 2]))
+    with zipfile.ZipFile(tmp_path / "spent.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", spent)
+        zf.writestr("archive/byteorder", "little")
+    with torchfile.TorchFile(tmp_path / "spent.pt") as tf:
+        assert tf.obj == pickle.loads(spent) == (torch.Size([1, 2]), ((1, 2),))
+
+
 def test_a_pickle_is_searched_for_a_key_without_reading_it(tmp_path: Path) -> None:
     """pickle_mentions: a certain no for a key the pickle does not hold, a yes for one it does, and a yes where it
     cannot tell (a legacy file or a damaged one: the full read decides and words the error)."""

@@ -33,6 +33,8 @@ _UNPACK = struct.unpack_from
 # what a plain pickle builds that is immutable and so shared, not copied, by rebind()
 _IMMUTABLE = frozenset({str, int, float, bool, type(None), torch.Size})
 _BUILDING = object()  # rebind()'s mark for a tuple whose items are being copied
+_SPENT = object()  # _run's memo entry for a call's arguments once the call is made (a GET of one: not plain)
+_LOOK_BACK = 8  # memo entries searched for a call's spent arguments
 # opcodes as ints, the order of the dispatch below (most frequent first in DeepSpeed's files)
 (
     _LONG_BINPUT,
@@ -217,7 +219,10 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             pos += 1
         elif op == _BINGET:
             i = data[pos]
-            stack.append(memo[i] if i < len(memo) else sparse[i])
+            found = memo[i] if i < len(memo) else sparse[i]
+            if found is _SPENT:
+                raise NotPlain("a call's arguments fetched again")
+            stack.append(found)
             pos += 1
         elif op == _BINUNICODE:
             n = _UNPACK("<I", data, pos)[0]
@@ -228,6 +233,7 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
         elif op == _REDUCE:
             args = stack.pop()
             stack[-1] = _reduce(stack[-1], args)
+            _spend(memo, args)
         elif op == _MARK:
             marks.append(stack)
             stack = []
@@ -236,7 +242,10 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             stack.append(tuple(items))
         elif op == _LONG_BINGET:
             i = _UNPACK("<I", data, pos)[0]
-            stack.append(memo[i] if i < len(memo) else sparse[i])
+            found = memo[i] if i < len(memo) else sparse[i]
+            if found is _SPENT:
+                raise NotPlain("a call's arguments fetched again")
+            stack.append(found)
             pos += 4
         elif op == _BININT2:
             stack.append(_UNPACK("<H", data, pos)[0])
@@ -252,6 +261,8 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             if type(pid) is not tuple or not pid or pid[0] != "storage":
                 raise NotPlain("a persistent id that is not a storage")
             stack.append(persistent_load(pid))
+            if memo and memo[-1] is pid:  # made for this one call (a storage met again gets a new tuple)
+                memo[-1] = _SPENT
         elif op == _SETITEM:
             value = stack.pop()
             key = stack.pop()
@@ -270,6 +281,17 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             return stack.pop()
         else:
             stack, pos = _less_frequent(op, data, pos, stack, marks)
+
+
+def _spend(memo: list[Any], args: tuple[Any, ...]) -> None:
+    """A call was made: the memo lets go of its argument tuple and the tuples in it (a tensor's size and stride,
+    a torch.Size's dims), which a pickler made for that call alone and memoized all the same: about 300 bytes a
+    tensor, 30 MB for a ZeRO-3 model-states file of 10^5 placeholders. Only the last few entries are searched;
+    a pickle that fetches one again is not plain (the full unpickler reads it)."""
+    for j in range(len(memo) - 1, max(len(memo) - _LOOK_BACK, 0) - 1, -1):
+        entry = memo[j]
+        if entry is args or type(entry) is tuple and any(entry is arg for arg in args):
+            memo[j] = _SPENT
 
 
 def _put(memo: list[Any], sparse: dict[int, Any], i: int, value: Any) -> None:
