@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import io
 import math
+import os
 import pickle
 import warnings
 import zipfile
@@ -311,6 +312,8 @@ def test_a_pickle_is_searched_for_a_key_without_reading_it(tmp_path: Path) -> No
     assert torchfile.pickle_mentions(tmp_path / "legacy.pt", "ds_autoep_layers")
     assert torchfile.pickle_mentions(tmp_path / "damaged.pt", "ds_autoep_layers")
     assert torchfile.pickle_mentions(tmp_path / "missing.pt", "ds_autoep_layers")
+    os.mkfifo(tmp_path / "fifo.pt")  # no writer: opening it plainly would block
+    assert torchfile.pickle_mentions(tmp_path / "fifo.pt", "ds_autoep_layers")
 
 
 def test_open_all_reports_a_broken_repeat_as_opening_it_alone_does(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import pickle
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -72,18 +73,23 @@ def pickle_mentions(path: str | os.PathLike, text: str) -> bool:
     A ZeRO-3 model-states file of 10^5 placeholders takes seconds and 200 MB to unpickle, not to search. True
     where it cannot tell (a legacy file, a damaged one): the full read then decides, and words any error."""
     try:
-        with open(path, "rb", buffering=0) as file:
-            size = os.fstat(file.fileno()).st_size
-            if size < len(ZIP_MAGIC):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO in its place must not block the probe
+    except OSError:
+        return True
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < len(ZIP_MAGIC):
+            return True
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            if mm[: len(ZIP_MAGIC)] != ZIP_MAGIC:
                 return True
-            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                if mm[: len(ZIP_MAGIC)] != ZIP_MAGIC:
-                    return True
-                records, pickle_name = zip_records(Path(path), mm, size)
-                start, length = records[pickle_name]
-                return mm.find(text.encode("ascii"), start, start + length) >= 0
+            records, pickle_name = zip_records(Path(path), mm, info.st_size)
+            start, length = records[pickle_name]
+            return mm.find(text.encode("ascii"), start, start + length) >= 0
     except (OSError, ValueError, CorruptFileError):
         return True
+    finally:
+        os.close(fd)
 
 
 def _detach(obj: Any) -> Any:
