@@ -143,7 +143,7 @@ def zero3_layout(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per parameter and rank it reaches
 class Span:
     """A run of elements of one parameter held by one rank's flat partition."""
 
