@@ -416,17 +416,19 @@ class _Rebinder:
             memo[id(item)] = self.storage_of(item._untyped_storage._cdata)
         elif kind is dict or kind is OrderedDict:
             memo[id(item)] = new_map = kind()
-            for key, value in item.items():
-                new_map[copy(key)] = copy(value)
+            for key, value in item.items():  # immutables inline: most of a metadata tree, a call each otherwise
+                new_map[key if type(key) in _IMMUTABLE else copy(key)] = (
+                    value if type(value) in _IMMUTABLE else copy(value)
+                )
             if kind is OrderedDict:
                 new_map.__dict__.update(copy(vars(item)))
         elif kind is list:
             new_list: list[Any] = []
             memo[id(item)] = new_list
-            new_list.extend(copy(value) for value in item)
+            new_list.extend(value if type(value) in _IMMUTABLE else copy(value) for value in item)
         elif kind is tuple or kind is set:
             memo[id(item)] = _BUILDING  # a tuple inside itself (through a list) would come back as a copy
-            memo[id(item)] = kind(copy(value) for value in item)
+            memo[id(item)] = kind(value if type(value) in _IMMUTABLE else copy(value) for value in item)
         else:
             raise NotPlain(f"a {kind.__name__} in the tree")
         return memo[id(item)]

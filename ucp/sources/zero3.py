@@ -43,7 +43,7 @@ from ucp.io.rawfile import RawTensorFile
 from ucp.io.torchfile import TorchFile
 from ucp.model.detect import Detection, detect, mics_shard_size, offloads_to_nvme, unsaved_state_note
 from ucp.model.flavours import Flavour
-from ucp.model.partition import zero3_rank_span
+from ucp.model.partition import zero3_partition_size, zero3_rank_span
 from ucp.model.pieces import FileSpan, Pieces
 from ucp.model.records import Facts, GroupMeta, ParamMeta, ParamState, PieceState, Reader, SourceInfo, dtype_name
 from ucp.sources.common import SpanSource, file_pieces, group_meta, zero3_gather, zero3_slices
@@ -66,8 +66,6 @@ from ucp.sources.zero3_sub_groups import Where, place, sub_group_state
 __all__ = ["FORMAT", "Zero3Source"]
 
 logger = logging.getLogger(__name__)
-
-_UNSEEN = object()  # a cache miss, apart from a cached None
 
 
 class Zero3Source(Reader):
@@ -98,7 +96,7 @@ class Zero3Source(Reader):
         # ZeRO-Infinity: (rank, sub-group, state key or None for the masters) -> its NVMe swap file
         self._swap: SwapFiles = {}
         # (rank, sub-group, state key or None) -> where that whole flat buffer lies in its file (None: not as fp32 bytes)
-        self._flat_spans: dict[tuple[int, int, str | None], FileSpan | None] = {}
+        self._flat_spans: dict[tuple[int, str | None], list[FileSpan | None]] = {}
 
         def build() -> Facts:
             # rank by rank: each model-states file repeats the module dict, read once and re-bound after
@@ -290,30 +288,34 @@ class Zero3Source(Reader):
         block = tf.obj["optimizer_state_dict"]
         return tf, block["fp32_flat_groups"][sub] if key is None else block["optimizer_state_dict"]["state"][sub][key]
 
-    def _flat_span(self, rank: int, sub: int, key: str | None) -> FileSpan | None:
-        """Where a rank's whole flat fp32 buffer of a sub-group lies in its file, found once per buffer: each
-        member's slice is then an offset into it (10^5 parameters x ranks x states would otherwise each make and
-        measure tensor views, a third of a to-universal's CPU at 10^4 tensors)."""
-        found = self._flat_spans.get((rank, sub, key), _UNSEEN)
-        if found is _UNSEEN:
-            holder, tensor = self._fragment(rank, sub, key)
-            flat = tensor.detach()
-            found = holder.span(flat) if flat.dtype == torch.float32 and flat.dim() == 1 else None
-            self._flat_spans[(rank, sub, key)] = found  # the same answer whichever thread gets here first
-        return found  # type: ignore[return-value]
+    def _flat_spans_of(self, sub: int, key: str | None) -> list[FileSpan | None]:
+        """Where each rank's whole flat fp32 buffer of a sub-group lies in its file (None where it is not fp32 bytes of
+        its file), found once per buffer: each member's slice is then an offset into it (10^5 parameters x ranks x
+        states would otherwise each make and measure tensor views, a third of a to-universal's CPU at 10^4
+        tensors)."""
+        found = self._flat_spans.get((sub, key))
+        if found is None:
+            found = []
+            for rank in range(len(self._optim)):
+                holder, tensor = self._fragment(rank, sub, key)
+                flat = tensor.detach()
+                found.append(holder.span(flat) if flat.dtype == torch.float32 and flat.dim() == 1 else None)
+            self._flat_spans[(sub, key)] = found  # the same answer whichever thread gets here first
+        return found
 
     def _pieces(self, where: Where, key: str | None) -> Pieces:
         """One flat state of a parameter as its rank slices, each where it lies in its shard on disk."""
-        dp, item = len(self._optim), 4
+        dp, numel, item = len(self._optim), where.numel, 4
+        size = zero3_partition_size(numel, dp)
+        skip, reach = where.offset * item, (where.offset + where.size) * item
         spans: list[FileSpan] = []
-        for rank in range(dp):
-            start, end = zero3_rank_span(where.numel, dp, rank)
-            if end <= start:
+        for rank, base in enumerate(self._flat_spans_of(where.sub_group, key)):
+            start = rank * size
+            if start >= numel:
                 break  # the ceil split leaves only trailing ranks empty
-            base = self._flat_span(rank, where.sub_group, key)
-            if base is None or (where.offset + where.size) * item > base.nbytes:
+            if base is None or reach > base.nbytes:
                 return self._tensor_pieces(where, key)
-            spans.append(base.narrow(where.offset * item, (end - start) * item))
+            spans.append(FileSpan(base.file, base.offset + skip, (min(start + size, numel) - start) * item))
         return Pieces(tuple(spans), where.shape, torch.float32)
 
     def _tensor_pieces(self, where: Where, key: str | None) -> Pieces:
