@@ -72,7 +72,8 @@ def cached_bytes(cfg: BenchConfig, size_mb: int) -> int:
 
 
 def build_checkpoint(cfg: BenchConfig, size_mb: int) -> Checkpoint:
-    """Train ``steps`` steps at DP=cfg.dp with real DeepSpeed and save; reuse a finished earlier build.
+    """Train ``steps`` steps at DP=cfg.dp with real DeepSpeed (the model built under ``deepspeed.zero.Init``) and
+    save; reuse a finished earlier build.
 
     The marker ``build.json`` is written last, so a half-built folder is never taken for a cache hit.
     """
@@ -104,6 +105,7 @@ def build_checkpoint(cfg: BenchConfig, size_mb: int) -> Checkpoint:
         "model": asdict(model),
         "dp": cfg.dp,
         "steps": cfg.steps,
+        "zero_init": True,
     }
     _write_marker(marker, meta)
     logger.info("built %s in %.0f s (%.0f MB on disk)", root / tag, build_s, nbytes / MB)
@@ -121,6 +123,7 @@ def _train_and_save(cfg: BenchConfig, size_mb: int, model: ModelSpec, home: Path
         seq=8,
         steps=cfg.steps,
         save_dir=str(home / "ckpt"),
+        zero_init=True,  # each rank builds only its partition: a whole model per rank was OOM-killed at 8 GB
     )
     logger.info(
         "building %d MB checkpoint: DP=%d, %d layers (hidden=%d ffn=%d vocab=%d), %.1f M params",

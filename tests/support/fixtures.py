@@ -98,6 +98,7 @@ def _key(spec: RunSpec) -> str:
         ("nvme", False),
         ("ds_config", None),
         ("compiled", False),
+        ("zero_init", False),
     )
     for key, default in later:
         if fields.get(key) == default:

@@ -135,6 +135,9 @@ class RunSpec(JsonSpec):
     # name DeepSpeed saves then starts with the wrapper's "_orig_mod."
     compiled: bool = False
     sub_group_size: int = 0  # 0 = DeepSpeed's default (one sub-group per param group)
+    # ZeRO-3: build the model under deepspeed.zero.Init, so each rank only ever holds its partition (how a model
+    # larger than one rank's memory is built; without it every rank first builds the whole model)
+    zero_init: bool = False
     param_groups: int = 2  # 1: one group; 2: decay / no-decay with their own lr; 3: + a group for the head
     lr: float = 1e-2
     scheduler: bool = True

@@ -66,6 +66,19 @@ def _mics_on_gloo() -> None:
     dist.has_coalescing_manager = lambda: True
 
 
+def _partitioned_model(spec: RunSpec, deepspeed: Any) -> TinyLM:
+    """The model built under ``deepspeed.zero.Init``: each parameter is cut to this rank's partition as its module is
+    made. Checked, so that a run meant to show it cannot quietly build the whole model."""
+    if spec.stage != 3:
+        raise SystemExit(f"zero_init needs ZeRO-3; this run is stage {spec.stage}")
+    with deepspeed.zero.Init(config_dict_or_path=ds_config(spec)):
+        model = TinyLM(spec.model)
+    whole = [name for name, p in model.named_parameters() if not hasattr(p, "ds_id") or p.numel() != 0]
+    if whole:
+        raise SystemExit(f"zero.Init left {len(whole)} parameters whole on this rank, {whole[0]} first")
+    return model
+
+
 def main(argv: list[str]) -> None:
     spec = RunSpec.from_json(argv[0])
     os.environ.setdefault("DS_ACCELERATOR", spec.device)
@@ -77,7 +90,10 @@ def main(argv: list[str]) -> None:
     if spec.mics and spec.device == "cpu":
         _mics_on_gloo()
     torch.manual_seed(spec.seed)
-    model = TinyLM(spec.model)
+    if spec.zero_init:
+        model = _partitioned_model(spec, deepspeed)
+    else:
+        model = TinyLM(spec.model)
     groups = build_param_groups(model, spec.param_groups, spec.lr)
     optimizer = make_optimizer(spec, groups)
     if spec.compiled:
