@@ -95,7 +95,7 @@ class Zero3Source(Reader):
         self._model: list[TorchFile] = []
         # ZeRO-Infinity: (rank, sub-group, state key or None for the masters) -> its NVMe swap file
         self._swap: SwapFiles = {}
-        # (rank, sub-group, state key or None) -> where that whole flat buffer lies in its file (None: not as fp32 bytes)
+        # (sub-group, state key or None) -> where each rank's whole flat buffer lies in its file (None: not as fp32 bytes)
         self._flat_spans: dict[tuple[int, str | None], list[FileSpan | None]] = {}
 
         def build() -> Facts:
