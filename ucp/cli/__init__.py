@@ -32,7 +32,9 @@ __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser", "main"]
 logger = logging.getLogger("ucp")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, last: bool = False) -> int:
+    """Run one command; its exit code. ``last``: the process only exits after this call (``ucp.__main__``),
+    so once the command has ended its stop signals are ignored rather than given back to the caller's handlers."""
     clash = shared_folder()
     if clash is not None:
         say(f"ucp: warning: {clash}")
@@ -56,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ucp.io.span_copy import set_copy_threads
 
             set_copy_threads(args.workers)
-        with stop_on_signals(), phase(f"ucp {args.verb} in all"):
+        with stop_on_signals(then_ignore=last), phase(f"ucp {args.verb} in all"):
             code = args.func(args)
             raise_if_stopped()  # a library swallowed the signal's exception: the command still ends as stopped
             return code

@@ -84,11 +84,12 @@ def _send_again(signum: int, active: threading.Event) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
+def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS, *, then_ignore: bool = False) -> Iterator[None]:
     """Within the block the first of ``signums`` raises :class:`Stopped`; later ones are ignored.
 
-    The previous handlers come back on leaving. Outside the main thread (where Python cannot set
-    handlers) this does nothing.
+    The previous handlers come back on leaving, or with ``then_ignore`` the signals stay ignored: for
+    a process that only exits after the block, whose output a late signal can no longer change.
+    Outside the main thread (where Python cannot set handlers) this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -126,7 +127,7 @@ def stop_on_signals(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Itera
     finally:
         active.clear()
         for number, old in previous.items():
-            signal.signal(number, old)
+            signal.signal(number, signal.SIG_IGN if then_ignore else old)
         # the stop has been handled: a later call in this process (the API after an interrupted CLI call in a
         # notebook, the next test) must not find it and raise it again before publishing
         _RECEIVED.clear()
