@@ -32,6 +32,7 @@ __all__ = [
     "part_numel",
     "nbytes_of",
     "file_stamp",
+    "pread_into",
 ]
 
 
@@ -47,7 +48,7 @@ class FileSpan:
 
     def read_into(self, view: memoryview, skip: int = 0) -> None:
         """Fill ``view`` with the span's bytes from ``skip`` on."""
-        _pread_into(self.file.fileno(), view, self.offset + skip, getattr(self.file, "name", "a file"))
+        pread_into(self.file.fileno(), view, self.offset + skip, getattr(self.file, "name", "a file"))
 
     def narrow(self, skip: int, nbytes: int) -> FileSpan:
         """``nbytes`` of this span from byte ``skip`` on."""
@@ -103,12 +104,12 @@ class PathSpan:
         try:
             if file_stamp(os.fstat(fd)) != self.stamp:
                 raise ChecksumError(f"{self.path} changed after it was checked: the input changed during the run")
-            _pread_into(fd, view, self.offset + skip, self.path)
+            pread_into(fd, view, self.offset + skip, self.path)
         finally:
             os.close(fd)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+def pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
     """Fill ``view`` from ``offset`` of ``fd``; a file that ends first was truncated after it was opened."""
     done = 0
     while done < len(view):

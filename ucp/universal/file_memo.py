@@ -2,7 +2,8 @@
 
 A reader that reads a file again (a restore reads each parameter's files once per task of ranks, after a pass that
 checks them all) does not parse it again while it is still the file it parsed: same size, mtime, ctime and inode
-(``ucp.model.pieces.file_stamp``); a file that changed is parsed and checked again. At 10^5 parameters that is
+(``ucp.model.pieces.file_stamp``); a file that changed is parsed and checked again, or, where the reader hands out
+a span without looking at the file again (:meth:`FileMemo.known`), refused when the span is read. At 10^5 parameters that is
 4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a MoE), this table
 holds 56.
 """
@@ -54,6 +55,14 @@ class FileMemo:
         """The two values read from the file, if it is still the file they were read from."""
         at = self._under(name, key, stamp, _KNOWN)
         return None if at is None else (self._data[at + 1], self._data[at + 2])
+
+    def known(self, name: str, key: str) -> tuple[int, int, tuple[int, ...]] | None:
+        """The two values read from the file and the stamp it had then, whatever it has now: for a caller whose
+        later read of the file refuses it if its stamp changed."""
+        at = self._at(name, key)
+        if at is None or not self._data[at] & _KNOWN:
+            return None
+        return self._data[at + 1], self._data[at + 2], self._stamp(at)
 
     def verified(self, name: str, key: str, stamp: tuple[int, ...] | None) -> bool:
         """Whether the file's checksum matched while it had this stamp."""

@@ -197,10 +197,10 @@ class UniversalReader(Reader):
         claim, step = self._table.claim(i, STEP_FILE), self._table.step(i)
         if claim is None:
             return step
-        stamp = self._stamp_now(name, STEP_FILE)  # taken before reading: a change while reading shows up next time
-        known = self._memo.get(name, STEP_FILE, stamp)
-        if known is not None:
+        known = self._memo.known(name, STEP_FILE)
+        if known is not None:  # the value checked against the manifest; the file is not read again
             return known[0]
+        stamp = self._stamp_now(name, STEP_FILE)  # taken before reading: a change while reading shows up next time
         path = self.file_path(name, STEP_FILE)
         value = small_step(path, claim, verify=self.verify)
         if value is None:
@@ -269,10 +269,11 @@ class UniversalReader(Reader):
         checked from the spans copied out of it."""
         i = self._index(name)
         shape = self._table.shape(i)
+        memo = self._memo.known(name, key)
+        if memo is not None:  # no stat: the span is refused when read if the file is no longer the one checked
+            offset, nbytes, checked = memo
+            return self._span(self._file(name, key), offset, nbytes, checked, shape, self._witness(name, key))
         stamp = self._stamp_now(name, key)  # taken before reading: a change while reading shows up next time
-        known = self._memo.get(name, key, stamp)
-        if known is not None and stamp is not None:
-            return self._span(self._file(name, key), *known, stamp, shape, self._witness(name, key))
         path = self.file_path(name, key)
         claim = self._table.claim(i, key)
         if (self._pending is not None or not self.verify) and claim is not None:
