@@ -43,14 +43,15 @@ def check_file(file: Path, claim: FileEntry) -> None:
         )
 
 
-def small_step(path: Path, claim: FileEntry, *, verify: bool) -> float | None:
-    """step.pt as ucp writes it, read and (``verify``) checked without unpickling; None for any other file."""
+def small_step(path: Path, claim: FileEntry, *, verify: bool) -> tuple[float, tuple[int, ...]] | None:
+    """step.pt as ucp writes it, read and (``verify``) checked without unpickling, and the stamp the file had when
+    read; None for any other file."""
     record = find_tensor_record(path, step_pickle(), FP32_BYTES)
     if record is None or record.data is None or record.size != claim.bytes:
         return None
     if verify and f"{record.file_crc(zlib.crc32(record.data)) & 0xFFFFFFFF:08x}" != claim.crc32:
         raise ChecksumError(f"{path} does not match its checksum in {MANIFEST}: the file changed or is corrupt")
-    return float(struct.unpack("<f", record.data)[0])
+    return float(struct.unpack("<f", record.data)[0]), record.stamp
 
 
 @functools.lru_cache(maxsize=256)

@@ -200,10 +200,13 @@ class UniversalReader(Reader):
         known = self._memo.known(name, STEP_FILE)
         if known is not None:  # the value checked against the manifest; the file is not read again
             return known[0]
-        stamp = self._stamp_now(name, STEP_FILE)  # taken before reading: a change while reading shows up next time
         path = self.file_path(name, STEP_FILE)
-        value = small_step(path, claim, verify=self.verify)
-        if value is None:
+        small = small_step(path, claim, verify=self.verify)
+        stamp: tuple[int, ...] | None
+        if small is not None:
+            value, stamp = small
+        else:
+            stamp = self._stamp_now(name, STEP_FILE)  # taken before reading: a change while reading shows up next time
             raw = self._load(path, claim, (name, STEP_FILE))
             value = raw.item() if torch.is_tensor(raw) and raw.numel() == 1 else raw
         if not isinstance(value, (int, float)) or value != step:
@@ -262,9 +265,9 @@ class UniversalReader(Reader):
 
     def _file_pieces(self, name: str, key: str) -> Pieces:
         """One file's tensor as a :class:`PathSpan`, checked once: the span outlives any open file (a
-        restore holds every parameter's spans while it writes rank after rank), and reading the file
-        again costs a stat, not a parse, while it is still the file that was checked (same size,
-        mtime, ctime and inode; one that changes later is refused when the span is opened).
+        restore holds every parameter's spans while it writes rank after rank), and handing it out
+        again costs nothing: the span carries the stamp the file was checked under (size, mtime,
+        ctime, inode), and a file that changed since is refused when the span is read.
         Inside :meth:`deferred_checks` a file in ucp's own layout is found without parsing it and
         checked from the spans copied out of it."""
         i = self._index(name)
@@ -273,7 +276,6 @@ class UniversalReader(Reader):
         if memo is not None:  # no stat: the span is refused when read if the file is no longer the one checked
             offset, nbytes, checked = memo
             return self._span(self._file(name, key), offset, nbytes, checked, shape, self._witness(name, key))
-        stamp = self._stamp_now(name, key)  # taken before reading: a change while reading shows up next time
         path = self.file_path(name, key)
         claim = self._table.claim(i, key)
         if (self._pending is not None or not self.verify) and claim is not None:
@@ -293,6 +295,7 @@ class UniversalReader(Reader):
                         raise InputError(f"{path} is not a file of {MANIFEST}")  # entries and memo are built alike
                     witness = self._pending.add(slot, record, claim.crc32)
                 return self._span(path, record.offset, record.nbytes, record.stamp, shape, witness)
+        stamp = self._stamp_now(name, key)  # taken before reading: a change while reading shows up next time
         tf, tensor = self._open_tensor(name, key)
         try:
             span = tf.span(tensor)
