@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ucp.errors import ChecksumError, CorruptFileError
-from ucp.model.pieces import FileSpan, PathSpan, Span, file_stamp, pread_into
+from ucp.model.pieces import FileSpan, PathSpan, Span, open_checked, pread_into
 
 __all__ = ["GAP_MAX", "read_many", "read_witnessed"]
 
@@ -67,13 +66,8 @@ def read_many(jobs: Sequence[tuple[Sequence[Span | torch.Tensor], memoryview]]) 
 def _read_path(first: PathSpan, reads: list[_Read]) -> None:
     """The reads of one file named by path: opened once, refused if it changed since it was checked, and each
     witnessed span's crc32 told to its witness."""
+    fd = open_checked(first.path, first.stamp)
     try:
-        fd = os.open(first.path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as err:
-        raise CorruptFileError(f"cannot open {first.path}: {err.strerror}") from None
-    try:
-        if file_stamp(os.fstat(fd)) != first.stamp:
-            raise ChecksumError(f"{first.path} changed after it was checked: the input changed during the run")
         _read_runs(fd, reads, first.path)
     finally:
         os.close(fd)

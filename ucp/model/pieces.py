@@ -32,6 +32,7 @@ __all__ = [
     "part_numel",
     "nbytes_of",
     "file_stamp",
+    "open_checked",
     "pread_into",
 ]
 
@@ -97,16 +98,27 @@ class PathSpan:
     def read_into(self, view: memoryview, skip: int = 0) -> None:
         """Fill ``view`` with the span's bytes from ``skip`` on, opening the file for this one read (by descriptor:
         a restore at 10^5 parameters x DP ranks makes millions of these reads of a few KB)."""
+        fd = open_checked(self.path, self.stamp)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as err:
-            raise CorruptFileError(f"cannot open {self.path}: {err.strerror}") from None
-        try:
-            if file_stamp(os.fstat(fd)) != self.stamp:
-                raise ChecksumError(f"{self.path} changed after it was checked: the input changed during the run")
             pread_into(fd, view, self.offset + skip, self.path)
         finally:
             os.close(fd)
+
+
+def open_checked(path: str, stamp: tuple[int, ...]) -> int:
+    """A descriptor for reading ``path``, which must still be the file :func:`file_stamp` stamped ``stamp``; the
+    caller closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise CorruptFileError(f"cannot open {path}: {err.strerror}") from None
+    try:
+        if file_stamp(os.fstat(fd)) != stamp:
+            raise ChecksumError(f"{path} changed after it was checked: the input changed during the run")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
