@@ -164,7 +164,7 @@ def test_pieces_match_read_bit_for_bit(source, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universals, tmp_path: Path) -> None:
+def test_universal_reader_checks_a_file_once_and_refuses_it_once_it_changed(universals, tmp_path: Path) -> None:
     root = tmp_path / "u"
     shutil.copytree(universals("z3-bf16-dp2-adamw"), root)
     reader = open_universal(root)
@@ -179,8 +179,8 @@ def test_universal_reader_checks_a_file_once_and_again_once_it_changed(universal
     stat = path.stat()
     path.write_bytes(bytes(data))
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # a clock coarser than the test
-    with pytest.raises(ChecksumError), reader.read_pieces(name):
-        pass
+    with reader.read_pieces(name) as changed, pytest.raises(ChecksumError, match="changed after it was checked"):
+        changed.optim["exp_avg"].join()  # handed out as checked, refused when read
     with pytest.raises(ChecksumError):
         reader.read(name)
 
@@ -192,7 +192,7 @@ def test_deferred_checks_settle_as_the_copies_cover_each_file(
     pending checks then (a 10^5-parameter restore holds only the checks of files in flight), a good file counts as
     verified, and a damaged one fails the block by name and is parsed and checked again when read again."""
     from ucp.io import tensor_record
-    from ucp.io.span_copy import read_witnessed
+    from ucp.io.span_read import read_witnessed
 
     monkeypatch.setattr(tensor_record, "_WINDOW", 1024)  # these files, not read whole: checked from the copies
     root = tmp_path / "u"
