@@ -31,9 +31,6 @@ __all__ = ["DCP_OPTIMIZER_NAMES", "FLAVOUR_NAMES", "build_parser", "main"]
 
 logger = logging.getLogger("ucp")
 
-#: allocations between the collector's young passes (Python's default is 700)
-GC_YOUNG = 50_000
-
 
 def main(argv: Sequence[str] | None = None, *, last: bool = False) -> int:
     """Run one command; its exit code. ``last``: the process only exits after this call (``ucp.__main__``),
@@ -52,10 +49,6 @@ def main(argv: Sequence[str] | None = None, *, last: bool = False) -> int:
     # torch's hundreds of thousands of objects live as long as the process: keep the collector's full
     # passes (one lands in most runs, ~70 ms) off them
     gc.freeze()
-    # and make those passes rare: once torch is frozen the collector counts few long-lived objects, so it ran a
-    # full pass over the checkpoint's metadata every few thousand allocations (at 10^5 parameters a third of a
-    # reshard's time, 49 -> 31 s); what ucp makes is freed by reference counting, cycles are rare and small
-    gc.set_threshold(GC_YOUNG, 20, 100)
     if held:
         name = signal.Signals(held[0]).name
         say(f"ucp: interrupted by {name} while starting; nothing was written")
