@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 import ucp
-from ucp.io import span_read
 from ucp.model import pieces
 from ucp.model.pieces import PathSpan, open_checked
 from ucp.targets.native import zero3
@@ -65,7 +64,6 @@ def test_each_universal_file_is_read_once_per_task(
         return opened(span)
 
     monkeypatch.setattr(pieces, "open_checked", counted_check)  # PathSpan.read_into
-    monkeypatch.setattr(span_read, "open_checked", counted_check)  # read_many
     monkeypatch.setattr(PathSpan, "opened", counted_open)
     ucp.write_native(uni, tmp_path / "out", dp=8, stage=3, workers=workers)
     frozen = {e.folder for e in open_universal(uni).entries() if e.frozen}  # read per rank for its fragments

@@ -192,7 +192,7 @@ def test_deferred_checks_settle_as_the_copies_cover_each_file(
     pending checks then (a 10^5-parameter restore holds only the checks of files in flight), a good file counts as
     verified, and a damaged one fails the block by name and is parsed and checked again when read again."""
     from ucp.io import tensor_record
-    from ucp.io.span_read import read_witnessed
+    from ucp.io.span_copy import read_witnessed
 
     monkeypatch.setattr(tensor_record, "_WINDOW", 1024)  # these files, not read whole: checked from the copies
     root = tmp_path / "u"

@@ -29,7 +29,7 @@ import torch
 from ucp.io.crc import crc32_combine
 from ucp.model.pieces import Cast, FileSpan, PathSpan, Span
 
-__all__ = ["PARALLEL_MIN", "Copied", "copy_threads", "set_copy_threads", "copy_spans", "write_all_at"]
+__all__ = ["PARALLEL_MIN", "Copied", "copy_threads", "set_copy_threads", "copy_spans", "read_witnessed", "write_all_at"]
 
 #: a record whose spans hold at least this many bytes is copied by the pool
 PARALLEL_MIN = 64 << 20
@@ -228,3 +228,22 @@ def copy_spans(fd: int, parts: Sequence[Copied], at: int, crc: int, *, parallel:
         assert isinstance(part, PathSpan) and part.witness is not None
         part.witness(part.offset, part.nbytes, part_crc)
     return crc
+
+
+def read_witnessed(parts: Sequence[Span | torch.Tensor], out: memoryview) -> None:
+    """Fill ``out`` with the parts' bytes, in order (tensors copied from memory), each :class:`PathSpan` witness told
+    its span's crc32: a reader that hands out spans before checking their files then checks them from this read."""
+    pos = 0
+    for part in parts:
+        if isinstance(part, (FileSpan, PathSpan)):
+            dst = out[pos : pos + part.nbytes]
+            part.read_into(dst)
+            if isinstance(part, PathSpan) and part.witness is not None:
+                part.witness(part.offset, part.nbytes, zlib.crc32(dst))
+            pos += part.nbytes
+        else:
+            data = memoryview(part.detach().reshape(-1).contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+            out[pos : pos + len(data)] = data
+            pos += len(data)
+    if pos != len(out):
+        raise ValueError(f"parts of {pos} bytes read into {len(out)}")

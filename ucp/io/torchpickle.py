@@ -34,7 +34,6 @@ __all__ = [
     "UnsharedDict",
     "WrapperTensor",
     "data_pickle",
-    "pickle_bytes",
     "pickle_object",
     "tensor_bytes",
 ]
@@ -195,17 +194,6 @@ def pickle_object(obj: Any) -> tuple[bytes, list[tuple[str, Sequence[Stored]]]]:
         _SINGLE.clear()
     _SINGLE[single] = data
     return data, records
-
-
-def pickle_bytes(key: str | None, shape: tuple[int, ...], dtype: torch.dtype, data: memoryview | bytes) -> Pickled:
-    """:func:`pickle_object` of ``{key: tensor}`` (of the bare tensor when ``key`` is None) for the tensor of
-    ``shape`` and ``dtype`` whose row-major bytes are ``data``, without making the tensor: at 10^5 small
-    parameters the tensor operations of each file cost more than its pickle."""
-    known = _SINGLE.get((key, shape, dtype))
-    if known is None:
-        empty = torch.empty(shape, dtype=dtype)  # only its shape and dtype reach the pickle
-        known = pickle_object(empty if key is None else {key: empty})[0]
-    return known, [("0", [data] if len(data) else [])]
 
 
 def _single_tensor(obj: Any) -> tuple[str | None, tuple[int, ...], torch.dtype] | None:

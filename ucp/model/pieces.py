@@ -33,7 +33,6 @@ __all__ = [
     "nbytes_of",
     "file_stamp",
     "open_checked",
-    "pread_into",
 ]
 
 
@@ -49,7 +48,7 @@ class FileSpan:
 
     def read_into(self, view: memoryview, skip: int = 0) -> None:
         """Fill ``view`` with the span's bytes from ``skip`` on."""
-        pread_into(self.file.fileno(), view, self.offset + skip, getattr(self.file, "name", "a file"))
+        _pread_into(self.file.fileno(), view, self.offset + skip, getattr(self.file, "name", "a file"))
 
     def narrow(self, skip: int, nbytes: int) -> FileSpan:
         """``nbytes`` of this span from byte ``skip`` on."""
@@ -100,7 +99,7 @@ class PathSpan:
         a restore at 10^5 parameters x DP ranks makes millions of these reads of a few KB)."""
         fd = open_checked(self.path, self.stamp)
         try:
-            pread_into(fd, view, self.offset + skip, self.path)
+            _pread_into(fd, view, self.offset + skip, self.path)
         finally:
             os.close(fd)
 
@@ -121,7 +120,7 @@ def open_checked(path: str, stamp: tuple[int, ...]) -> int:
     return fd
 
 
-def pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
     """Fill ``view`` from ``offset`` of ``fd``; a file that ends first was truncated after it was opened."""
     done = 0
     while done < len(view):

@@ -37,7 +37,7 @@ from ucp.io.descriptors import reserve
 from ucp.io.memory import give_back_freed
 from ucp.io.pool import parallel_map
 from ucp.io.record_fill import RecordFill
-from ucp.io.span_read import read_witnessed
+from ucp.io.span_copy import read_witnessed
 from ucp.io.torchpickle import Pickled, UnsharedDict, pickle_object
 from ucp.io.torchzip import LaidFile, lay_out, write_pickled
 from ucp.model.partition import Zero3Layout, Zero3Slot, zero3_partition_size, zero3_rank_span
