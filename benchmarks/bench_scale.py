@@ -152,8 +152,8 @@ def render(result: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "| series | point | GB | DP | stage | tensors | tool | rounds | wall s (median) | work / cp -r | peak RSS MiB (above torch) | files out | files/s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| series | point | GB | DP | stage | tensors | tool | rounds | wall s (median) | CPU s (user+sys) | work / cp -r | peak RSS MiB (above torch) | files out | files/s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
         for tool, t in p["tools"].items():
@@ -161,7 +161,7 @@ def render(result: dict[str, Any]) -> str:
             above = "" if t["rss_above_torch_mib"] is None else f" ({t['rss_above_torch_mib']:+.0f})"
             lines.append(
                 f"| {p['series']} | {p['label']} | {p['bytes'] / 1e9:.2f} | {p['dp']} | {p.get('stage', 3)} | {p['tensors']:,} | {tool} | {p['rounds']} "
-                f"| {t['wall_s']:.2f} | {ratio} | {t['maxrss_mib']:.0f}{above} | {t['files_out']:,} | {t['files_per_s'] or 0:,.0f} | {t['loadavg']:.1f} |"
+                f"| {t['wall_s']:.2f} | {t.get('cpu_s', 0.0):.2f} | {ratio} | {t['maxrss_mib']:.0f}{above} | {t['files_out']:,} | {t['files_per_s'] or 0:,.0f} | {t['loadavg']:.1f} |"
             )
     lines += ["", "| target | measured | holds |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['holds'] else '**no**'} |" for t in result["targets"]]
