@@ -2,10 +2,10 @@
 
 A reader that reads a file again (a restore reads each parameter's files once per task of ranks, after a pass that
 checks them all) does not parse it again while it is still the file it parsed: same size, mtime, ctime and inode
-(``ucp.model.pieces.file_stamp``); a file that changed is parsed and checked again, or, where the reader hands out
-a span without looking at the file again (:meth:`FileMemo.known`), refused when the span is read. At 10^5 parameters that is
-4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a MoE), this table
-holds 56.
+(``ucp.model.pieces.file_stamp``); a file that changed is parsed and checked again, or, where the reader hands
+out a span without looking at the file again (:meth:`FileMemo.known`), refused when the span is read. At 10^5
+parameters that is 4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a
+MoE), this table holds 56.
 """
 
 from __future__ import annotations
