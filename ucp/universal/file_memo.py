@@ -1,10 +1,9 @@
 """What reading each file of a universal directory told, kept in a few machine words per file.
 
 A reader that reads a file again (a restore reads each parameter's files once per task of ranks, after a pass that
-checks them all) does not parse it again while it is still the file it parsed: same size, mtime, ctime and inode
-(``ucp.model.pieces.file_stamp``); a file that changed is parsed and checked again, or, where the reader hands
-out a span without looking at the file again (:meth:`FileMemo.known`), refused when the span is read. At 10^5
-parameters that is 4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a
+checks them all) does not parse it again: it hands out what it learnt with the stamp the file had then (size,
+mtime, ctime and inode: ``ucp.model.pieces.file_stamp``; :meth:`FileMemo.known`), and the span's read refuses a
+file that changed since. A checksum match is kept under its stamp too. At 10^5 parameters that is 4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a
 MoE), this table holds 56.
 """
 
@@ -50,11 +49,6 @@ class FileMemo:
     def _at(self, name: str, key: str) -> int | None:
         slot = self.slot(name, key)
         return None if slot is None else slot * _WORDS
-
-    def get(self, name: str, key: str, stamp: tuple[int, ...] | None) -> tuple[int, int] | None:
-        """The two values read from the file, if it is still the file they were read from."""
-        at = self._under(name, key, stamp, _KNOWN)
-        return None if at is None else (self._data[at + 1], self._data[at + 2])
 
     def known(self, name: str, key: str) -> tuple[int, int, tuple[int, ...]] | None:
         """The two values read from the file and the stamp it had then, whatever it has now: for a caller whose
