@@ -10,6 +10,7 @@ tests/test_golden.py and loaded into DeepSpeed by tests/test_restore_native.py.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import ucp
+from ucp.io import pool
 from ucp.model import pieces
 from ucp.model.pieces import PathSpan, open_checked
 from ucp.targets.native import zero3
@@ -45,6 +47,31 @@ def test_small_tasks_buffers_and_copies_write_the_bytes_of_the_default(
     default, small = _files(tmp_path / "default"), _files(tmp_path / "small")
     assert default.keys() == small.keys() and len(default) == 2 * 7 + 2  # and latest, .ucp-output
     assert [name for name in default if default[name] != small[name]] == []
+
+
+def test_tasks_in_threads_write_the_bytes_of_one_thread(
+    universals: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fixture's parameters are small, so by default its tasks run in one thread (``ucp.io.pool``); with threads
+    forced, tasks of ranks run at once and must write the same bytes."""
+    uni = universals(SOURCE)
+    threads: dict[str, set[int]] = {"one": set(), "threads": set()}
+    write = zero3._RankTask.write
+    run = ["one"]
+
+    def seen(task: zero3._RankTask) -> None:  # which threads wrote tasks (the writing itself is the real one)
+        threads[run[0]].add(threading.get_ident())
+        write(task)
+
+    monkeypatch.setattr(zero3._RankTask, "write", seen)
+    ucp.write_native(uni, tmp_path / "one", dp=7, stage=3, workers=2)
+    run[0] = "threads"
+    monkeypatch.setattr(pool, "THREAD_GRAIN", 0)
+    ucp.write_native(uni, tmp_path / "threads", dp=7, stage=3, workers=2)
+    assert threads["one"] == {threading.get_ident()}, threads
+    assert threads["threads"] and threading.get_ident() not in threads["threads"], threads
+    one, many = _files(tmp_path / "one"), _files(tmp_path / "threads")
+    assert one.keys() == many.keys() and [name for name in one if one[name] != many[name]] == []
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -1,13 +1,15 @@
 """The worker pool's progress bar counts bytes when told what each item weighs, and shows nothing unless asked
-(stderr not a terminal, or ucp --quiet)."""
+(stderr not a terminal, or ucp --quiet); a map of small items runs in the calling thread, since two threads of
+Python-bound work took longer than one (``ucp.io.pool``)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
-from ucp.io.pool import parallel_map, state_bytes
+from ucp.io.pool import THREAD_GRAIN, parallel_map, state_bytes, threads_for, typical_state_bytes
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -44,3 +46,24 @@ def test_a_parameter_weighs_its_fp32_master_and_each_state_tensor(z3_bf16_dp2):
     assert weigh(trained) == weigh(trained.name) == trained.numel * 4 * 3  # fp32, exp_avg, exp_avg_sq
     assert weigh(frozen) == frozen.numel * 4
     assert state_bytes(facts, moments=False)(trained) == trained.numel * 4
+    sizes = sorted(weigh(p) for p in facts.params)
+    assert typical_state_bytes(facts) == sizes[len(sizes) // 2] < THREAD_GRAIN  # the fixture's parameters are small
+
+
+def _thread(_: object) -> int:
+    return threading.get_ident()
+
+
+def test_small_items_run_in_the_calling_thread_and_large_ones_in_threads():
+    here = threading.get_ident()
+    assert set(parallel_map(_thread, range(8), 4, weight=lambda _: 64 << 10)) == {here}
+    assert here not in set(parallel_map(_thread, range(8), 4, weight=lambda _: THREAD_GRAIN))
+    # the median item decides: one embedding beside many small experts is still a map of small items
+    sizes = [1 << 32] + [64 << 10] * 9
+    assert set(parallel_map(_thread, range(10), 4, weight=sizes.__getitem__)) == {here}
+    # a grain the caller knows (a task of ranks walks every parameter) decides over the items' weights
+    assert set(parallel_map(_thread, range(8), 4, weight=lambda _: 1 << 32, grain=1024)) == {here}
+    assert here not in set(parallel_map(_thread, range(8), 4, grain=THREAD_GRAIN))
+    assert set(parallel_map(_thread, range(8), 4)) != {here}  # no weight, no grain: threads as asked
+    assert (threads_for(4, THREAD_GRAIN - 1), threads_for(4, THREAD_GRAIN), threads_for(4, None)) == (1, 4, 4)
+    assert threads_for(0, None) == 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ucp.io.pool import parallel_map
+from ucp.io.pool import parallel_map, typical_state_bytes
 from ucp.io.span_copy import Copied
 from ucp.io.torchpickle import tensor_bytes
 from ucp.model.cast import check_fits_pieces
@@ -89,7 +89,8 @@ def locate(
                 merge_scalars(name, state, located.scalars[f], unit)
 
     lock = threading.Lock()
-    for _ in parallel_map(one, list(where), workers, desc="check"):
+    grain = typical_state_bytes(reader.facts, moments=moments)  # checking a parameter is Python work
+    for _ in parallel_map(one, list(where), workers, desc="check", grain=grain):
         pass
     return located
 

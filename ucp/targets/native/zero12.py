@@ -27,7 +27,7 @@ import torch
 
 from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import model_file, optim_file
-from ucp.io.pool import parallel_map
+from ucp.io.pool import parallel_map, typical_state_bytes
 from ucp.io.torchpickle import UnsharedDict
 from ucp.model.partition import Span, Zero12Group, round_robin_order, zero12_group
 from ucp.model.pieces import Pieces
@@ -95,7 +95,9 @@ def _write_streaming(files: _Zero12Files, workers: int, model: bool, ranks: list
         fp32, optim = _rank_pieces(files, located, rank)
         files.write_rank(rank, fp32, optim, [located.scalars[f] for f, _ in files.held(rank)])
 
-    for _ in parallel_map(one, ranks, max(1, min(workers, len(ranks))), desc="write", weight=files.rank_bytes):
+    grain = typical_state_bytes(reader.facts, moments=files.moments)  # a rank's file is cut from every parameter
+    threads = max(1, min(workers, len(ranks)))
+    for _ in parallel_map(one, ranks, threads, desc="write", weight=files.rank_bytes, grain=grain):
         pass
 
 

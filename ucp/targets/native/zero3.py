@@ -35,7 +35,7 @@ from ucp.deepspeed.states import Flat
 from ucp.errors import InputError
 from ucp.io.descriptors import reserve
 from ucp.io.memory import give_back_freed
-from ucp.io.pool import parallel_map
+from ucp.io.pool import parallel_map, threads_for, typical_state_bytes
 from ucp.io.record_fill import RecordFill
 from ucp.io.span_copy import read_witnessed
 from ucp.io.torchpickle import Pickled, UnsharedDict, pickle_object
@@ -124,6 +124,8 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
     for packed in _members(layout):
         packed.sort(key=lambda gi: layout.slots[gi >> 32][gi & _LOW].offset)
         order.append(array("q", packed))
+    # a task walks every parameter, so its grain is a parameter's, and one thread takes as few tasks as it can
+    workers = threads_for(workers, typical_state_bytes(reader.facts, moments=not plan.reset_moments))
     count = min(len(ranks), max(workers, -(-len(ranks) // RANKS_PER_TASK)))
     tasks = [ranks[t * len(ranks) // count : (t + 1) * len(ranks) // count] for t in range(count)]
     reserve(min(len(ranks), workers * max(map(len, tasks), default=0)), "a ZeRO-3 save")
