@@ -105,7 +105,11 @@ def _new_run_flags(p: argparse.ArgumentParser, *, dcp: bool) -> None:
     for option in OPTIONS:
         if dcp or option.targets != {"dcp"}:
             _option_flag(p, option)
-    p.add_argument("--workers", type=_positive, help="threads reading and writing (default: the CPUs ucp may use)")
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        help="the most threads reading and writing (default: the CPUs ucp may use; one for a checkpoint of small tensors)",
+    )
     _output_flags(p, fsync=True)
 
 
@@ -133,7 +137,11 @@ def _to_universal(verbs: _Verbs) -> None:
     p.add_argument("out", help="universal directory to create")
     p.add_argument("--tag", help="tag folder to read (default: the one 'latest' names)")
     p.add_argument("--optimizer", choices=FLAVOUR_NAMES, help="the source's optimizer, when detection cannot tell")
-    p.add_argument("--workers", type=_positive, help="parallel workers (default: CPU count, at most 8)")
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        help="the most threads (default: CPU count, at most 8; one for a checkpoint of small tensors)",
+    )
     _output_flags(p, fsync=True)
     p.add_argument(
         "--frozen",
