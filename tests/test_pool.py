@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ucp.io.pool import THREAD_GRAIN, parallel_map, state_bytes, threads_for, typical_state_bytes
+from ucp.io.pool import FILE_GRAIN, THREAD_GRAIN, parallel_map, state_bytes, threads_for, typical_state_bytes
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -67,3 +67,6 @@ def test_small_items_run_in_the_calling_thread_and_large_ones_in_threads():
     assert set(parallel_map(_thread, range(8), 4)) != {here}  # no weight, no grain: threads as asked
     assert (threads_for(4, THREAD_GRAIN - 1), threads_for(4, THREAD_GRAIN), threads_for(4, None)) == (1, 4, 4)
     assert threads_for(0, None) == 1
+    # a map whose items create files needs less: their system calls leave the interpreter lock
+    assert here not in set(parallel_map(_thread, range(8), 4, weight=lambda _: FILE_GRAIN, least=FILE_GRAIN))
+    assert set(parallel_map(_thread, range(8), 4, weight=lambda _: FILE_GRAIN - 1, least=FILE_GRAIN)) == {here}

@@ -159,3 +159,34 @@ def test_a_zero3_source_keeps_no_placeholder_per_parameter_after_reading_its_fac
         assert reader.extras()["lr_scheduler"] == whole.get("lr_scheduler")
     finally:
         reader.close()
+
+
+@pytest.mark.slow
+def test_threads_write_the_universal_files_of_one_thread(z3_bf16_dp2, tmp_path, monkeypatch) -> None:
+    """The fixture's parameters are smaller than ``ucp.io.pool.FILE_GRAIN``, so to-universal writes them in the
+    calling thread; with threads forced, parameters written at once must give the same files."""
+    import threading
+
+    from ucp.universal import writer
+
+    seen: dict[str, set[int]] = {"one": set(), "threads": set()}
+    run = ["one"]
+    write_param = writer._write_param
+
+    def spied(*args, **kwargs):  # which threads wrote parameters (the writing itself is the real one)
+        seen[run[0]].add(threading.get_ident())
+        return write_param(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "_write_param", spied)
+    ucp.to_universal(z3_bf16_dp2.path, tmp_path / "one", workers=2)
+    run[0] = "threads"
+    monkeypatch.setattr(writer, "FILE_GRAIN", 0)
+    ucp.to_universal(z3_bf16_dp2.path, tmp_path / "threads", workers=2)
+    assert seen["one"] == {threading.get_ident()}, seen
+    assert seen["threads"] and threading.get_ident() not in seen["threads"], seen
+    files = {}
+    for run_name in ("one", "threads"):
+        root = tmp_path / run_name
+        files[run_name] = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    assert files["one"].keys() == files["threads"].keys() and len(files["one"]) > 20
+    assert [name for name in files["one"] if files["one"][name] != files["threads"][name]] == []

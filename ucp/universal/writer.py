@@ -28,7 +28,7 @@ from ucp.deepspeed import states as ds_states
 from ucp.deepspeed.layout import LATEST_UNIVERSAL, UNIVERSAL_MODEL_FILES, UNIVERSAL_OPTIM
 from ucp.errors import InputError
 from ucp.io.guard import OutputPolicy, guarded_output, universal_bytes
-from ucp.io.pool import default_workers, parallel_map, state_bytes
+from ucp.io.pool import FILE_GRAIN, default_workers, parallel_map, state_bytes
 from ucp.io.timing import phase
 from ucp.io.torchzip import write_torch_file
 from ucp.model.records import Facts, ParamMeta, ParamState, PieceState, Reader
@@ -120,7 +120,8 @@ def write_params(
             return _write_param(root, meta, pieces)
 
     table = ParamTable()
-    for entry in parallel_map(one, metas, workers, desc="to-universal", weight=state_bytes(reader.facts)):
+    weight = state_bytes(reader.facts)
+    for entry in parallel_map(one, metas, workers, desc="to-universal", weight=weight, least=FILE_GRAIN):
         table.add_entry(entry)
     table.finish()
     return table
