@@ -39,7 +39,7 @@ __all__ = [
 #: a map whose typical item (the median) moves fewer bytes than this runs in one thread
 THREAD_GRAIN = 4 << 20
 #: the same for a map whose items each create files (to-universal: at 10^5 tensors of about 10 KB each, one thread
-#: still wins, 112 s against 126 s)
+#: still wins, 79-112 s against 126-139 s)
 FILE_GRAIN = 64 << 10
 
 
