@@ -3,8 +3,8 @@
 A reader that reads a file again (a restore reads each parameter's files once per task of ranks, after a pass that
 checks them all) does not parse it again: it hands out what it learnt with the stamp the file had then (size,
 mtime, ctime and inode: ``ucp.model.pieces.file_stamp``; :meth:`FileMemo.known`), and the span's read refuses a
-file that changed since. A checksum match is kept under its stamp too. At 10^5 parameters that is 4 x 10^5 files; a dict of path strings to tuples held about 350 bytes per file (105 MB for a
-MoE), this table holds 56.
+file that changed since. A checksum match is kept under its stamp too. At 10^5 parameters that is 4 x 10^5 files;
+a dict of path strings to tuples held about 350 bytes per file (105 MB for a MoE), this table holds 56.
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 From a reader that streams (a universal directory, a ZeRO-1/2/3 checkpoint) the rank files are written parameter by
 parameter: every parameter is checked once (``ucp.targets.blocks.stream.locate``, which settles steps and scalars),
-then the ranks are cut into tasks of contiguous ranks (as many as the workers, at most :data:`RANKS_PER_TASK` ranks
-each, so the descriptors stay bounded at any DP); a task lays out its ranks' optim-states files with their flat
-tensors reserved (``ucp.io.torchzip.lay_out``), reads each parameter's range for its ranks once, and writes each
-rank's slice into that rank's file through a gathering buffer (``ucp.io.record_fill``). A universal file is read
-once per task instead of once per rank (at 10^5 parameters and DP 8: 3 x 10^5 reads instead of 2.4 M), and memory
-holds the parameter in hand plus the spans the check kept (at most :data:`KEEP_PARTS`), never every parameter's. Other readers (a transformed or tensor-parallel view,
-DeepSpeed's own universal folders) read each parameter once into every rank's buffers.
+then the ranks are cut into tasks of contiguous ranks (as many as the threads it runs, one for small parameters as
+``ucp.io.pool`` decides; at most :data:`RANKS_PER_TASK` ranks each, so the descriptors stay bounded at any DP); a
+task lays out its ranks' optim-states files with their flat tensors reserved (``ucp.io.torchzip.lay_out``), reads
+each parameter's range for its ranks once, and writes each rank's slice into that rank's file through a gathering
+buffer (``ucp.io.record_fill``). A universal file is read once per task instead of once per rank (at 10^5
+parameters and DP 8: 3 x 10^5 reads instead of 2.4 M), and memory holds the parameter in hand plus the spans the
+check kept (at most :data:`KEEP_PARTS`), never every parameter's. Other readers (a transformed or tensor-parallel view, DeepSpeed's own universal folders) read each parameter once
+into every rank's buffers.
 
 A param group the plan cuts in sets (``NativePlan.zero12_sets``: an AutoEP expert group, each expert-parallel
 rank holding its own experts) is partitioned over each set's ranks only, as DeepSpeed 0.19.8 partitions it over
