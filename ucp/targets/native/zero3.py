@@ -8,8 +8,8 @@ task lays out its ranks' optim-states files with their flat tensors reserved (``
 each parameter's range for its ranks once, and writes each rank's slice into that rank's file through a gathering
 buffer (``ucp.io.record_fill``). A universal file is read once per task instead of once per rank (at 10^5
 parameters and DP 8: 3 x 10^5 reads instead of 2.4 M), and memory holds the parameter in hand plus the spans the
-check kept (at most :data:`KEEP_PARTS`), never every parameter's. Other readers (a transformed or tensor-parallel view, DeepSpeed's own universal folders) read each parameter once
-into every rank's buffers.
+check kept (at most :data:`KEEP_PARTS`), never every parameter's. Other readers (a transformed or tensor-parallel
+view, DeepSpeed's own universal folders) read each parameter once into every rank's buffers.
 
 A param group the plan cuts in sets (``NativePlan.zero12_sets``: an AutoEP expert group, each expert-parallel
 rank holding its own experts) is partitioned over each set's ranks only, as DeepSpeed 0.19.8 partitions it over
