@@ -12,6 +12,7 @@ import io
 import math
 import os
 import pickle
+import struct
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from torch import _weights_only_unpickler
 from tests.support.files import resave
 from tests.support.fixtures import Built
 from tests.support.hostile import CALLS, Hostile
+from ucp.errors import CorruptFileError
 from ucp.io import standins, torchfile
 from ucp.io.plain_pickle import NotPlain, load_plain
 
@@ -189,6 +191,84 @@ def test_model_states_of_a_real_zero3_checkpoint_read_plain_and_match(z3_bf16_dp
         with torch.serialization.safe_globals([(cls, cls.ds_name) for cls in standins.STANDINS]):
             assert_same(got, _weights_only(pickled, hook()), path.name)
     assert plain >= 2  # every model-states file
+
+
+def test_empty_placeholders_are_one_tensor_per_kind_and_read_as_torch_reads(tmp_path: Path) -> None:
+    """A ZeRO-3 model-states file holds an empty placeholder on its own empty storage per parameter (10^5 for a
+    MoE, about 1 KB each as tensors): TorchFile makes one tensor per dtype, shape and grad flag for all of them,
+    and the tree still reads as torch reads it."""
+    module = OrderedDict((f"p{i}", torch.empty(0, dtype=torch.bfloat16)) for i in range(40))
+    module.update(f=torch.empty(0), buf=torch.arange(3.0), g=torch.empty(0), m=torch.empty(2, 0))
+    module["r"] = torch.empty(0).requires_grad_()
+    torch.save({"module": module, "also": [torch.empty(0, dtype=torch.bfloat16)]}, tmp_path / "f.pt")
+    want = torch.load(tmp_path / "f.pt", weights_only=True)
+    with torchfile.TorchFile(tmp_path / "f.pt") as tf:
+        assert_same(tf.obj, want)
+        got = tf.obj["module"]
+        assert all(got[f"p{i}"] is got["p0"] for i in range(40)) and tf.obj["also"][0] is got["p0"]
+        assert got["f"] is got["g"] and got["f"] is not got["p0"]
+        assert got["m"] is not got["f"] and got["r"] is not got["f"] and got["r"].requires_grad
+        assert got["buf"].untyped_storage().nbytes() == 12 and got["buf"].tolist() == [0.0, 1.0, 2.0]
+
+
+class _Ref:
+    """A float32 storage record of a crafted pickle."""
+
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _Placed:
+    """A tensor of a crafted pickle: ``size`` on ``ref`` from its start, and a BUILD of ``state`` when given."""
+
+    def __init__(self, ref: _Ref, size: tuple[int, ...], state: tuple[Any, ...] | None = None) -> None:
+        self.ref, self.size, self.state = ref, size, state
+
+
+class _Crafted(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel) if isinstance(obj, _Ref) else None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, _Placed):
+            return NotImplemented
+        # fresh tuples: a pickler memoizes one met twice, and a call's arguments fetched again are not plain
+        args = (obj.ref, 0, tuple(list(obj.size)), tuple(1 for _ in obj.size), False, OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args) + (() if obj.state is None else (obj.state,))
+
+
+def _craft(path: Path, obj: Any, records: dict[str, bytes]) -> None:
+    """A torch zip file of ``obj`` pickled with :class:`_Crafted` (what torch.save cannot write)."""
+    data = io.BytesIO()
+    _Crafted(data, protocol=2).dump(obj)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", data.getvalue())
+        zf.writestr("archive/byteorder", "little")
+        zf.writestr("archive/version", "3\n")
+        for key, raw in records.items():
+            zf.writestr(f"archive/data/{key}", raw)
+
+
+def test_a_build_onto_a_shared_empty_tensor_is_left_to_the_full_unpickler(tmp_path: Path) -> None:
+    """BUILD re-sets a tensor in place: onto the one empty tensor two entries share it would change both, so the
+    plain reader steps aside and the file reads as torch reads it (a hand-made pickle: torch.save writes none)."""
+    full = _Ref("2", 2)
+    obj = {"a": _Placed(_Ref("0", 0), (0,)), "b": _Placed(_Ref("1", 0), (0,), (full, 0, (2,), (1,)))}
+    _craft(tmp_path / "f.pt", obj, {"0": b"", "1": b"", "2": struct.pack("<2f", 1.5, 2.5)})
+    pickled, hook = _archive(tmp_path / "f.pt")
+    with pytest.raises(NotPlain, match="shared empty"):
+        load_plain(pickled, hook())
+    with torchfile.TorchFile(tmp_path / "f.pt") as tf:
+        assert tf.obj["a"].shape == (0,) and tf.obj["b"].tolist() == [1.5, 2.5]
+        assert_same(tf.obj, torch.load(tmp_path / "f.pt", weights_only=True))
+
+
+def test_a_tensor_past_the_end_of_a_shared_empty_storage_is_refused(tmp_path: Path) -> None:
+    """The empty storages of a file are one storage: a tensor that grows it is still found, and refused."""
+    obj = {"a": _Placed(_Ref("0", 0), (0,)), "b": _Placed(_Ref("1", 0), (4,))}
+    _craft(tmp_path / "f.pt", obj, {"0": b"", "1": b""})
+    with pytest.raises(CorruptFileError, match="past the end of an empty storage"):
+        torchfile.TorchFile(tmp_path / "f.pt")
 
 
 def _rank_like(step: int) -> dict[str, Any]:

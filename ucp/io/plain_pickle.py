@@ -125,15 +125,43 @@ def _plain_globals() -> dict[str, Any]:
     return {n: allowed[n] for n in names if n in allowed}
 
 
+#: the empty tensors one load made, by (storage, size, stride, requires_grad): see :func:`_rebuild_tensor_v2`
+Empties = dict[tuple[int, Any, Any, bool], torch.Tensor]
+
+
 def _rebuild_tensor_v2(
-    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+    empties: Empties,
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    metadata: Any = None,
 ) -> torch.Tensor:
     """torch._utils._rebuild_tensor_v2 for a CPU storage without tensor metadata, minus its per-tensor
-    ``detect_fake_mode`` lookup (ucp never loads under a fake mode); anything else is not plain."""
+    ``detect_fake_mode`` lookup (ucp never loads under a fake mode); anything else is not plain.
+
+    An empty tensor over an empty storage, without hooks, is made once per load and shared by every entry
+    alike: a ZeRO-3 model-states file holds one such placeholder per parameter, 10^5 of them (each with its
+    own empty storage, which :func:`~ucp.io.zip_records.storage_loader` shares too) for a MoE, about 1 KB of
+    tensor, storage and hooks each. Nothing can be written into an empty tensor, and ucp never resizes one."""
     if type(storage) is not torch.storage.TypedStorage or metadata:
         raise NotPlain("a tensor with metadata or without a plain storage")
     raw = storage._untyped_storage  # what torch._utils._rebuild_tensor reads (untyped() warns)
-    tensor = torch.empty((0,), dtype=storage.dtype, device=raw.device).set_(raw, offset, size, stride)
+    if hooks or offset != 0 or raw.nbytes() != 0 or 0 not in size or type(requires_grad) is not bool:
+        return _tensor(raw, storage.dtype, offset, size, stride, requires_grad, hooks)
+    key = (raw._cdata, tuple(size), tuple(stride), requires_grad)
+    shared = empties.get(key)
+    if shared is None:
+        shared = empties[key] = _tensor(raw, storage.dtype, 0, size, stride, requires_grad, hooks)
+    return shared
+
+
+def _tensor(
+    raw: torch.UntypedStorage, dtype: torch.dtype, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any
+) -> torch.Tensor:
+    tensor = torch.empty((0,), dtype=dtype, device=raw.device).set_(raw, offset, size, stride)
     tensor.requires_grad = requires_grad
     tensor._backward_hooks = hooks  # as torch does: always an empty OrderedDict in files torch.save wrote
     return tensor
@@ -154,18 +182,21 @@ def _global(data: bytes, pos: int) -> tuple[Any, int]:
     return found, end + 1
 
 
-def _reduce(func: Any, args: Any) -> Any:
+def _reduce(func: Any, args: Any, empties: Empties) -> Any:
     """REDUCE for the three callables this reader resolves (storage classes are not called)."""
     if func is OrderedDict or func is torch.Size:
         return func(*args)
     if func is torch._utils._rebuild_tensor_v2:
-        return _rebuild_tensor_v2(*args)
+        return _rebuild_tensor_v2(empties, *args)
     raise NotPlain(f"a call to {type(func).__name__}")
 
 
-def _build(inst: Any, state: Any) -> None:
-    """BUILD as weights_only does it for the two types a plain pickle can build."""
+def _build(inst: Any, state: Any, empties: Empties) -> None:
+    """BUILD as weights_only does it for the two types a plain pickle can build (not onto a shared empty tensor:
+    that would change every entry that shares it)."""
     if type(inst) is torch.Tensor:
+        if any(inst is shared for shared in empties.values()):
+            raise NotPlain("BUILD of a shared empty tensor")
         inst.set_(*state)
     elif type(inst) is OrderedDict:
         inst.__dict__.update(state)  # a state_dict's _metadata
@@ -203,6 +234,7 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
     # file of 10^5 placeholders memoizes every string, tuple and tensor); a number out of that order goes to ``sparse``
     memo: list[Any] = []
     sparse: dict[int, Any] = {}
+    empties: Empties = {}
     pos = 2
     while True:
         op = data[pos]
@@ -232,7 +264,7 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
             stack[-1] = (stack[-1],)
         elif op == _REDUCE:
             args = stack.pop()
-            stack[-1] = _reduce(stack[-1], args)
+            stack[-1] = _reduce(stack[-1], args, empties)
             _spend(memo, args)
         elif op == _MARK:
             marks.append(stack)
@@ -280,7 +312,7 @@ def _run(data: bytes, persistent_load: Callable[[Any], Any]) -> Any:
         elif op == _STOP:
             return stack.pop()
         else:
-            stack, pos = _less_frequent(op, data, pos, stack, marks)
+            stack, pos = _less_frequent(op, data, pos, stack, marks, empties)
 
 
 def _spend(memo: list[Any], args: tuple[Any, ...]) -> None:
@@ -303,7 +335,9 @@ def _put(memo: list[Any], sparse: dict[int, Any], i: int, value: Any) -> None:
         sparse[i] = value
 
 
-def _less_frequent(op: int, data: bytes, pos: int, stack: list[Any], marks: list[list[Any]]) -> tuple[list[Any], int]:
+def _less_frequent(
+    op: int, data: bytes, pos: int, stack: list[Any], marks: list[list[Any]], empties: Empties
+) -> tuple[list[Any], int]:
     """:func:`_run`'s less frequent opcodes (STOP aside), in the same order: the stack after ``op`` (a new one
     where ``op`` closes a MARK) and the position after its argument."""
     if op == _SETITEMS:
@@ -333,7 +367,7 @@ def _less_frequent(op: int, data: bytes, pos: int, stack: list[Any], marks: list
         stack.append(True)
     elif op == _BUILD:
         state = stack.pop()
-        _build(stack[-1], state)
+        _build(stack[-1], state, empties)
     elif op == _APPEND:
         item = stack.pop()
         if type(stack[-1]) is not list:

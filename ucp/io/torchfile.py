@@ -291,10 +291,9 @@ class TorchFile:
                 if remember:  # the optim files of a save name DeepSpeed's classes and repeat each other too
                     self._template = _Template(data, tuple(s[3] for s in sizes), _keys(sizes), obj)
         for key, raw, nbytes, _ in sizes:
-            if raw.nbytes() != nbytes:
-                raise CorruptFileError(
-                    f"{self.path}: a tensor reaches past the end of storage {key} ({nbytes} bytes); the file is corrupt"
-                )
+            if raw.nbytes() != nbytes:  # the empty storages are one (storage_loader): which key grew it is unknown
+                which = f"storage {key} ({nbytes} bytes)" if nbytes else "an empty storage"
+                raise CorruptFileError(f"{self.path}: a tensor reaches past the end of {which}; the file is corrupt")
         if not self.repeats:
             # a re-bound tree has the checked tree's every tensor (shape, stride, offset) over storages of the sizes
             # the same pickle declares, just checked above: the same check would give the same answer (it was a

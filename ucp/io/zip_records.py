@@ -206,6 +206,8 @@ def storage_loader(
     because torch grows an empty storage that a tensor overruns (checked once the pickle is read)."""
     storages: dict[str, torch.storage.TypedStorage] = {}
     sizes: list[Handed] = []
+    # one empty storage per dtype, for every record of no bytes: a ZeRO-3 model-states file has one per parameter
+    empty: dict[torch.dtype, torch.storage.TypedStorage] = {}
 
     def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5 or saved_id[0] != "storage":
@@ -226,15 +228,21 @@ def storage_loader(
         # a slice of one big UntypedStorage was measured 10-30x slower (torch 2.13, CPU). A 0-dim counter
         # or scalar is copied instead: read after the file's pages were dropped, it would map a whole folio
         # of the file back in (DP 4096: 500 MiB of RSS for one step counter per rank file).
-        if nbytes > COPY_MAX:
-            raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
-        elif nbytes:
-            raw = torch.frombuffer(bytearray(mm[record[0] : record[0] + nbytes]), dtype=torch.uint8).untyped_storage()
+        if not nbytes:
+            typed = empty.get(dtype)  # (an empty storage is falsy: no ``or``)
+            if typed is None:
+                typed = empty[dtype] = torch.storage.TypedStorage(
+                    wrap_storage=torch.UntypedStorage(0), dtype=dtype, _internal=True
+                )
         else:
-            raw = torch.UntypedStorage(0)
-        typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
+            if nbytes > COPY_MAX:
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=record[0]).untyped_storage()
+            else:
+                copied = bytearray(mm[record[0] : record[0] + nbytes])
+                raw = torch.frombuffer(copied, dtype=torch.uint8).untyped_storage()
+            typed = torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
         storages[key] = typed
-        sizes.append((key, raw, nbytes, saved_id))
+        sizes.append((key, typed._untyped_storage, nbytes, saved_id))
         return typed
 
     return persistent_load, sizes
