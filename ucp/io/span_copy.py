@@ -27,6 +27,7 @@ from functools import partial
 import torch
 
 from ucp.io.crc import crc32_combine
+from ucp.io.read_ahead import ReadAhead
 from ucp.model.pieces import Cast, FileSpan, PathSpan, Span
 
 __all__ = ["PARALLEL_MIN", "Copied", "copy_threads", "set_copy_threads", "copy_spans", "read_witnessed", "write_all_at"]
@@ -230,14 +231,18 @@ def copy_spans(fd: int, parts: Sequence[Copied], at: int, crc: int, *, parallel:
     return crc
 
 
-def read_witnessed(parts: Sequence[Span | torch.Tensor], out: memoryview) -> None:
+def read_witnessed(parts: Sequence[Span | torch.Tensor], out: memoryview, ahead: ReadAhead | None = None) -> None:
     """Fill ``out`` with the parts' bytes, in order (tensors copied from memory), each :class:`PathSpan` witness told
-    its span's crc32: a reader that hands out spans before checking their files then checks them from this read."""
+    its span's crc32: a reader that hands out spans before checking their files then checks them from this read.
+    ``ahead``: the caller's windows over open files, for a walk that reads each file forward in small steps."""
     pos = 0
     for part in parts:
         if isinstance(part, (FileSpan, PathSpan)):
             dst = out[pos : pos + part.nbytes]
-            part.read_into(dst)
+            if ahead is not None and type(part) is FileSpan:
+                ahead.read(part, dst)
+            else:
+                part.read_into(dst)
             if isinstance(part, PathSpan) and part.witness is not None:
                 part.witness(part.offset, part.nbytes, zlib.crc32(dst))
             pos += part.nbytes

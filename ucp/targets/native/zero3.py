@@ -37,6 +37,7 @@ from ucp.errors import InputError
 from ucp.io.descriptors import reserve
 from ucp.io.memory import give_back_freed
 from ucp.io.pool import parallel_map, threads_for, typical_state_bytes
+from ucp.io.read_ahead import ReadAhead
 from ucp.io.record_fill import RecordFill
 from ucp.io.span_copy import read_witnessed
 from ucp.io.torchpickle import Pickled, UnsharedDict, pickle_object
@@ -167,6 +168,7 @@ class _RankTask:
         self.scalars, self.kept = located.scalars, located.states
         self.moments = not writer.plan.reset_moments
         self.gathered = torch.empty(0, dtype=torch.uint8)  # a parameter's range for these ranks, reused
+        self.ahead = ReadAhead()  # the source's rank files, read forward member by member
 
     def write(self) -> None:
         writer, layout = self.writer, self.writer.layout
@@ -243,7 +245,7 @@ class _RankTask:
             if self.gathered.numel() < nbytes:
                 self.gathered = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
             view = memoryview(self.gathered.numpy()).cast("B")[:nbytes]  # type: ignore[arg-type]
-            read_witnessed(pieces.slice(low, high).parts, view)
+            read_witnessed(pieces.slice(low, high).parts, view, self.ahead)
             for fill, a, b in slices:
                 fill.zeros_to(at)
                 fill.put(view[(a - low) * 4 : (b - low) * 4])
