@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from tests.support.files import resave
+from tests.support.fixtures import build
 from ucp.cli import main
 from ucp.errors import InputError
+from ucp.harness.spec import ModelSpec
 from ucp.io import torchfile
 from ucp.io.atomic import checksum
 from ucp.ops.convert import to_universal
 from ucp.ops.verify import first_difference, verify_model, verify_universal
+from ucp.universal.reader import UniversalReader
 
 PARAM = "blocks.0.0.weight"
 
@@ -87,6 +90,36 @@ def test_verify_catches_one_changed_exp_avg_value_with_a_stale_checksum(z3_bf16_
     result = verify_universal(z3_bf16_dp2.path, copy)
     assert not result.ok
     assert PARAM in result.message and "exp_avg.pt does not match its checksum" in result.message
+
+
+@pytest.mark.slow
+def test_verify_checks_large_files_checksums_from_the_bytes_it_compares(tmp_path, monkeypatch):
+    """Files too large to be read whole when found (over 8 KB) are checked from the bytes the comparison reads, not
+    parsed and read a second time: an intact copy verifies without opening one as a torch file, and with one
+    file's values intact but its checksum in the manifest wrong, verify still names that file, as a mismatch."""
+    big = build(  # the same save as tests/test_reliability.py's (built once for both)
+        dp=2, stage=3, dtype="bf16", optimizer="torch-adamw", model=ModelSpec(hidden=256, ffn=512, layers=8), steps=1
+    )
+    out = tmp_path / "universal"
+    to_universal(big.path, out)
+    opened: list[Path] = []
+    original = UniversalReader._open_tensor
+
+    def counted(self, name, key):
+        opened.append(self.file_path(name, key))
+        return original(self, name, key)
+
+    monkeypatch.setattr(UniversalReader, "_open_tensor", counted)
+    assert verify_universal(big.path, out).ok and opened == []
+    manifest = json.loads((out / "ucp.json").read_text())
+    entry = max(manifest["params"], key=lambda p: p["files"].get("exp_avg.pt", {}).get("bytes", 0))
+    claim = entry["files"]["exp_avg.pt"]
+    assert claim["bytes"] > 8192
+    claim["crc32"] = f"{int(claim['crc32'], 16) ^ 1:08x}"
+    (out / "ucp.json").write_text(json.dumps(manifest, indent=1))
+    result = verify_universal(big.path, out)
+    assert not result.ok and result.message.startswith("MISMATCH: ")
+    assert f"{entry['folder']}/exp_avg.pt does not match its checksum" in result.message
 
 
 @pytest.mark.slow
