@@ -99,6 +99,8 @@ KEEP_PARTS = 1 << 18
 #: a parameter's range for a task's ranks up to this many bytes is read into memory once and cut there; a larger one
 #: is copied rank slice by rank slice straight from its files
 GATHER_MAX = 8 << 20
+#: the bytes of the windows over the source's rank files (``ucp.io.read_ahead``), shared by the tasks running at once
+READ_AHEAD = 32 << 20
 
 
 def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: int, ranks: list[int]) -> None:
@@ -132,12 +134,14 @@ def _write_streaming(writer: _Zero3Files, keys: list[tuple[str, ...]], workers: 
     tasks = [ranks[t * len(ranks) // count : (t + 1) * len(ranks) // count] for t in range(count)]
     reserve(min(len(ranks), workers * max(map(len, tasks), default=0)), "a ZeRO-3 save")
 
+    threads = max(1, min(workers, len(tasks)))
+
     def one(task: list[int]) -> None:
-        _RankTask(writer, keys, located, order, task).write()
+        _RankTask(writer, keys, located, order, task, ahead=ReadAhead(READ_AHEAD // threads)).write()
         give_back_freed()
 
     size = sum(4 * numel * (1 + len(k)) for numel, k in zip(layout.sub_group_numel, keys))  # one rank's file
-    for _ in parallel_map(one, tasks, max(1, min(workers, len(tasks))), desc="write", weight=lambda t: size * len(t)):
+    for _ in parallel_map(one, tasks, threads, desc="write", weight=lambda t: size * len(t)):
         pass
 
 
@@ -163,12 +167,14 @@ class _RankTask:
         located: Located,
         order: list[array[int]],
         ranks: list[int],
+        *,
+        ahead: ReadAhead,
     ) -> None:
         self.writer, self.keys, self.order, self.ranks = writer, keys, order, ranks
         self.scalars, self.kept = located.scalars, located.states
         self.moments = not writer.plan.reset_moments
         self.gathered = torch.empty(0, dtype=torch.uint8)  # a parameter's range for these ranks, reused
-        self.ahead = ReadAhead()  # the source's rank files, read forward member by member
+        self.ahead = ahead  # windows over the source's rank files, read forward member by member
 
     def write(self) -> None:
         writer, layout = self.writer, self.writer.layout
